@@ -1,0 +1,243 @@
+"""Teacher Cell: the openPangu-Embedded dense decoder (Llama family) over a paged KV cache.
+
+Legend: k = query tokens in one call, m = rows that get logits, S = slots addressed by the block table,
+H = hidden, nh / n_kv = query / KV heads, hd = head dim, V = vocab, L = layers, NB / B = cache blocks / block size.
+
+openPangu-Embedded = Llama + bias on q/k/v **and** o (one ``bias: true`` flag); Qwen2 = bias on q/k/v only;
+Llama / SmolLM2 = no bias (pangu_mindformers.md §1.2). Pre-RMSNorm blocks, NeoX (rotate_half) RoPE with the
+config's theta, GQA, SwiGLU MLP, final norm, tied or separate lm_head.
+
+One forward serves prefill, single-token decode and tree verification:
+
+    construct(tokens [k] i32, positions [k] i32, slots2d [k, 2] i32, block_table [S/B] i32,
+              mask [k, S] f32 additive, out_rows [m] i32) -> (logits [m, V] f32, aux [k, 3H] f32)
+
+``slots2d`` says where each query token's K/V is written (padding rows point into the pad block); the K/V of
+the whole sequence are then read through ``block_table`` and the additive ``mask`` (0 visible, -1e9 hidden)
+decides what each query sees, so the same code handles a causal prefill, a decode step and a tree.
+``aux`` is the concatenation of the residual stream entering layers ``aux_layers`` (EAGLE-3 captures; eagle3.md
+§1: inputs of layers 2, L//2, L-3 by default).
+
+Weights are fused at load time (q/k/v into one [ (nh + 2 n_kv) hd, H ] matrix, gate/up into one [2F, H]) and
+kept in HF layout [out, in] with ``transpose_b`` matmuls: on the 2-core CPU that layout is 1.5x faster at k = 8
+than pre-transposed weights (feasibility.md §5).
+"""
+from __future__ import annotations
+
+import numpy as np
+import mindspore as ms
+from mindspore import nn, ops, Parameter, Tensor
+
+from ..kv import PortableKVOps, make_cache
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .config import ModelConfig
+
+
+def rope_tables(head_dim: int, max_pos: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """NeoX RoPE cos/sin tables, float32 [max_pos, head_dim], computed in float64 (HF ``rotate_half`` form)."""
+    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    ang = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]
+    ang = np.concatenate([ang, ang], axis=1)
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+class RMSNorm(nn.Cell):
+    """y = x / sqrt(mean(x^2) + eps) * w, in float32 (``ops.rms_norm`` is Ascend-only)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = Parameter(Tensor(np.ones(dim, np.float32)), name="weight")
+        self.eps = eps
+
+    def construct(self, x):
+        var = ops.mean(x * x, -1, keep_dims=True)
+        return x * ops.rsqrt(var + self.eps) * self.weight
+
+
+def apply_rope(x, cos, sin):
+    """x [k, heads, hd]; cos/sin [k, 1, hd] -> rotated x (rotate_half convention)."""
+    half = x.shape[-1] // 2
+    rot = ops.concat((-x[..., half:], x[..., :half]), -1)
+    return x * cos + rot * sin
+
+
+class Attention(nn.Cell):
+    """GQA self-attention over the paged cache; optional bias on qkv and on o."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, layer: int):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.group = self.nh // self.nkv
+        qkv_out = (self.nh + 2 * self.nkv) * self.hd
+        self.wqkv = Parameter(Tensor(np.zeros((qkv_out, cfg.hidden_size), np.float32)), name="wqkv")
+        self.bqkv = Parameter(Tensor(np.zeros(qkv_out, np.float32)), name="bqkv") if cfg.qkv_bias else None
+        self.wo = Parameter(Tensor(np.zeros((cfg.hidden_size, self.nh * self.hd), np.float32)), name="wo")
+        self.bo = Parameter(Tensor(np.zeros(cfg.hidden_size, np.float32)), name="bo") if cfg.o_bias else None
+        self.key_cache = make_cache(num_blocks, block_size, self.nkv, self.hd, ms.float32, f"key_cache_{layer}")
+        self.value_cache = make_cache(num_blocks, block_size, self.nkv, self.hd, ms.float32, f"value_cache_{layer}")
+        self.matmul_t = ops.MatMul(transpose_b=True)
+        self.scale = 1.0 / float(np.sqrt(self.hd))
+
+    def construct(self, x, cos, sin, slots2d, block_table, mask):
+        k_len = x.shape[0]
+        qkv = self.matmul_t(x, self.wqkv)
+        if self.bqkv is not None:
+            qkv = qkv + self.bqkv
+        q = qkv[:, : self.nh * self.hd].reshape(k_len, self.nh, self.hd)
+        k = qkv[:, self.nh * self.hd: (self.nh + self.nkv) * self.hd].reshape(k_len, self.nkv, self.hd)
+        v = qkv[:, (self.nh + self.nkv) * self.hd:].reshape(k_len, self.nkv, self.hd)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        k_out = PortableKVOps.write(self.key_cache, slots2d, k)
+        v_out = PortableKVOps.write(self.value_cache, slots2d, v)
+        keys = PortableKVOps.read(ops.depend(self.key_cache, k_out), block_table)      # [S, n_kv, hd]
+        vals = PortableKVOps.read(ops.depend(self.value_cache, v_out), block_table)
+        # [k, nh, hd] -> [n_kv, group * k, hd] so each KV head serves its query group in one batched matmul
+        q = q.reshape(k_len, self.nkv, self.group, self.hd).transpose(1, 2, 0, 3).reshape(
+            self.nkv, self.group * k_len, self.hd)
+        scores = ops.bmm(q, keys.transpose(1, 2, 0)) * self.scale                         # [n_kv, g*k, S]
+        scores = scores.reshape(self.nkv, self.group, k_len, -1) + mask
+        probs = ops.softmax(scores, -1).reshape(self.nkv, self.group * k_len, -1)
+        ctx = ops.bmm(probs, vals.transpose(1, 0, 2))                                      # [n_kv, g*k, hd]
+        ctx = ctx.reshape(self.nkv, self.group, k_len, self.hd).transpose(2, 0, 1, 3).reshape(k_len, -1)
+        out = self.matmul_t(ctx, self.wo)
+        if self.bo is not None:
+            out = out + self.bo
+        return out
+
+
+class MLP(nn.Cell):
+    """SwiGLU with gate and up fused into one [2F, H] weight."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ffn = cfg.intermediate_size
+        self.w_gate_up = Parameter(Tensor(np.zeros((2 * self.ffn, cfg.hidden_size), np.float32)), name="w_gate_up")
+        self.w_down = Parameter(Tensor(np.zeros((cfg.hidden_size, self.ffn), np.float32)), name="w_down")
+        self.matmul_t = ops.MatMul(transpose_b=True)
+
+    def construct(self, x):
+        gu = self.matmul_t(x, self.w_gate_up)
+        h = ops.silu(gu[:, : self.ffn]) * gu[:, self.ffn:]
+        return self.matmul_t(h, self.w_down)
+
+
+class DecoderLayer(nn.Cell):
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, num_blocks, block_size, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def construct(self, x, cos, sin, slots2d, block_table, mask):
+        x = x + self.attn(self.input_layernorm(x), cos, sin, slots2d, block_table, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class PanguTeacher(nn.Cell):
+    """The teacher network with its KV cache Parameters (see the module docstring for the call contract).
+
+    Args:
+        cfg: model configuration (models/config.py).
+        num_blocks: KV blocks in the pool (the pad block is added on top).
+        block_size: tokens per block.
+        max_seq_len: RoPE table length; positions must be < max_seq_len.
+    """
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, max_seq_len: int):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Parameter(Tensor(np.zeros((cfg.vocab_size, cfg.hidden_size), np.float32)), name="embed")
+        self.layers = nn.CellList([DecoderLayer(cfg, num_blocks, block_size, i) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else Parameter(
+            Tensor(np.zeros((cfg.vocab_size, cfg.hidden_size), np.float32)), name="lm_head")
+        cos, sin = rope_tables(cfg.head_dim, max_seq_len, cfg.rope_theta)
+        self.cos, self.sin = Tensor(cos), Tensor(sin)
+        self.aux_layers = tuple(int(i) for i in cfg.aux_layers)
+        self.matmul_t = ops.MatMul(transpose_b=True)
+
+    def head_weight(self):
+        return self.embed if self.lm_head is None else self.lm_head
+
+    def construct(self, tokens, positions, slots2d, block_table, mask, out_rows):
+        x = ops.gather(self.embed, tokens, 0)
+        cos = ops.gather(self.cos, positions, 0).expand_dims(1)
+        sin = ops.gather(self.sin, positions, 0).expand_dims(1)
+        aux = ()
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                aux = aux + (x,)
+            x = layer(x, cos, sin, slots2d, block_table, mask)
+        h = self.norm(ops.gather(x, out_rows, 0))
+        logits = self.matmul_t(h, self.head_weight())
+        return logits, ops.concat(aux, -1)
+
+    # ------------------------------------------------------------------ weights
+    def load_hf_weights(self, tensors: dict[str, np.ndarray]) -> None:
+        """Copy HF-named float32 numpy tensors into the fused Parameters.
+
+        Raises:
+            ValueError: a tensor is missing or its shape differs from the config (names the tensor, both shapes).
+        """
+        cfg = self.cfg
+
+        def get(name, shape):
+            if name not in tensors:
+                raise ValueError(f"checkpoint is missing tensor {name}")
+            arr = np.asarray(tensors[name], dtype=np.float32)
+            if tuple(arr.shape) != tuple(shape):
+                raise ValueError(f"tensor {name} has shape {tuple(arr.shape)}, config expects {tuple(shape)}")
+            return arr
+
+        H, F, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        qo, kvo = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        self.embed.set_data(Tensor(get("model.embed_tokens.weight", (cfg.vocab_size, H))))
+        self.norm.weight.set_data(Tensor(get("model.norm.weight", (H,))))
+        if self.lm_head is not None:
+            self.lm_head.set_data(Tensor(get("lm_head.weight", (cfg.vocab_size, H))))
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a = layer.attn
+            a.wqkv.set_data(Tensor(np.concatenate([get(p + "self_attn.q_proj.weight", (qo, H)),
+                                                   get(p + "self_attn.k_proj.weight", (kvo, H)),
+                                                   get(p + "self_attn.v_proj.weight", (kvo, H))], 0)))
+            if a.bqkv is not None:
+                a.bqkv.set_data(Tensor(np.concatenate([get(p + "self_attn.q_proj.bias", (qo,)),
+                                                       get(p + "self_attn.k_proj.bias", (kvo,)),
+                                                       get(p + "self_attn.v_proj.bias", (kvo,))], 0)))
+            a.wo.set_data(Tensor(get(p + "self_attn.o_proj.weight", (H, qo))))
+            if a.bo is not None:
+                a.bo.set_data(Tensor(get(p + "self_attn.o_proj.bias", (H,))))
+            layer.mlp.w_gate_up.set_data(Tensor(np.concatenate([get(p + "mlp.gate_proj.weight", (F, H)),
+                                                                get(p + "mlp.up_proj.weight", (F, H))], 0)))
+            layer.mlp.w_down.set_data(Tensor(get(p + "mlp.down_proj.weight", (H, F))))
+            layer.input_layernorm.weight.set_data(Tensor(get(p + "input_layernorm.weight", (H,))))
+            layer.post_attention_layernorm.weight.set_data(Tensor(get(p + "post_attention_layernorm.weight", (H,))))
+
+    def caches(self) -> list:
+        """[(key_cache, value_cache)] per layer: the Parameters the cache manager compacts on commit."""
+        return [(layer.attn.key_cache, layer.attn.value_cache) for layer in self.layers]
+
+
+class KVCompactor(nn.Cell):
+    """Move K/V rows inside paged caches: gather every source slot into a temporary, then scatter.
+
+    construct(src2d [P, 2] i32, dst2d [P, 2] i32) -> None-ish (a dummy tensor; the caches update in place).
+    Gathering first makes overlapping source / destination ranges safe (kv commit, eagle3.md §3).
+    """
+
+    def __init__(self, caches: list):
+        super().__init__()
+        self.caches = nn.CellList()
+        self.params = ms.ParameterTuple([p for pair in caches for p in pair])
+
+    def construct(self, src2d, dst2d):
+        outs = ()
+        for p in self.params:
+            tmp = ops.gather_nd(p, src2d)
+            outs = outs + (ops.scatter_nd_update(p, dst2d, tmp),)
+        return outs[0][0, 0, 0, 0]

@@ -1,0 +1,81 @@
+"""Process-wide MindSpore runtime settings and the fused (jit) / eager (PyNative) switch.
+
+MindSpore's CPU defaults (25 kernel threads, 5 dispatch threads) oversubscribe a small machine: PyNative
+decode of the 135M teacher takes 2.8 s/token with them and ~0.3 s/token with ``threads_num(2)`` +
+``launch_blocking()`` (../shared/design/feasibility.md §3.2). ``configure()`` applies those settings once,
+before the first kernel runs.
+
+Execution modes (one process can hold both, so fused and eager can be compared token for token):
+- ``fused``: the Cell's ``construct`` wrapped with ``mindspore.jit`` (a compiled static graph per input
+  shape; GRAPH_MODE semantics inside the jitted call).
+- ``eager``: plain PyNative calls, op by op, for debugging; the engine adds invariant checks each step.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+_CONFIGURED = False
+MODES = ("fused", "eager")
+
+
+def configure(threads: int | None = None, device_target: str = "CPU", device_id: int = 0) -> None:
+    """Set MindSpore's device, kernel threads and blocking launch once per process.
+
+    Args:
+        threads: kernel threads; default ``min(os.cpu_count(), 8)`` or env ``MSEAGLE_THREADS``.
+        device_target: "CPU", "GPU" or "Ascend".
+        device_id: device index for GPU / Ascend.
+    Raises:
+        ValueError: device_target is not one of CPU/GPU/Ascend.
+    """
+    global _CONFIGURED
+    if _CONFIGURED:
+        return
+    if device_target not in ("CPU", "GPU", "Ascend"):
+        raise ValueError(f"context.device_target must be one of CPU, GPU, Ascend, got {device_target!r}")
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    import mindspore as ms
+
+    ms.set_device(device_target, device_id)
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    if device_target == "CPU":
+        n = int(os.environ.get("MSEAGLE_THREADS", 0)) or min(os.cpu_count() or 1, 8)
+        if threads:
+            n = threads
+        ms.device_context.cpu.op_tuning.threads_num(n)
+        ms.runtime.dispatch_threads_num(1)
+        ms.runtime.launch_blocking()
+    _CONFIGURED = True
+
+
+def check_mode(mode: str) -> str:
+    """Return ``mode`` if it is "fused" or "eager"; raise ValueError naming the field otherwise."""
+    if mode not in MODES:
+        raise ValueError(f"speculative.mode must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+class CompiledFn:
+    """A Cell method run either jitted (fused) or eagerly, counting distinct compiled input signatures.
+
+    Attributes:
+        compiles: number of distinct (shape, dtype) input signatures seen in fused mode; each one is one
+            graph compilation (8-17 s on a 2-core CPU for the 135M teacher, feasibility.md §3.3).
+    """
+
+    def __init__(self, fn, mode: str):
+        import mindspore as ms
+
+        self.mode = check_mode(mode)
+        self._fn = ms.jit(fn) if mode == "fused" else fn
+        self._seen: set = set()
+
+    @property
+    def compiles(self) -> int:
+        return len(self._seen)
+
+    def __call__(self, *args):
+        if self.mode == "fused":
+            self._seen.add(tuple((tuple(a.shape), str(a.dtype)) for a in args))
+        return self._fn(*args)
