@@ -63,13 +63,35 @@ def apply_rope(x, cos, sin):
     return x * cos + rot * sin
 
 
+def paged_attention(q, k, v, key_cache, value_cache, slots2d, block_table, mask):
+    """Write k/v into the paged caches, then attend from q over the sequence's slots.
+
+    q [k, nh, hd], k/v [k, n_kv, hd] (RoPE applied), caches [NB+1, B, n_kv, hd], slots2d [k, 2] i32,
+    block_table [S/B] i32, mask [k, S] f32 additive -> context [k, nh * hd] f32. GQA: each KV head serves
+    nh / n_kv query heads through one batched matmul. This is the portable stand-in for Ascend's
+    ReshapeAndCache + PagedAttention pair (pangu_mindformers.md §2.3).
+    """
+    k_len, nh, hd = q.shape
+    nkv = k.shape[1]
+    group = nh // nkv
+    k_out = PortableKVOps.write(key_cache, slots2d, k)
+    v_out = PortableKVOps.write(value_cache, slots2d, v)
+    keys = PortableKVOps.read(ops.depend(key_cache, k_out), block_table)        # [S, n_kv, hd]
+    vals = PortableKVOps.read(ops.depend(value_cache, v_out), block_table)
+    q = q.reshape(k_len, nkv, group, hd).transpose(1, 2, 0, 3).reshape(nkv, group * k_len, hd)
+    scores = ops.bmm(q, keys.transpose(1, 2, 0)) * (1.0 / float(np.sqrt(hd)))  # [n_kv, g*k, S]
+    scores = scores.reshape(nkv, group, k_len, -1) + mask
+    probs = ops.softmax(scores, -1).reshape(nkv, group * k_len, -1)
+    ctx = ops.bmm(probs, vals.transpose(1, 0, 2))                                # [n_kv, g*k, hd]
+    return ctx.reshape(nkv, group, k_len, hd).transpose(2, 0, 1, 3).reshape(k_len, nh * hd)
+
+
 class Attention(nn.Cell):
     """GQA self-attention over the paged cache; optional bias on qkv and on o."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, layer: int):
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.group = self.nh // self.nkv
         qkv_out = (self.nh + 2 * self.nkv) * self.hd
         self.wqkv = Parameter(Tensor(np.zeros((qkv_out, cfg.hidden_size), np.float32)), name="wqkv")
         self.bqkv = Parameter(Tensor(np.zeros(qkv_out, np.float32)), name="bqkv") if cfg.qkv_bias else None
@@ -78,7 +100,6 @@ class Attention(nn.Cell):
         self.key_cache = make_cache(num_blocks, block_size, self.nkv, self.hd, ms.float32, f"key_cache_{layer}")
         self.value_cache = make_cache(num_blocks, block_size, self.nkv, self.hd, ms.float32, f"value_cache_{layer}")
         self.matmul_t = ops.MatMul(transpose_b=True)
-        self.scale = 1.0 / float(np.sqrt(self.hd))
 
     def construct(self, x, cos, sin, slots2d, block_table, mask):
         k_len = x.shape[0]
@@ -90,18 +111,7 @@ class Attention(nn.Cell):
         v = qkv[:, (self.nh + self.nkv) * self.hd:].reshape(k_len, self.nkv, self.hd)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        k_out = PortableKVOps.write(self.key_cache, slots2d, k)
-        v_out = PortableKVOps.write(self.value_cache, slots2d, v)
-        keys = PortableKVOps.read(ops.depend(self.key_cache, k_out), block_table)      # [S, n_kv, hd]
-        vals = PortableKVOps.read(ops.depend(self.value_cache, v_out), block_table)
-        # [k, nh, hd] -> [n_kv, group * k, hd] so each KV head serves its query group in one batched matmul
-        q = q.reshape(k_len, self.nkv, self.group, self.hd).transpose(1, 2, 0, 3).reshape(
-            self.nkv, self.group * k_len, self.hd)
-        scores = ops.bmm(q, keys.transpose(1, 2, 0)) * self.scale                         # [n_kv, g*k, S]
-        scores = scores.reshape(self.nkv, self.group, k_len, -1) + mask
-        probs = ops.softmax(scores, -1).reshape(self.nkv, self.group * k_len, -1)
-        ctx = ops.bmm(probs, vals.transpose(1, 0, 2))                                      # [n_kv, g*k, hd]
-        ctx = ctx.reshape(self.nkv, self.group, k_len, self.hd).transpose(2, 0, 1, 3).reshape(k_len, -1)
+        ctx = paged_attention(q, k, v, self.key_cache, self.value_cache, slots2d, block_table, mask)
         out = self.matmul_t(ctx, self.wo)
         if self.bo is not None:
             out = out + self.bo
@@ -164,6 +174,11 @@ class PanguTeacher(nn.Cell):
         return self.embed if self.lm_head is None else self.lm_head
 
     def construct(self, tokens, positions, slots2d, block_table, mask, out_rows):
+        h, aux = self.hidden(tokens, positions, slots2d, block_table, mask, out_rows)
+        return self.matmul_t(h, self.head_weight()), aux
+
+    def hidden(self, tokens, positions, slots2d, block_table, mask, out_rows):
+        """Like ``construct`` but returns the final-normed hidden rows [m, H] instead of logits [m, V]."""
         x = ops.gather(self.embed, tokens, 0)
         cos = ops.gather(self.cos, positions, 0).expand_dims(1)
         sin = ops.gather(self.sin, positions, 0).expand_dims(1)
@@ -172,9 +187,7 @@ class PanguTeacher(nn.Cell):
             if i in self.aux_layers:
                 aux = aux + (x,)
             x = layer(x, cos, sin, slots2d, block_table, mask)
-        h = self.norm(ops.gather(x, out_rows, 0))
-        logits = self.matmul_t(h, self.head_weight())
-        return logits, ops.concat(aux, -1)
+        return self.norm(ops.gather(x, out_rows, 0)), ops.concat(aux, -1)
 
     # ------------------------------------------------------------------ weights
     def load_hf_weights(self, tensors: dict[str, np.ndarray]) -> None:

@@ -1,0 +1,291 @@
+"""EAGLE-3 drafter Cell, its config, and the SpecForge / EAGLE-3 checkpoint format.
+
+Legend: k = query rows, K = top_k, H = drafter hidden, Ht = teacher hidden, Vd = draft vocab, V = teacher
+vocab, S = drafter cache slots of one sequence, nh / n_kv / hd = heads / KV heads / head dim.
+
+Architecture (eagle3.md §1, reference E ``eagle/model/cnets.py``, SF ``specforge/modeling/draft/llama3_eagle.py``):
+- ``fc``: Linear(3 Ht -> H), no bias, fuses the three captured teacher hidden states (low, mid, high).
+- one decoder layer ("midlayer") whose attention input is ``concat(input_layernorm(embed(token)),
+  hidden_norm(feature))`` (2H wide, embedding first); residual = feature; Llama GQA attention, SiLU MLP.
+- ``norm`` then ``lm_head`` (H -> Vd); logits index draft ids; ``d2t`` int64 [Vd] holds **offsets**:
+  ``target_id = draft_id + d2t[draft_id]`` (pitfall P9: identity is zeros).
+- the token embedding is the teacher's (shared, never saved); RoPE theta from the *drafter* config (10000
+  when absent, eagle3.md §1).
+- the output fed back as the next feature is the **pre-norm** layer output (P6).
+
+Checkpoint (directory): ``config.json`` + ``model.safetensors`` with keys ``fc.weight [H, 3Ht]``,
+``midlayer.self_attn.{q,k,v,o}_proj.weight``, ``midlayer.mlp.{gate,up,down}_proj.weight``,
+``midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}.weight``, ``norm.weight``,
+``lm_head.weight [Vd, H]``, ``d2t [Vd] int64``, ``t2d [V] bool``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, asdict
+
+import numpy as np
+import mindspore as ms
+from mindspore import nn, ops, Parameter, Tensor
+
+from ..kv import PortableKVOps, make_cache
+from .pangu import RMSNorm, apply_rope, paged_attention, rope_tables
+
+
+class DrafterCheckpointError(ValueError):
+    """A drafter checkpoint is missing, malformed, or does not fit the teacher."""
+
+
+@dataclass
+class DrafterConfig:
+    """Drafter hyper-parameters, in SpecForge ``config.json`` field names where they exist.
+
+    Attributes:
+        hidden_size: H (must equal the teacher's hidden size: the embedding is shared).
+        target_hidden_size: Ht of the teacher whose 3 layers are fused by ``fc``.
+        aux_layers: teacher layers whose *inputs* are captured (eagle3.md §1; P5 off-by-one).
+        draft_vocab_size: Vd; vocab_size: V (teacher vocabulary).
+    """
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    head_dim: int = 0
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    aux_layers: tuple = ()
+
+    def __post_init__(self):
+        if not self.head_dim:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        self.aux_layers = tuple(int(i) for i in self.aux_layers)
+
+    def to_json(self) -> dict:
+        """config.json content in the SpecForge / EAGLE-3 layout."""
+        return {
+            "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "num_hidden_layers": 1, "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta, "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size, "tie_word_embeddings": False,
+            "hidden_act": "silu", "torch_dtype": "float16",
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.aux_layers]},
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> "DrafterConfig":
+        """Read a SpecForge / EAGLE-3 config.json (aux ids there are layer *outputs*: +1 gives our inputs)."""
+        try:
+            aux = d.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+            return cls(hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+                       num_attention_heads=d["num_attention_heads"], num_key_value_heads=d["num_key_value_heads"],
+                       vocab_size=d["vocab_size"], draft_vocab_size=d.get("draft_vocab_size", d["vocab_size"]),
+                       target_hidden_size=d.get("target_hidden_size", d["hidden_size"]),
+                       head_dim=d.get("head_dim") or 0, rms_norm_eps=d.get("rms_norm_eps", 1e-5),
+                       rope_theta=d.get("rope_theta", 10000.0),
+                       max_position_embeddings=d.get("max_position_embeddings", 2048),
+                       aux_layers=tuple(i + 1 for i in aux) if aux else ())
+        except KeyError as e:
+            raise DrafterCheckpointError(f"drafter config.json is missing field {e.args[0]!r}") from None
+
+
+def drafter_tensor_shapes(cfg: DrafterConfig) -> dict:
+    """Expected SpecForge key -> shape for ``cfg`` (t2d / d2t included)."""
+    H, F, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    qo, kvo = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    return {
+        "fc.weight": (H, 3 * cfg.target_hidden_size),
+        "midlayer.self_attn.q_proj.weight": (qo, 2 * H), "midlayer.self_attn.k_proj.weight": (kvo, 2 * H),
+        "midlayer.self_attn.v_proj.weight": (kvo, 2 * H), "midlayer.self_attn.o_proj.weight": (H, qo),
+        "midlayer.mlp.gate_proj.weight": (F, H), "midlayer.mlp.up_proj.weight": (F, H),
+        "midlayer.mlp.down_proj.weight": (H, F),
+        "midlayer.hidden_norm.weight": (H,), "midlayer.input_layernorm.weight": (H,),
+        "midlayer.post_attention_layernorm.weight": (H,), "norm.weight": (H,),
+        "lm_head.weight": (cfg.draft_vocab_size, H), "d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,),
+    }
+
+
+def init_drafter_tensors(cfg: DrafterConfig, seed: int = 0, used_ids: np.ndarray | None = None) -> dict:
+    """Randomly initialised drafter tensors (normal std 0.02, norms 1), SpecForge keys.
+
+    ``used_ids`` (sorted int [Vd]) defines the draft vocabulary; default the first Vd teacher ids.
+    """
+    rng = np.random.default_rng(seed)
+    out = {}
+    for key, shape in drafter_tensor_shapes(cfg).items():
+        if key in ("d2t", "t2d"):
+            continue
+        out[key] = np.ones(shape, np.float32) if key.endswith("norm.weight") else \
+            (rng.normal(size=shape) * 0.02).astype(np.float32)
+    used = np.arange(cfg.draft_vocab_size) if used_ids is None else np.asarray(used_ids, np.int64)
+    out.update(vocab_maps(used, cfg.vocab_size))
+    return out
+
+
+def vocab_maps(used_ids: np.ndarray, vocab_size: int) -> dict:
+    """``d2t`` offsets int64 [Vd] and ``t2d`` bool [V] from the sorted draft vocabulary (eagle3.md §4)."""
+    used = np.asarray(used_ids, np.int64)
+    if np.any(np.diff(used) <= 0) or used[0] < 0 or used[-1] >= vocab_size:
+        raise ValueError(f"draft vocabulary ids must be sorted, distinct, in [0, {vocab_size})")
+    t2d = np.zeros(vocab_size, bool)
+    t2d[used] = True
+    return {"d2t": used - np.arange(len(used)), "t2d": t2d}
+
+
+def save_drafter(path: str, cfg: DrafterConfig, tensors: dict, dtype=np.float16) -> None:
+    """Write ``config.json`` + ``model.safetensors`` (float weights as ``dtype``; d2t int64, t2d bool)."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg.to_json(), f, indent=2)
+    out = {k: (np.ascontiguousarray(v.astype(dtype)) if v.dtype.kind == "f" else np.ascontiguousarray(v))
+           for k, v in tensors.items() if k != "embed_tokens.weight"}
+    save_file(out, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+
+def load_drafter(path: str) -> tuple[DrafterConfig, dict]:
+    """Read a drafter directory; float tensors come back as float32.
+
+    Raises:
+        DrafterCheckpointError: missing files, pickle checkpoints, missing tensors or wrong shapes (named).
+    """
+    from safetensors.numpy import load_file
+
+    cfg_path, st_path = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
+    if not os.path.isdir(path) or not os.path.exists(cfg_path):
+        raise DrafterCheckpointError(f"drafter checkpoint {path!r}: no config.json there")
+    if not os.path.exists(st_path):
+        pickles = [f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth", ".ckpt"))]
+        hint = f" (found pickle file {pickles[0]}: convert it to safetensors; pickle is refused)" if pickles else ""
+        raise DrafterCheckpointError(f"drafter checkpoint {path!r}: no model.safetensors{hint}")
+    with open(cfg_path) as f:
+        cfg = DrafterConfig.from_json(json.load(f))
+    try:
+        raw = load_file(st_path)
+    except Exception as e:  # safetensors raises its own error types for truncated files
+        raise DrafterCheckpointError(f"drafter checkpoint {st_path!r} is unreadable: {e}") from None
+    tensors = {k.replace("layers.0.", "midlayer."): v for k, v in raw.items()}
+    if "d2t" not in tensors and cfg.draft_vocab_size == cfg.vocab_size:
+        tensors.update(vocab_maps(np.arange(cfg.vocab_size), cfg.vocab_size))
+    for key, shape in drafter_tensor_shapes(cfg).items():
+        if key not in tensors:
+            raise DrafterCheckpointError(f"drafter checkpoint is missing tensor {key}")
+        if tuple(tensors[key].shape) != tuple(shape):
+            raise DrafterCheckpointError(f"drafter tensor {key} has shape {tuple(tensors[key].shape)}, "
+                                         f"config expects {tuple(shape)}")
+    out = {k: (v.astype(np.float32) if v.dtype.kind == "f" else v) for k, v in tensors.items()}
+    out["d2t"] = out["d2t"].astype(np.int64)
+    out["t2d"] = out["t2d"].astype(bool)
+    return cfg, out
+
+
+class Eagle3Drafter(nn.Cell):
+    """The drafter network with its own paged KV cache (accepted context + per-round tree scratch).
+
+    Calls (fixed shapes; the engine jits them from outside):
+        fuse(aux [k, 3Ht] f32) -> [k, H]                         (``fc``)
+        construct(h [k, H], tokens [k] i32, positions [k] i32, slots2d [k, 2] i32, block_table [S/B] i32,
+                  mask [k, S] f32) -> (top_logp [k, K] f32, top_ids [k, K] i32 teacher ids, h_out [k, H] f32)
+    ``top_logp`` are log-softmax values over the draft vocabulary in fp32 (eagle3.md §2), ``top_ids`` already
+    mapped to teacher ids through d2t.
+
+    Args:
+        cfg: drafter config; embed: the teacher's embedding Parameter [V, H] (shared, not copied);
+        top_k: K; num_blocks / block_size / max_seq_len: the drafter cache geometry.
+    """
+
+    def __init__(self, cfg: DrafterConfig, embed: Parameter, top_k: int, num_blocks: int, block_size: int,
+                 max_seq_len: int):
+        super().__init__()
+        H, F, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        self.cfg, self.top_k = cfg, top_k
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.group = self.nh // self.nkv
+        z = lambda *s: Tensor(np.zeros(s, np.float32))
+        self.embed = embed
+        self.fc = Parameter(z(H, 3 * cfg.target_hidden_size), name="fc")
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.wqkv = Parameter(z((self.nh + 2 * self.nkv) * hd, 2 * H), name="wqkv")
+        self.wo = Parameter(z(H, self.nh * hd), name="wo")
+        self.w_gate_up = Parameter(z(2 * F, H), name="w_gate_up")
+        self.w_down = Parameter(z(H, F), name="w_down")
+        self.lm_head = Parameter(z(cfg.draft_vocab_size, H), name="lm_head")
+        self.d2t = Parameter(Tensor(np.zeros(cfg.draft_vocab_size, np.int32)), name="d2t", requires_grad=False)
+        self.key_cache = make_cache(num_blocks, block_size, self.nkv, hd, ms.float32, "draft_key_cache")
+        self.value_cache = make_cache(num_blocks, block_size, self.nkv, hd, ms.float32, "draft_value_cache")
+        cos, sin = rope_tables(hd, max_seq_len, cfg.rope_theta)
+        self.cos, self.sin = Tensor(cos), Tensor(sin)
+        self.matmul_t = ops.MatMul(transpose_b=True)
+        self.scale = 1.0 / float(np.sqrt(hd))
+        self.ffn = F
+
+    def fuse(self, aux):
+        return self.matmul_t(aux, self.fc)
+
+    def construct(self, h, tokens, positions, slots2d, block_table, mask):
+        k_len = h.shape[0]
+        e = ops.gather(self.embed, tokens, 0)
+        x = ops.concat((self.input_layernorm(e), self.hidden_norm(h)), -1)
+        qkv = self.matmul_t(x, self.wqkv)
+        nq, nk = self.nh * self.hd, self.nkv * self.hd
+        cos = ops.gather(self.cos, positions, 0).expand_dims(1)
+        sin = ops.gather(self.sin, positions, 0).expand_dims(1)
+        q = apply_rope(qkv[:, :nq].reshape(k_len, self.nh, self.hd), cos, sin)
+        k = apply_rope(qkv[:, nq:nq + nk].reshape(k_len, self.nkv, self.hd), cos, sin)
+        v = qkv[:, nq + nk:].reshape(k_len, self.nkv, self.hd)
+        ctx = paged_attention(q, k, v, self.key_cache, self.value_cache, slots2d, block_table, mask)
+        h = h + self.matmul_t(ctx, self.wo)
+        gu = self.matmul_t(self.post_attention_layernorm(h), self.w_gate_up)
+        h_out = h + self.matmul_t(ops.silu(gu[:, :self.ffn]) * gu[:, self.ffn:], self.w_down)
+        logits = self.matmul_t(self.norm(h_out), self.lm_head)
+        logp = ops.log_softmax(logits, -1)
+        top_logp, top_idx = ops.topk(logp, self.top_k)
+        top_ids = top_idx + ops.gather(self.d2t, top_idx.reshape(-1), 0).reshape(top_idx.shape)
+        return top_logp, top_ids, h_out
+
+    def attention_probs(self, h, tokens, positions, block_table, mask):
+        """Attention weights [k, S] (mean over heads) of the midlayer for ``h``/``tokens`` against the cache.
+
+        Read-only (writes nothing); used by the benchmark's draft-attention evidence (paper Figure 7).
+        """
+        k_len = h.shape[0]
+        e = ops.gather(self.embed, tokens, 0)
+        x = ops.concat((self.input_layernorm(e), self.hidden_norm(h)), -1)
+        nq = self.nh * self.hd
+        q = self.matmul_t(x, self.wqkv[:nq])
+        cos = ops.gather(self.cos, positions, 0).expand_dims(1)
+        sin = ops.gather(self.sin, positions, 0).expand_dims(1)
+        q = apply_rope(q.reshape(k_len, self.nh, self.hd), cos, sin)
+        keys = PortableKVOps.read(self.key_cache, block_table)
+        q = q.reshape(k_len, self.nkv, self.group, self.hd).transpose(1, 2, 0, 3).reshape(
+            self.nkv, self.group * k_len, self.hd)
+        scores = ops.bmm(q, keys.transpose(1, 2, 0)) * self.scale
+        scores = scores.reshape(self.nkv, self.group, k_len, -1) + mask
+        return ops.softmax(scores, -1).mean((0, 1))
+
+    def load_tensors(self, t: dict) -> None:
+        """Copy SpecForge-keyed float32 tensors into the fused Parameters (shapes checked by load_drafter)."""
+        p = "midlayer."
+        self.fc.set_data(Tensor(t["fc.weight"]))
+        self.wqkv.set_data(Tensor(np.concatenate([t[p + "self_attn.q_proj.weight"], t[p + "self_attn.k_proj.weight"],
+                                                  t[p + "self_attn.v_proj.weight"]], 0)))
+        self.wo.set_data(Tensor(t[p + "self_attn.o_proj.weight"]))
+        self.w_gate_up.set_data(Tensor(np.concatenate([t[p + "mlp.gate_proj.weight"],
+                                                       t[p + "mlp.up_proj.weight"]], 0)))
+        self.w_down.set_data(Tensor(t[p + "mlp.down_proj.weight"]))
+        self.hidden_norm.weight.set_data(Tensor(t[p + "hidden_norm.weight"]))
+        self.input_layernorm.weight.set_data(Tensor(t[p + "input_layernorm.weight"]))
+        self.post_attention_layernorm.weight.set_data(Tensor(t[p + "post_attention_layernorm.weight"]))
+        self.norm.weight.set_data(Tensor(t["norm.weight"]))
+        self.lm_head.set_data(Tensor(t["lm_head.weight"]))
+        self.d2t.set_data(Tensor(np.asarray(t["d2t"]).astype(np.int32)))

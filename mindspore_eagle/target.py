@@ -1,0 +1,142 @@
+"""TargetRunner: fixed-shape prefill / decode / tree-verify / commit calls of the teacher over its paged cache.
+
+Legend: n = committed tokens of the sequence, k = query rows of one call, M = tree budget, S = max_seq_len,
+V = vocab, H = hidden.
+
+Static shapes, so the fused (jit) path compiles a small fixed set of graphs: prefill runs in chunks of at most
+``prefill_chunk`` tokens, each padded to a power-of-two bucket >= 16 (feasibility.md §4: dynamic shapes are
+10-15x slower on CPU); decode is k = 1; verification is k = M. Padding rows write into the pad block and
+attend only to slot 0, so they never touch the sequence.
+"""
+from __future__ import annotations
+
+import numpy as np
+import mindspore as ms
+
+from .kv import BlockManager, CacheExhaustedError, slots_to_2d
+from .models.pangu import KVCompactor, PanguTeacher
+from .runtime import CompiledFn
+from .tree import NEG_BIAS, TreeTensors, tree_attention_bias
+
+
+def prefill_buckets(chunk: int) -> list[int]:
+    """Query-length buckets for prefill: 16, 32, ... up to ``chunk`` (a power of two >= 16)."""
+    if chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"prefill chunk must be a power of two >= 16, got {chunk}")
+    out, b = [], 16
+    while b <= chunk:
+        out.append(b)
+        b *= 2
+    return out
+
+
+class TargetRunner:
+    """Drives one :class:`PanguTeacher` with a MindFormers-backed :class:`BlockManager`.
+
+    Args:
+        teacher: the Cell (weights loaded). num_blocks / block_size / max_seq_len: cache geometry (max_seq_len
+        is S, the slots one sequence can address, and must not exceed the teacher's RoPE table).
+        mode: "fused" (jit) or "eager" (PyNative). prefill_chunk: largest prefill call.
+    """
+
+    def __init__(self, teacher: PanguTeacher, num_blocks: int, block_size: int, max_seq_len: int, mode: str,
+                 prefill_chunk: int = 128):
+        self.teacher, self.mode = teacher, mode
+        self.bm = BlockManager(num_blocks, block_size, max_seq_len)
+        self.S, self.B = max_seq_len, block_size
+        self.buckets = prefill_buckets(prefill_chunk)
+        self._fwd = CompiledFn(teacher.construct, mode)
+        self._hidden = CompiledFn(teacher.hidden, mode)
+        self._compact = CompiledFn(KVCompactor(teacher.caches()), mode)
+
+    @property
+    def compiles(self) -> int:
+        """Distinct graphs compiled so far (fused mode; 0 in eager)."""
+        return self._fwd.compiles + self._hidden.compiles + self._compact.compiles
+
+    # ------------------------------------------------------------------ sequences
+    def new_seq(self) -> int:
+        return self.bm.new_seq()
+
+    def free(self, sid: int) -> None:
+        self.bm.free(sid)
+
+    def length(self, sid: int) -> int:
+        return self.bm.length(sid)
+
+    # ------------------------------------------------------------------ calls
+    def _call(self, fn, sid, tokens, positions, slots, mask, out_rows):
+        args = (ms.Tensor(np.asarray(tokens, np.int32)), ms.Tensor(np.asarray(positions, np.int32)),
+                ms.Tensor(slots_to_2d(slots, self.B)), ms.Tensor(self.bm.block_table(sid)),
+                ms.Tensor(mask), ms.Tensor(np.asarray(out_rows, np.int32)))
+        out, aux = fn(*args)
+        return out.asnumpy(), aux.asnumpy()
+
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def prefill(self, sid: int, ids, hidden: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Append ``ids`` (int [T], T >= 1) to the sequence.
+
+        Returns:
+            (last, aux): last = logits float32 [V] of the final token (or, with ``hidden=True``, the final-normed
+            hidden states float32 [T, H] of every token), aux = captured features float32 [T, 3H].
+        Raises:
+            CacheExhaustedError: the sequence would not fit (raised before any write).
+        """
+        ids = np.asarray(ids, np.int64)
+        self.bm.reserve(sid, len(ids))
+        auxes, outs = [], []
+        chunk = self.buckets[-1]
+        for start in range(0, len(ids), chunk):
+            part = ids[start:start + chunk]
+            n, k, p0 = len(part), self._bucket(len(part)), self.bm.length(sid)
+            tokens = np.zeros(k, np.int64)
+            tokens[:n] = part
+            positions = np.zeros(k, np.int64)
+            positions[:n] = np.arange(p0, p0 + n)
+            mask = np.full((k, self.S), NEG_BIAS, np.float32)
+            cols = np.arange(self.S)[None, :]
+            rows = positions[:n, None]
+            mask[:n] = np.where(cols <= rows, 0.0, NEG_BIAS)
+            mask[n:, 0] = 0.0
+            slots = self.bm.append(sid, n, k)
+            out_rows = np.arange(k) if hidden else np.array([n - 1])
+            out, aux = self._call(self._hidden if hidden else self._fwd, sid, tokens, positions, slots, mask,
+                                  out_rows)
+            self.bm.advance(sid, n)
+            auxes.append(aux[:n])
+            outs.append(out[:n] if hidden else out[0])
+        return (np.concatenate(outs) if hidden else outs[-1]), np.concatenate(auxes)
+
+    def decode(self, sid: int, token: int) -> tuple[np.ndarray, np.ndarray]:
+        """Append one token; returns (logits float32 [V], aux float32 [1, 3H])."""
+        p = self.bm.length(sid)
+        slots = self.bm.append(sid, 1, 1)
+        mask = np.full((1, self.S), NEG_BIAS, np.float32)
+        mask[0, :p + 1] = 0.0
+        out, aux = self._call(self._fwd, sid, [token], [p], slots, mask, [0])
+        self.bm.advance(sid, 1)
+        return out[0], aux
+
+    def verify(self, sid: int, tt: TreeTensors) -> tuple[np.ndarray, np.ndarray]:
+        """One forward over the tensorized tree placed after the committed prefix (opens a branch).
+
+        Returns (logits float32 [M, V], aux float32 [M, 3H]); follow with :meth:`commit` or :meth:`rollback`.
+        """
+        n = self.bm.length(sid)
+        slots = self.bm.branch(sid, tt.budget)
+        mask = tree_attention_bias(tt, n, self.S)
+        return self._call(self._fwd, sid, tt.tokens, n + tt.depth, slots, mask, np.arange(tt.budget))
+
+    def commit(self, sid: int, path, width: int) -> None:
+        """Move the K/V of accepted tree nodes ``path`` (root first) to the positions after the prefix."""
+        src, dst = self.bm.commit_plan(sid, path, width)
+        self._compact(ms.Tensor(slots_to_2d(src, self.B)), ms.Tensor(slots_to_2d(dst, self.B)))
+        self.bm.finish_commit(sid, len(path))
+
+    def rollback(self, sid: int) -> None:
+        self.bm.rollback(sid)
+
+
+__all__ = ["TargetRunner", "CacheExhaustedError", "prefill_buckets"]
