@@ -1,0 +1,177 @@
+"""Acceptance rules for tree verification: pure functions of the teacher's outputs and a TreeTensors.
+
+Pure numpy; never runs a model and never imports MindSpore (docs/architecture.md, "verify.py").
+
+Letters: M = tree budget (root included), n = real nodes, V = teacher vocabulary, a = accepted draft tokens.
+Node i's teacher row (argmax or probs row i) is the teacher's prediction for the token *after* node i, i.e.
+conditioned on the root-to-i path (eagle3.md §3 "Target pass"). Accept length counts the bonus token:
+accept_len = a + 1 tokens emitted per teacher forward (eagle3.md §3, tau = a + 1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mindspore_eagle.tree import TreeTensors
+
+
+@dataclass
+class VerifyResult:
+    """Outcome of one verification step (eagle3.md §3 "Emit and update").
+
+    ``path`` are the node indices to commit to the KV cache (root plus accepted drafts); ``tokens`` are the tokens
+    emitted this step (accepted drafts then the bonus); the bonus becomes the next root and is not yet in the KV.
+    """
+
+    path: np.ndarray  # int32 [a + 1]; node indices, path[0] = 0 (root)
+    accept_len: int  # a + 1 = accepted draft tokens + bonus
+    tokens: np.ndarray  # int64 [a + 1]; tokens of path[1:], then the bonus
+    bonus: int  # teacher token after path[-1]
+
+
+def _result(tt: TreeTensors, path, bonus: int) -> VerifyResult:
+    path = np.asarray(path, dtype=np.int32)
+    tokens = np.append(tt.tokens[path[1:]].astype(np.int64), np.int64(bonus))
+    return VerifyResult(path=path, accept_len=int(path.size), tokens=tokens, bonus=int(bonus))
+
+
+def accept_greedy(tt: TreeTensors, target_argmax) -> VerifyResult:
+    """Greedy (temperature 0) acceptance: the longest tree path whose drafts equal the teacher argmax.
+
+    Draft node j is accepted iff its parent is accepted and tokens[j] == target_argmax[parent[j]] (root always
+    accepted). Among retrieve rows, the one with the longest accepted prefix wins; ties go to the lowest row
+    (first argmax), as E ``utils.py evaluate_posterior`` greedy branch (eagle3.md §3 "Greedy"). Bonus =
+    target_argmax[last accepted node].
+    Args:
+        tt: TreeTensors for budget M.
+        target_argmax: int [M], teacher argmax after each node (pad rows ignored).
+    Returns:
+        VerifyResult with accept_len = accepted drafts + 1.
+    Raises:
+        ValueError: target_argmax is not an integer array of shape [M] with values >= 0.
+    """
+    M, n = tt.budget, tt.n_nodes
+    am = np.asarray(target_argmax)
+    if am.shape != (M,) or not np.issubdtype(am.dtype, np.integer):
+        raise ValueError(f"target_argmax must be an integer array of shape [M={M}], got {am.dtype} {am.shape}")
+    if (am[:n] < 0).any():
+        raise ValueError(f"target_argmax values must be >= 0, got min {am[:n].min()}")
+    match = np.zeros(M + 1, dtype=bool)  # index M (pad) never matches
+    match[0] = True
+    match[1:n] = tt.tokens[1:n] == am[tt.parent[1:n]]
+    accepted_prefix = np.cumprod(match[tt.retrieve], axis=1).sum(axis=1)  # [M]; nodes incl. root; unused rows 0
+    best = int(np.argmax(accepted_prefix))
+    path = tt.retrieve[best, : accepted_prefix[best]]
+    return _result(tt, path, int(am[path[-1]]))
+
+
+def _check_positive(name: str, value, low_open: float, high: float | None = None) -> None:
+    ok = np.isfinite(value) and value > low_open and (high is None or value <= high)
+    if not ok:
+        rng = f"({low_open}, {high}]" if high is not None else f"({low_open}, inf)"
+        raise ValueError(f"{name} = {value!r} must be in {rng}")
+
+
+def warp_probs(logits, temperature: float, top_p: float = 1.0, top_k: int = 0) -> np.ndarray:
+    """Sampling distribution after temperature, top-p and top-k warping (E ``utils.prepare_logits_processor``).
+
+    Order as in E / HF warpers: divide by temperature, then top-p (keep the smallest set of most likely tokens
+    whose mass reaches top_p; HF ``TopPLogitsWarper``), then top-k (keep tokens whose logit is >= the k-th
+    largest; HF ``TopKLogitsWarper``). Removed tokens get probability exactly 0.
+    Args:
+        logits: float [..., V]; entries finite or -inf (at least one finite per row).
+        temperature: in (0, inf). top_p: in (0, 1], 1 = off. top_k: int >= 0, 0 = off.
+    Returns:
+        float64 [..., V], each row sums to 1.
+    Raises:
+        ValueError naming the field and its range: bad temperature / top_p / top_k, NaN or +inf logits,
+        a row with no finite logit.
+    """
+    _check_positive("temperature", temperature, 0.0)
+    _check_positive("top_p", top_p, 0.0, 1.0)
+    if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or top_k < 0:
+        raise ValueError(f"top_k = {top_k!r} must be an int in [0, inf) (0 = off)")
+    x = np.array(logits, dtype=np.float64)
+    if x.ndim < 1 or x.shape[-1] < 1:
+        raise ValueError(f"logits must have shape [..., V] with V >= 1, got {x.shape}")
+    if np.isnan(x).any() or np.isposinf(x).any():
+        raise ValueError("logits entries must be finite or -inf (no NaN / +inf)")
+    if not np.isfinite(x).any(axis=-1).all():
+        raise ValueError("every logits row must have at least one finite entry")
+    x /= temperature
+    if top_p < 1.0:
+        order = np.argsort(-x, axis=-1, kind="stable")
+        p_sorted = _softmax(np.take_along_axis(x, order, axis=-1))
+        mass_before = np.cumsum(p_sorted, axis=-1) - p_sorted
+        mass_before[..., 0] = 0.0  # the most likely token is always kept
+        remove = np.empty_like(mass_before, dtype=bool)
+        np.put_along_axis(remove, order, mass_before >= top_p, axis=-1)
+        x[remove] = -np.inf
+    V = x.shape[-1]
+    if 0 < top_k < V:
+        kth = np.partition(x, V - top_k, axis=-1)[..., V - top_k: V - top_k + 1]
+        x[x < kth] = -np.inf
+    return _softmax(x)
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def _sample(residual: np.ndarray, rng: np.random.Generator) -> int:
+    """Draw one index from an unnormalised non-negative vector by inverse CDF; never a zero-mass index."""
+    cdf = np.cumsum(residual)
+    idx = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    return idx if idx < residual.size else int(np.flatnonzero(residual)[-1])
+
+
+def _check_probs(tt: TreeTensors, probs) -> np.ndarray:
+    M, n = tt.budget, tt.n_nodes
+    p = np.asarray(probs, dtype=np.float64)
+    if p.ndim != 2 or p.shape[0] != M or p.shape[1] < 1:
+        raise ValueError(f"probs must have shape [M={M}, V], got {p.shape}")
+    rows = p[:n]
+    if not np.isfinite(rows).all() or (rows < 0).any() or (rows.sum(axis=1) <= 0).any():
+        raise ValueError("probs rows of real nodes must be finite, >= 0, with positive sum")
+    if (tt.tokens[1:n] >= p.shape[1]).any():
+        raise ValueError(f"draft tokens must be in [0, V={p.shape[1]}), got max {tt.tokens[1:n].max()}")
+    return p
+
+
+def accept_sampling(tt: TreeTensors, probs, rng: np.random.Generator) -> VerifyResult:
+    """Exact multi-candidate rejection sampling with a deterministic draft (q = 1), SpecInfer-style.
+
+    Walk from the root. At the current node take its teacher distribution p (probs row, renormalised) as the
+    residual r. Try the node's children in node-index order (siblings carry distinct tokens): accept child x with
+    probability r(x) / sum(r); on rejection set r(x) = 0 and continue. If a child is accepted, move to it;
+    if every child is rejected, or the node is a leaf, draw the bonus from r / sum(r). Each emitted token is thus
+    distributed exactly as p (E ``utils.py evaluate_posterior`` sampling branch; SG
+    ``tree_speculative_sampling_target_only``; eagle3.md §3 "Sampling"). E tries siblings in lexicographic
+    retrieve order, which is node-index order.
+    Args:
+        tt: TreeTensors for budget M.
+        probs: float [M, V] teacher distributions after warping (``warp_probs``); rows of real nodes must be
+            non-negative with positive sum (they are renormalised); pad rows are ignored.
+        rng: numpy Generator; draws one uniform per tried child plus one for the bonus.
+    Returns:
+        VerifyResult; path = root plus accepted drafts, tokens = their tokens then the bonus.
+    Raises:
+        ValueError: probs has the wrong shape or invalid rows, or a draft token is >= V.
+    """
+    p = _check_probs(tt, probs)
+    n = tt.n_nodes
+    node, path = 0, [0]
+    while True:
+        residual = p[node].copy()
+        kids = np.flatnonzero(tt.parent[1:n] == node) + 1
+        for kid in kids:
+            x = tt.tokens[kid]
+            if rng.random() * residual.sum() < residual[x]:
+                break
+            residual[x] = 0.0
+        else:
+            return _result(tt, path, _sample(residual, rng))
+        node = int(kid)
+        path.append(node)

@@ -1,0 +1,391 @@
+"""verify.py: greedy acceptance on constructed argmax arrays, warping, and exactness of rejection sampling.
+
+Exactness is shown two ways: (1) an independent exact-probability version of the acceptance rule (Fractions)
+proves that the first emitted token is distributed as p at the root, and that the 2-token joint equals the
+teacher's joint; (2) the implementation's empirical output distribution over whole emissions matches that exact
+distribution (chi-square with a fixed seed).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, os.path.dirname(__file__))
+from tree_strategies import BUDGETS, draft_trees, ref_children  # noqa: E402
+
+from mindspore_eagle.tree import DraftTree, chain_tree, tensorize  # noqa: E402
+from mindspore_eagle.verify import VerifyResult, accept_greedy, accept_sampling, warp_probs  # noqa: E402
+
+
+def _check(res: VerifyResult, path, tokens):
+    assert res.path.dtype == np.int32 and res.tokens.dtype == np.int64
+    np.testing.assert_array_equal(res.path, path)
+    np.testing.assert_array_equal(res.tokens, tokens)
+    assert res.accept_len == len(path) == len(tokens)
+    assert res.bonus == tokens[-1]
+
+
+def _argmax(M, values: dict, fill=99):
+    am = np.full(M, fill, dtype=np.int64)
+    for k, v in values.items():
+        am[k] = v
+    return am
+
+
+# --------------------------------------------------------------------------------------------- greedy
+
+CHAIN = tensorize(chain_tree([5, 7, 9, 11]), 4, 3)
+
+
+def test_greedy_full_accept_plus_bonus():
+    _check(accept_greedy(CHAIN, [7, 9, 11, 42]), [0, 1, 2, 3], [7, 9, 11, 42])
+
+
+def test_greedy_early_mismatch():
+    _check(accept_greedy(CHAIN, [7, 3, 11, 42]), [0, 1], [7, 3])
+
+
+def test_greedy_first_draft_rejected():
+    _check(accept_greedy(CHAIN, [6, 9, 11, 42]), [0], [6])
+
+
+def test_greedy_no_draft():
+    tt = tensorize(DraftTree([5], [0]), 4, 3)
+    _check(accept_greedy(tt, [8, 1, 2, 3]), [0], [8])
+
+
+def test_greedy_second_branch_longer():
+    # 0 -> 1 (tok 3, leaf); 0 -> 2 (tok 4) -> 3 (tok 5) -> 4 (tok 6)
+    tt = tensorize(DraftTree([1, 3, 4, 5, 6], [0, 0, 0, 2, 3]), 8, 3)
+    _check(accept_greedy(tt, _argmax(8, {0: 4, 2: 5, 3: 6, 4: 9})), [0, 2, 3, 4], [4, 5, 6, 9])
+    _check(accept_greedy(tt, _argmax(8, {0: 3, 1: 8})), [0, 1], [3, 8])
+
+
+def test_greedy_shared_prefix_picks_longer_row():
+    # 0 -> 1 (tok 3) -> {2 (tok 7, leaf), 3 (tok 8) -> 4 (tok 9)}; rows: leaf 2 (row 0), leaf 4 (row 1)
+    tt = tensorize(DraftTree([1, 3, 7, 8, 9], [0, 0, 1, 1, 3]), 8, 3)
+    _check(accept_greedy(tt, _argmax(8, {0: 3, 1: 8, 3: 9, 4: 1})), [0, 1, 3, 4], [3, 8, 9, 1])
+    _check(accept_greedy(tt, _argmax(8, {0: 3, 1: 7, 2: 0})), [0, 1, 2], [3, 7, 0])
+
+
+def test_greedy_tie_goes_to_lowest_row_and_pads_ignored():
+    tt = tensorize(DraftTree([1, 3, 7, 8], [0, 0, 1, 1]), 8, 3)
+    res = accept_greedy(tt, _argmax(8, {0: 3, 1: 5, 4: 3, 5: 3, 6: 3, 7: 3}))
+    _check(res, [0, 1], [3, 5])
+
+
+@pytest.mark.parametrize("bad, words", [
+    (np.zeros(3, dtype=np.int64), "shape [M=4]"),
+    (np.zeros(4, dtype=np.float32), "integer"),
+    (np.array([-1, 0, 0, 0]), ">= 0"),
+])
+def test_greedy_rejects_bad_argmax(bad, words):
+    with pytest.raises(ValueError) as err:
+        accept_greedy(CHAIN, bad)
+    assert words in str(err.value)
+
+
+def _greedy_reference(tree: DraftTree, am):
+    """Follow the (unique, since sibling tokens are distinct) child whose token is the argmax."""
+    n, node, path = len(tree), 0, [0]
+    while True:
+        nxt = [c for c in ref_children(tree.parents, n, node) if tree.tokens[c] == am[node]]
+        if not nxt:
+            return path, [int(tree.tokens[c]) for c in path[1:]] + [int(am[node])]
+        node = nxt[0]
+        path.append(node)
+
+
+def _onehot(am, V):
+    p = np.zeros((am.size, V))
+    p[np.arange(am.size), am] = 1.0
+    return p
+
+
+@pytest.mark.parametrize("M, D", BUDGETS)
+def test_greedy_random_trees_match_reference_and_onehot_sampling(M, D):
+    @settings(max_examples=120, deadline=None, derandomize=True)
+    @given(tree=draft_trees(M, D, vocab=3), seed=st.integers(0, 2**32 - 1))
+    def run(tree, seed):
+        tt = tensorize(tree, M, D)
+        rng = np.random.default_rng(seed)
+        am = rng.integers(0, 4, size=M)  # small vocab: long accepted paths are common
+        path, tokens = _greedy_reference(tree, am)
+        res = accept_greedy(tt, am)
+        _check(res, path, tokens)
+        assert 1 <= res.accept_len <= D + 1
+        # a one-hot target makes rejection sampling deterministic and equal to greedy
+        _check(accept_sampling(tt, _onehot(am, max(8, int(tree.tokens.max()) + 1)), rng), path, tokens)
+
+    run()
+
+
+# -------------------------------------------------------------------------------------------- warping
+
+
+def test_warp_temperature_only():
+    logits = np.array([[1.0, 2.0, 0.5, -1.0], [0.0, 0.0, 0.0, 0.0]], dtype=np.float32)
+    p = warp_probs(logits, temperature=0.7)
+    e = np.exp(logits.astype(np.float64) / 0.7)
+    np.testing.assert_allclose(p, e / e.sum(-1, keepdims=True), rtol=1e-12)
+    assert p.dtype == np.float64
+    np.testing.assert_allclose(p.sum(-1), 1.0, rtol=1e-12)
+
+
+def test_warp_top_k():
+    p = warp_probs([1.0, 3.0, 2.0, 0.0], temperature=1.0, top_k=2)
+    e = np.exp([3.0, 2.0])
+    np.testing.assert_allclose(p, [0, e[0] / e.sum(), e[1] / e.sum(), 0], rtol=1e-12)
+    np.testing.assert_allclose(warp_probs([1.0, 3.0], 1.0, top_k=5), warp_probs([1.0, 3.0], 1.0))
+
+
+def test_warp_top_p():
+    logits = np.log([0.5, 0.3, 0.15, 0.05])
+    np.testing.assert_allclose(warp_probs(logits, 1.0, top_p=0.7), [0.625, 0.375, 0, 0], rtol=1e-12)
+    np.testing.assert_allclose(warp_probs(logits, 1.0, top_p=0.85), [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0],
+                               rtol=1e-12)
+    np.testing.assert_allclose(warp_probs(logits, 1.0, top_p=0.01), [1, 0, 0, 0])
+    np.testing.assert_allclose(warp_probs(logits, 1.0, top_p=1.0), [0.5, 0.3, 0.15, 0.05], rtol=1e-12)
+    # top-p then top-k, as E's processor list
+    np.testing.assert_allclose(warp_probs(logits, 1.0, top_p=0.85, top_k=1), [1, 0, 0, 0])
+
+
+def test_warp_batch_shape_and_neg_inf():
+    logits = np.random.default_rng(0).normal(size=(2, 3, 7))
+    logits[0, 0, 3] = -np.inf
+    p = warp_probs(logits, 1.3, top_p=0.9, top_k=4)
+    assert p.shape == (2, 3, 7)
+    np.testing.assert_allclose(p.sum(-1), 1.0, rtol=1e-12)
+    assert p[0, 0, 3] == 0.0
+    assert ((p > 0).sum(-1) <= 4).all()
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(temperature=0.0), "temperature"), (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=float("nan")), "temperature"), (dict(temperature=1.0, top_p=0.0), "top_p"),
+    (dict(temperature=1.0, top_p=1.5), "top_p"), (dict(temperature=1.0, top_k=-1), "top_k"),
+    (dict(temperature=1.0, top_k=2.5), "top_k"),
+])
+def test_warp_rejects_bad_settings(kwargs, words):
+    with pytest.raises(ValueError) as err:
+        warp_probs([0.0, 1.0], **kwargs)
+    assert words in str(err.value)
+
+
+def test_warp_rejects_bad_logits():
+    with pytest.raises(ValueError, match="NaN"):
+        warp_probs([0.0, np.nan], 1.0)
+    with pytest.raises(ValueError, match="finite entry"):
+        warp_probs([[0.0, 1.0], [-np.inf, -np.inf]], 1.0)
+
+
+# ---------------------------------------------------------------------- sampling: exact reference
+
+
+def exact_emissions(tree: DraftTree, probs, node=0) -> dict:
+    """Exact distribution {emitted token tuple: Fraction} of one round started at ``node``.
+
+    Independent restatement of the rule: try children in index order, accept x with r(x)/sum(r), else zero it;
+    the bonus is drawn from the residual. probs[i] is a list of Fractions.
+    """
+    n = len(tree)
+    residual, reach, out = list(probs[node]), Fraction(1), Counter()
+    for c in ref_children(tree.parents, n, node):
+        if reach == 0:  # an earlier sibling was accepted with probability 1
+            break
+        x = int(tree.tokens[c])
+        total = sum(residual)
+        acc = residual[x] / total
+        if acc:
+            for seq, pr in exact_emissions(tree, probs, c).items():
+                out[(x,) + seq] += reach * acc * pr
+        reach *= 1 - acc
+        residual[x] = Fraction(0)
+    total = sum(residual)
+    if reach:
+        for v, r in enumerate(residual):
+            if r:
+                out[(v,)] += reach * r / total
+    return out
+
+
+def _random_dist(rng, V) -> list:
+    """Random rational distribution over V tokens; each entry is 0 with probability 1/6."""
+    w = rng.integers(0, 6, size=V)
+    w[rng.integers(0, V)] += 1
+    return [Fraction(int(k), int(w.sum())) for k in w]
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(tree=draft_trees(8, 3, vocab=4), seed=st.integers(0, 2**32 - 1))
+def test_exact_first_token_is_distributed_as_root_p(tree, seed):
+    rng = np.random.default_rng(seed)
+    V = max(4, int(tree.tokens.max()) + 1)
+    probs = [_random_dist(rng, V) for _ in range(len(tree))]
+    first = Counter()
+    for seq, pr in exact_emissions(tree, probs).items():
+        first[seq[0]] += pr
+    assert sum(first.values()) == 1
+    assert all(first[v] == probs[0][v] for v in range(V))
+
+
+def _teacher(prefix: tuple, V: int) -> list:
+    """A deterministic context-dependent teacher over V tokens with rational probabilities (some zeros)."""
+    rng = np.random.default_rng(abs(hash(prefix)) % (2**32))
+    return _random_dist(rng, V)
+
+
+@pytest.mark.parametrize("tree", [
+    DraftTree([0, 1, 2, 0, 2, 1], [0, 0, 0, 1, 1, 2]),
+    DraftTree([0, 0, 1, 2, 0], [0, 0, 0, 0, 3]),
+    chain_tree([2, 1, 0]),
+    DraftTree([1], [0]),
+])
+def test_exact_two_token_joint_equals_teacher_joint(tree):
+    V, n = 3, len(tree)
+    ctx = (9,)  # the committed context before the root's successor
+    paths = [tuple(int(tree.tokens[j]) for j in _path(tree, i)[1:]) for i in range(n)]
+    probs = [_teacher(ctx + p, V) for p in paths]
+    joint = Counter()
+    for seq, pr in exact_emissions(tree, probs).items():
+        if len(seq) >= 2:
+            joint[seq[:2]] += pr
+        else:  # the round ended after one token; the next round's first token is exact (test above)
+            for v, q in enumerate(_teacher(ctx + seq, V)):
+                joint[(seq[0], v)] += pr * q
+    for x1 in range(V):
+        for x2 in range(V):
+            assert joint[(x1, x2)] == probs[0][x1] * _teacher(ctx + (x1,), V)[x2]
+
+
+def _path(tree, node):
+    path = [node]
+    while path[-1] != 0:
+        path.append(int(tree.parents[path[-1]]))
+    return path[::-1]
+
+
+# ------------------------------------------------------------- sampling: implementation vs exact
+
+
+def _chi_square_ok(counts: Counter, expected: dict, N: int) -> tuple:
+    """Pearson chi-square of counts vs N * expected, pooling cells with expected count < 5; (ok, stat, df)."""
+    cells = sorted(expected, key=lambda k: -expected[k])
+    obs, exp, pool_o, pool_e = [], [], 0, 0.0
+    for k in cells:
+        e = N * float(expected[k])
+        if e >= 5:
+            obs.append(counts[k])
+            exp.append(e)
+        else:
+            pool_o, pool_e = pool_o + counts[k], pool_e + e
+    assert sum(v for k, v in counts.items() if k not in expected) == 0, "impossible emission observed"
+    if pool_e > 0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    obs, exp = np.array(obs, dtype=float), np.array(exp)
+    stat, df = float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1
+    if df == 0:
+        return True, stat, df
+    try:
+        from scipy.stats import chi2
+        return chi2.sf(stat, df) > 1e-4, stat, df
+    except ImportError:  # Wilson-Hilferty upper 1e-4 quantile (z = 3.719)
+        crit = df * (1 - 2 / (9 * df) + 3.719 * np.sqrt(2 / (9 * df))) ** 3
+        return stat < crit, stat, df
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_sampling_implementation_matches_exact_distribution(case):
+    rng = np.random.default_rng(1000 + case)
+    M, D, V = 8, 3, 4
+    tree = [DraftTree([0, 1, 2, 3, 0, 1, 2], [0, 0, 0, 0, 1, 1, 4]),
+            DraftTree([0, 1, 2, 0, 2, 1], [0, 0, 0, 1, 1, 2]),
+            chain_tree([3, 2, 1, 0]),
+            DraftTree([2], [0]),
+            DraftTree([0, 3, 1, 0, 2], [0, 0, 1, 2, 1]),
+            DraftTree([1, 0, 1, 2, 3, 3], [0, 0, 0, 0, 0, 1])][case]
+    probs_f = [_random_dist(rng, V) for _ in range(len(tree))]
+    probs = np.full((M, V), np.nan)  # pad rows must never be read
+    probs[: len(tree)] = np.array(probs_f, dtype=float)
+    tt = tensorize(tree, M, D)
+    expected = exact_emissions(tree, probs_f)
+    N = 20000
+    counts = Counter(tuple(accept_sampling(tt, probs, rng).tokens.tolist()) for _ in range(N))
+    ok, stat, df = _chi_square_ok(counts, expected, N)
+    assert ok, f"chi-square {stat:.1f} on {df} df"
+    first = Counter()
+    for seq, c in counts.items():
+        first[seq[0]] += c
+    ok, stat, df = _chi_square_ok(first, dict(enumerate(probs_f[0])), N)
+    assert ok, f"first token chi-square {stat:.1f} on {df} df"
+
+
+def test_sampling_result_is_consistent_and_seeded():
+    tree = DraftTree([0, 1, 2, 0, 2, 1], [0, 0, 0, 1, 1, 2])
+    tt = tensorize(tree, 8, 3)
+    probs = np.full((8, 5), 0.2)
+    a = [accept_sampling(tt, probs, np.random.default_rng(7)) for _ in range(2)]
+    np.testing.assert_array_equal(a[0].tokens, a[1].tokens)
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        res = accept_sampling(tt, probs, rng)
+        np.testing.assert_array_equal(res.tokens[:-1], tt.tokens[res.path[1:]])
+        assert all(tt.parent[res.path[k + 1]] == res.path[k] for k in range(res.accept_len - 1))
+
+
+def test_sampling_edge_cases():
+    tree = DraftTree([0, 1, 2], [0, 0, 0])
+    tt = tensorize(tree, 4, 2)
+    rng = np.random.default_rng(0)
+    sure = np.array([[0, 0, 1, 0], [0, 0, 0, 1], [1, 0, 0, 0], [0, 0, 0, 0]], dtype=float)
+    _check(accept_sampling(tt, sure, rng), [0, 2], [2, 0])
+    never = np.array([[0, 0, 0, 1], [1, 0, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]], dtype=float)
+    for _ in range(50):
+        _check(accept_sampling(tt, never, rng), [0], [3])
+    unnormalised = sure * 3.0
+    _check(accept_sampling(tt, unnormalised, rng), [0, 2], [2, 0])
+
+
+@pytest.mark.parametrize("probs, words", [
+    (np.full((3, 4), 0.25), "shape [M=4, V]"),
+    (np.array([[1, -1, 1, 0]] * 4, dtype=float), ">= 0"),
+    (np.zeros((4, 4)), "positive sum"),
+    (np.full((4, 2), 0.5), "V=2"),
+])
+def test_sampling_rejects_bad_probs(probs, words):
+    tt = tensorize(DraftTree([0, 1, 2], [0, 0, 0]), 4, 2)
+    with pytest.raises(ValueError) as err:
+        accept_sampling(tt, probs, np.random.default_rng(0))
+    assert words in str(err.value)
+
+
+class ScriptedRng:
+    """Stands in for np.random.Generator: ``random()`` returns the scripted uniforms in order."""
+
+    def __init__(self, *u):
+        self.u = list(u)
+
+    def random(self):
+        return self.u.pop(0)
+
+
+@pytest.mark.parametrize("uniforms, path, tokens", [
+    ((0.2, 0.0, 0.5), [0, 1, 3], [1, 0, 3]),  # 0.2 < p(1) = 0.25: node 1, then its child 3, then bonus
+    ((0.3, 0.3, 0.5), [0, 2], [2, 1]),  # node 1 rejected; residual p(2) = 0.25 / 0.75 > 0.3: node 2 accepted
+    ((0.3, 0.34, 0.999), [0], [0]),  # both rejected; residual is all on token 0
+])
+def test_sampling_thresholds_and_sibling_order(uniforms, path, tokens):
+    # 0 -> 1 (tok 1) -> 3 (tok 0); 0 -> 2 (tok 2). Children are tried in node-index order.
+    tt = tensorize(DraftTree([9, 1, 2, 0], [0, 0, 0, 1]), 4, 2)
+    probs = np.array([[0.5, 0.25, 0.25, 0], [1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 0, 1]], dtype=float)
+    rng = ScriptedRng(*uniforms)
+    _check(accept_sampling(tt, probs, rng), path, tokens)
+    assert rng.u == []  # one uniform per tried child plus one for the bonus
