@@ -119,14 +119,20 @@ class TargetRunner:
         self.bm.advance(sid, 1)
         return out[0], aux
 
-    def verify(self, sid: int, tt: TreeTensors) -> tuple[np.ndarray, np.ndarray]:
+    def verify(self, sid: int, tt: TreeTensors, mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """One forward over the tensorized tree placed after the committed prefix (opens a branch).
 
+        Args:
+            tt: TreeTensors of budget M. mask: float32 [M, S] from ``tree_attention_bias(tt, length, S)``
+                (computed here when None).
         Returns (logits float32 [M, V], aux float32 [M, 3H]); follow with :meth:`commit` or :meth:`rollback`.
+        Raises:
+            CacheExhaustedError: the branch of M slots does not fit (before any write).
         """
         n = self.bm.length(sid)
         slots = self.bm.branch(sid, tt.budget)
-        mask = tree_attention_bias(tt, n, self.S)
+        if mask is None:
+            mask = tree_attention_bias(tt, n, self.S)
         return self._call(self._fwd, sid, tt.tokens, n + tt.depth, slots, mask, np.arange(tt.budget))
 
     def commit(self, sid: int, path, width: int) -> None:

