@@ -1,0 +1,110 @@
+"""Tokenizers: SmolLM2 GGUF (byte-level BPE), the tiny openPangu SentencePiece, tokenizer.json, streaming."""
+import json
+
+import pytest
+
+from mindspore_eagle.evalsets import eval_turns
+from mindspore_eagle.tokenizer import IncrementalDecoder, Tokenizer, decode_stream
+from tiny_pangu import write_tiny_pangu
+
+ODD_TEXTS = ["", " leading space", "two  spaces\n\ttab\r\nend  ", "x = 10 ** 2 + 0.5  # 1234567890",
+             "héllo wörld — “quotes” 世界 你好 🙂🚀", "[unused9]用户：hi[unused10]", "<|im_start|>user\nhi<|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def smol_tok():
+    from mindspore_eagle.assets import AssetError, embedded_teacher_path
+    from mindspore_eagle.models.checkpoints import open_gguf
+
+    try:
+        path = embedded_teacher_path()
+    except AssetError as e:
+        pytest.skip(f"embedded teacher unavailable (package index unreachable): {e}")
+    return Tokenizer.from_gguf(open_gguf(path))
+
+
+@pytest.fixture(scope="module")
+def pangu_tok(tmp_path_factory):
+    return Tokenizer.from_hf_dir(write_tiny_pangu(tmp_path_factory.mktemp("tiny_pangu")))
+
+
+def _bench_texts():
+    texts = [t for item in eval_turns() for t in item.turns]
+    assert len(texts) == 240
+    return texts
+
+
+def test_smollm2_roundtrip_eval_texts(smol_tok):
+    for text in _bench_texts() + ODD_TEXTS:
+        ids = smol_tok.encode(text)
+        assert smol_tok.decode(ids) == text, text[:60]
+    assert smol_tok.encode("Hello") == [19556]  # no BOS: add_bos_token is false in the GGUF
+    assert [smol_tok.decode([i]) for i in smol_tok.encode("in 2024")] == ["in", " ", "2", "0", "2", "4"]
+
+
+def test_smollm2_chat_template(smol_tok):
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    text = smol_tok.apply_chat_template(msgs)
+    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                    "<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    ids = smol_tok.encode_chat(msgs)
+    assert len(ids) == 37 and ids[:3] == [1, 9690, 198]
+    assert smol_tok.eos_token_ids == (2,) and smol_tok.bos_token_id == 1 and smol_tok.vocab_size == 49152
+    assert smol_tok.decode(ids, skip_special_tokens=True).startswith("system\nYou are")
+    no_gen = smol_tok.apply_chat_template(msgs, add_generation_prompt=False)
+    assert text == no_gen + "<|im_start|>assistant\n"
+
+
+def test_pangu_chat_template(pangu_tok):
+    tok = pangu_tok
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == "[unused9]系统：[unused10][unused9]用户：hi[unused10][unused9]助手："
+    sys_text = tok.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                                        {"role": "assistant", "content": "hello"}], add_generation_prompt=False)
+    assert sys_text == "[unused9]系统：be brief[unused10][unused9]用户：hi[unused10][unused9]助手：hello[unused10]"
+    ids = tok.encode(text)
+    u9, u10 = tok.token_to_id("[unused9]"), tok.token_to_id("[unused10]")
+    assert ids[0] == 1 and ids[1] == u9 and ids.count(u9) == 3 and ids.count(u10) == 2  # BOS: add_bos_token
+    assert tok.eos_token_ids == (u10,) and tok.encode_chat([{"role": "user", "content": "hi"}]) == ids
+    assert tok.decode(ids) == "<s>" + text
+    assert tok.decode(ids, skip_special_tokens=True) == "系统：用户：hi助手："
+    assert tok.encode(text, add_bos=False) == ids[1:]
+
+
+def test_pangu_roundtrip(pangu_tok):
+    for text in ODD_TEXTS + ["The capital of France is Paris.", "用户：你好，请介绍一下你自己。"]:
+        ids = pangu_tok.encode(text, add_bos=False)
+        assert pangu_tok.decode(ids) == text, text
+        assert max(ids, default=0) < pangu_tok.vocab_size
+
+
+def test_tokenizer_json_dir(tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator(["hello world, the tokenizer json path"] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": {"content": "</s>"}, "add_bos_token": True,
+        "chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"}))
+    tok = Tokenizer.from_hf_dir(tmp_path)
+    ids = tok.encode("hello world")
+    assert ids[0] == 0 and tok.decode(ids[1:]) == "hello world" and tok.eos_token_ids == (1,)
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "user: x\n"
+
+
+@pytest.mark.parametrize("which", ["smol", "pangu"])
+def test_streaming_decode(which, request):
+    tok = request.getfixturevalue("smol_tok" if which == "smol" else "pangu_tok")
+    text = "Paris 🙂 is 世界 capital.\n  def f(x):\n      return x ** 2"
+    ids = tok.encode(text, add_bos=False)
+    pieces = list(decode_stream(tok, [[i] for i in ids]))
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert not any(p.endswith("\ufffd") for p in pieces)
+    dec = IncrementalDecoder(tok)
+    chunks = [ids[i:i + 3] for i in range(0, len(ids), 3)]
+    assert "".join(dec.push(c) for c in chunks) + dec.flush() == text
