@@ -182,12 +182,13 @@ class PanguTeacher(nn.Cell):
         x = ops.gather(self.embed, tokens, 0)
         cos = ops.gather(self.cos, positions, 0).expand_dims(1)
         sin = ops.gather(self.sin, positions, 0).expand_dims(1)
-        aux = ()
-        for i, layer in enumerate(self.layers):
-            if i in self.aux_layers:
-                aux = aux + (x,)
+        inputs = ()                                    # residual stream entering each layer
+        for layer in self.layers:
+            inputs = inputs + (x,)
             x = layer(x, cos, sin, slots2d, block_table, mask)
-        return self.norm(ops.gather(x, out_rows, 0)), ops.concat(aux, -1)
+        a0, a1, a2 = self.aux_layers
+        aux = ops.concat((inputs[a0], inputs[a1], inputs[a2]), -1)
+        return self.norm(ops.gather(x, out_rows, 0)), aux
 
     # ------------------------------------------------------------------ weights
     def load_hf_weights(self, tensors: dict[str, np.ndarray]) -> None:

@@ -1,0 +1,67 @@
+"""Shared fixtures: the tiny openPangu-format checkpoint, runtime setup, and the real embedded teacher."""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("MSEAGLE_THREADS", "2")
+
+
+@pytest.fixture(scope="session")
+def ms_runtime():
+    from mindspore_eagle import runtime
+
+    runtime.configure()
+    return runtime
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    from tiny_pangu import write_tiny_pangu
+
+    return write_tiny_pangu(tmp_path_factory.mktemp("tiny_pangu"))
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_dir):
+    """(ModelConfig, HF tensors, Tokenizer) of the tiny openPangu checkpoint."""
+    from mindspore_eagle.models.checkpoints import load_teacher
+
+    return load_teacher(tiny_dir)
+
+
+def make_target(loaded_cfg, tensors, mode, num_blocks=32, block_size=8, max_seq_len=128, chunk=16):
+    from mindspore_eagle.models.pangu import PanguTeacher
+    from mindspore_eagle.target import TargetRunner
+
+    net = PanguTeacher(loaded_cfg, num_blocks, block_size, max_seq_len)
+    net.load_hf_weights(tensors)
+    return TargetRunner(net, num_blocks, block_size, max_seq_len, mode, chunk)
+
+
+@pytest.fixture(scope="session")
+def real_loaded():
+    """numpy weights of the embedded default teacher (SmolLM2-135M-Instruct GGUF) + drafter, read once."""
+    from mindspore_eagle.config import load_config
+    from mindspore_eagle.pipeline import load_models
+
+    return load_models(load_config(None, ["model.drafter=none"]))
+
+
+def tiny_tree(rng, root, M, D, vocab):
+    """A random DraftTree (root + up to M-1 nodes, depth <= D, distinct sibling tokens)."""
+    from mindspore_eagle.tree import DraftTree
+
+    n = int(rng.integers(1, M + 1))
+    parents, depth, tokens = [0], [0], [root]
+    for i in range(1, n):
+        cands = [j for j in range(i) if depth[j] < D]
+        p = int(rng.choice(cands))
+        used = {tokens[c] for c in range(1, i) if parents[c] == p}
+        t = int(rng.integers(0, vocab))
+        while t in used:
+            t = int(rng.integers(0, vocab))
+        parents.append(p), depth.append(depth[p] + 1), tokens.append(t)
+    return DraftTree(tokens, parents)
