@@ -1,0 +1,235 @@
+"""Speculative decoding on the tiny openPangu model: lossless greedy (random drafter and high-acceptance oracle
+trees), fused == eager, exact sampling distribution, drafter checkpoints, traces."""
+import json
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from conftest import tiny_tree
+from tiny_pangu import numpy_forward, causal_mask
+from mindspore_eagle.config import load_config
+from mindspore_eagle.models.eagle3 import (DrafterConfig, init_drafter_tensors, load_drafter, save_drafter,
+                                           vocab_maps)
+from mindspore_eagle.tree import DraftTree
+from mindspore_eagle.trace import read_jsonl
+from mindspore_eagle.verify import warp_probs
+
+
+def tiny_drafter_dir(tmp_path, tcfg, seed=0, vd=96):
+    rng = np.random.default_rng(seed)
+    used = np.sort(rng.choice(tcfg.vocab_size, vd, replace=False))
+    dcfg = DrafterConfig(hidden_size=tcfg.hidden_size, intermediate_size=96, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=tcfg.vocab_size, draft_vocab_size=vd,
+                         target_hidden_size=tcfg.hidden_size, aux_layers=tcfg.aux_layers)
+    t = init_drafter_tensors(dcfg, seed, used)
+    t = {k: (v * 25 if k == "lm_head.weight" else v) for k, v in t.items()}   # spread draft logits
+    d = tmp_path / f"drafter{seed}"
+    save_drafter(str(d), dcfg, t)
+    return d
+
+
+def tiny_engine(tiny_dir, drafter_dir, mode, extra=()):
+    from mindspore_eagle.pipeline import build_engine
+
+    cfg = load_config(None, [f"model.teacher={tiny_dir}", f"model.drafter={drafter_dir}",
+                             f"speculative.mode={mode}", "cache.block_size=8", "cache.max_seq_len=256",
+                             "cache.num_blocks=64", "cache.prefill_chunk=16", *extra])
+    return build_engine(cfg), cfg
+
+
+PROMPTS = ["What is the capital of France?", "Write a short story about a robot.", "def add(a, b):"]
+
+
+def oracle_builder(engine, ref_out, prompt_len, rng, D):
+    """Replace drafting with trees that contain the teacher's true continuation at a random depth, mixed with
+    wrong siblings in random order (exercises long accepted paths and multi-node commits)."""
+    V = engine.target.teacher.cfg.vocab_size
+
+    def build(dsid, root, first, M, D_):
+        sid = next(iter(engine.target.bm._seqs))
+        done = engine.target.length(sid) - prompt_len + 1
+        truth = ref_out[done:done + D]
+        tokens, parents, depth = [root], [0], [0]
+        node = 0
+        for t in truth[: int(rng.integers(0, len(truth) + 1))]:
+            wrong = [int(w) for w in rng.choice(V, 2, replace=False) if w != t][: int(rng.integers(0, 2))]
+            kids = wrong + [int(t)]
+            rng.shuffle(kids)
+            for k in kids:
+                if len(tokens) < M:
+                    tokens.append(k), parents.append(node), depth.append(depth[node] + 1)
+            if int(t) not in tokens[-len(kids):]:
+                break
+            node = len(tokens) - len(kids) + kids.index(int(t))
+        return DraftTree(tokens, parents)
+
+    return build
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory, tiny):
+    return tiny_drafter_dir(tmp_path_factory.mktemp("drafter"), tiny[0])
+
+
+@pytest.mark.parametrize("budget", [("12", "4", "3"), ("5", "4", "1"), ("32", "6", "4")])
+def test_greedy_lossless_random_drafter(ms_runtime, tiny_dir, drafter_dir, budget):
+    M, D, K = budget
+    eng, cfg = tiny_engine(tiny_dir, drafter_dir, "fused",
+                           [f"speculative.M={M}", f"speculative.D_max={D}", f"speculative.top_k={K}"])
+    gen = cfg.generation
+    gen.max_new_tokens = 24
+    for p in PROMPTS:
+        base = eng.generate(p, gen, speculative=False)
+        spec = eng.generate(p, gen, speculative=True)
+        assert spec.token_ids == base.token_ids and spec.text == base.text
+        assert sum(spec.accept_lens) >= len(spec.token_ids) - 1
+
+
+@pytest.mark.parametrize("mode", ["fused", "eager"])
+def test_greedy_lossless_high_acceptance(ms_runtime, tiny_dir, drafter_dir, mode):
+    eng, cfg = tiny_engine(tiny_dir, drafter_dir, mode, ["speculative.M=10", "speculative.D_max=5"])
+    gen = cfg.generation
+    gen.max_new_tokens = 40
+    rng = np.random.default_rng(0)
+    for p in PROMPTS:
+        ids = eng.encode_chat(p)
+        base = eng.generate_ids(ids, gen, speculative=False)
+        eng.drafter.build_tree = oracle_builder(eng, base.token_ids, len(ids), rng, 5)
+        spec = eng.generate_ids(ids, gen, speculative=True)
+        assert spec.token_ids == base.token_ids
+        assert max(spec.accept_lens) >= 4 and np.mean(spec.accept_lens) > 1.5
+
+
+def test_fused_and_eager_identical(ms_runtime, tiny_dir, drafter_dir, tmp_path):
+    results = {}
+    for mode in ("fused", "eager"):
+        eng, cfg = tiny_engine(tiny_dir, drafter_dir, mode,
+                               ["speculative.M=12", "speculative.D_max=4", "speculative.top_k=3"])
+        gen = cfg.generation
+        gen.max_new_tokens = 20
+        results[mode] = [(g.token_ids, g.accept_lens) for g in (eng.generate(p, gen) for p in PROMPTS)]
+    assert results["fused"] == results["eager"]
+
+
+def test_sampling_follows_teacher_distribution(ms_runtime, tiny_dir, drafter_dir, tiny):
+    """Joint of the first two sampled tokens (the second goes through the tree rejection rule) matches the exact
+    teacher distribution (temperature 0.8, top_k 3), chi-square at significance 0.001, fixed seeds."""
+    tcfg, tensors, _ = tiny
+    eng, cfg = tiny_engine(tiny_dir, drafter_dir, "fused", ["speculative.M=8", "speculative.D_max=2"])
+    gen = cfg.generation
+    gen.temperature, gen.top_k, gen.max_new_tokens = 0.8, 3, 2
+    ids = eng.encode_chat("Tell me a story.")
+    n = len(ids)
+    l0, _ = numpy_forward(tcfg, tensors, ids, np.arange(n), causal_mask(n))
+    p1 = warp_probs(l0[-1:], 0.8, 1.0, 3)[0]
+    exact = {}
+    for x1 in np.flatnonzero(p1):
+        l1, _ = numpy_forward(tcfg, tensors, ids + [int(x1)], np.arange(n + 1), causal_mask(n + 1))
+        p2 = warp_probs(l1[-1:], 0.8, 1.0, 3)[0]
+        for x2 in np.flatnonzero(p2):
+            exact[(int(x1), int(x2))] = p1[x1] * p2[x2]
+    rng = np.random.default_rng(7)
+
+    def build(dsid, root, first, M, D):          # root's children: the likely tokens, shuffled, plus a wrong one
+        l, _ = numpy_forward(tcfg, tensors, ids + [root], np.arange(n + 1), causal_mask(n + 1))
+        kids = list(np.argsort(-l[-1])[:3])
+        rng.shuffle(kids)
+        kids = [int(k) for k in kids[: int(rng.integers(1, 4))]] + [int(np.argsort(-l[-1])[10])]
+        return DraftTree([root] + kids, [0] * (len(kids) + 1))
+
+    eng.drafter.build_tree = build
+    counts = {}
+    N = 400
+    for seed in range(N):
+        gen.seed = seed
+        g = eng.generate_ids(ids, gen)
+        key = tuple(g.token_ids[:2])
+        assert key in exact, key
+        counts[key] = counts.get(key, 0) + 1
+    keys = sorted(exact)
+    obs = np.array([counts.get(k, 0) for k in keys])
+    exp = np.array([exact[k] for k in keys]) * N
+    assert stats.chisquare(obs, exp).pvalue > 1e-3
+
+
+def test_drafter_checkpoint_roundtrip_and_reference_layout(ms_runtime, tmp_path, tiny):
+    tcfg = tiny[0]
+    d = tiny_drafter_dir(tmp_path, tcfg, seed=3, vd=50)
+    cfg, t = load_drafter(str(d))
+    assert cfg.draft_vocab_size == 50 and cfg.aux_layers == tuple(tcfg.aux_layers)
+    cfg2, t2 = load_drafter(str(d))
+    save_drafter(str(tmp_path / "again"), cfg2, t2)
+    _, t3 = load_drafter(str(tmp_path / "again"))
+    for k in t:
+        assert np.array_equal(t[k], t3[k]), k
+    # a checkpoint written with the EAGLE-3 reference names (vLLM-style "layers.0." too) and a non-trivial d2t
+    from safetensors.numpy import save_file
+    from mindspore_eagle.models.eagle3 import Eagle3Drafter
+    import mindspore as ms
+
+    used = np.array([3, 17, 40, 41, 99, 120, 250, 300])
+    ref = {k.replace("midlayer.", "layers.0."): v.astype(np.float16) for k, v in t.items() if k not in ("d2t", "t2d")}
+    ref["lm_head.weight"] = np.zeros((8, tcfg.hidden_size), np.float16)
+    ref.update({k: v for k, v in vocab_maps(used, tcfg.vocab_size).items()})
+    cfg_json = json.loads((d / "config.json").read_text())
+    cfg_json["draft_vocab_size"] = 8
+    ref_dir = tmp_path / "reference"
+    ref_dir.mkdir()
+    (ref_dir / "config.json").write_text(json.dumps(cfg_json))
+    save_file(ref, str(ref_dir / "model.safetensors"))
+    rcfg, rt = load_drafter(str(ref_dir))
+    assert np.array_equal(rt["d2t"] + np.arange(8), used)
+    rt["norm.weight"] = np.ones_like(rt["norm.weight"])
+    for j in range(8):                                   # make draft id j the argmax: must map to used[j]
+        rt["lm_head.weight"] = np.zeros_like(rt["lm_head.weight"])
+        rt["lm_head.weight"][j] = 1.0
+        embed = ms.Parameter(ms.Tensor(np.ones((tcfg.vocab_size, tcfg.hidden_size), np.float32)), name="e")
+        cell = Eagle3Drafter(rcfg, embed, 2, 4, 8, 32)
+        cell.load_tensors(rt)
+        h = ms.Tensor(np.ones((1, tcfg.hidden_size), np.float32))
+        mask = np.full((1, 32), -1e9, np.float32)
+        mask[0, 0] = 0
+        _, ids, _ = cell(h, ms.Tensor(np.array([5], np.int32)), ms.Tensor(np.array([0], np.int32)),
+                         ms.Tensor(np.array([[0, 0]], np.int32)), ms.Tensor(np.arange(4, dtype=np.int32)),
+                         ms.Tensor(mask))
+        assert int(ids.asnumpy()[0, 0]) == used[j]
+
+
+def test_bad_drafter_checkpoints(tmp_path, tiny):
+    from mindspore_eagle.models.eagle3 import DrafterCheckpointError
+    from mindspore_eagle.pipeline import check_drafter_fits
+
+    tcfg = tiny[0]
+    with pytest.raises(DrafterCheckpointError, match="no config.json"):
+        load_drafter(str(tmp_path / "missing"))
+    d = tiny_drafter_dir(tmp_path, tcfg, seed=5, vd=20)
+    (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:100])
+    with pytest.raises(DrafterCheckpointError, match="unreadable"):
+        load_drafter(str(d))
+    (d / "model.safetensors").unlink()
+    (d / "pytorch_model.bin").write_bytes(b"x")
+    with pytest.raises(DrafterCheckpointError, match="pickle"):
+        load_drafter(str(d))
+    bad = DrafterConfig(hidden_size=32, intermediate_size=8, num_attention_heads=2, num_key_value_heads=1,
+                        vocab_size=tcfg.vocab_size, draft_vocab_size=8, target_hidden_size=32)
+    with pytest.raises(DrafterCheckpointError, match="hidden_size = 32 does not fit the teacher"):
+        check_drafter_fits(bad, tcfg)
+
+
+def test_traces_parse_and_phases_add_up(ms_runtime, tiny_dir, drafter_dir, tmp_path):
+    trace = tmp_path / "t.jsonl"
+    eng, cfg = tiny_engine(tiny_dir, drafter_dir, "fused", [f"speculative.trace={trace}"])
+    gen = cfg.generation
+    gen.max_new_tokens = 16
+    g = eng.generate(PROMPTS[0], gen)
+    eng.trace.close()
+    records = read_jsonl(trace)
+    steps = [r for r in records if r.kind == "step"]
+    turns = [r for r in records if r.kind == "turn"]
+    assert len(steps) == len(g.steps) > 0 and len(turns) == 1
+    assert turns[0].new_tokens == len(g.token_ids)
+    for s in steps:
+        phases = s.draft_ms + s.tensorize_ms + s.mask_ms + s.verify_ms + s.accept_ms + s.commit_ms
+        assert phases <= s.total_ms * 1.0001 and phases >= 0.9 * s.total_ms
+        assert s.accept_len == len(s.accepted) >= 1
