@@ -205,28 +205,43 @@ def parse_override(text: str) -> tuple[str, str, object]:
     return section, name, parsed
 
 
-def load_config(path: str | None, overrides: list[str] = ()) -> Config:
-    """Read a YAML config (None = all defaults), apply ``--set`` overrides, validate.
+def _read_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"config file {path!r} is not valid YAML{where}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path!r} must hold a mapping of sections")
+    return data
 
+
+def load_config(path, overrides: list[str] = ()) -> Config:
+    """Read YAML config(s), apply ``--set`` overrides, validate.
+
+    Args:
+        path: None (all defaults), one YAML path, or a list of paths merged in order, key by key within each
+            section (a later file wins), e.g. ``["configs/default.yaml", "configs/presets/chain.yaml"]``.
+        overrides: ``section.key=value`` strings applied last (value parsed as YAML).
     Raises:
         ConfigError: missing file, malformed YAML (with line), unknown key, wrong type, out-of-range value.
     """
+    paths = [] if not path else [path] if isinstance(path, (str, os.PathLike)) else list(path)
     data: dict = {}
-    if path:
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file {path!r} does not exist")
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise ConfigError(f"config file {path!r} is not valid YAML{where}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path!r} must hold a mapping of sections")
+    for p in paths:
+        for section, values in _read_yaml(os.fspath(p)).items():
+            if isinstance(values, dict) and isinstance(data.get(section), dict):
+                data[section] = {**data[section], **values}
+            else:
+                data[section] = values
     for text in overrides:
         section, name, value = parse_override(text)
-        data.setdefault(section, {})
+        if data.get(section) is None:
+            data[section] = {}
         if not isinstance(data[section], dict):
             raise ConfigError(f"{section} must be a mapping")
         data[section][name] = value

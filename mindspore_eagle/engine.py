@@ -61,13 +61,15 @@ class Generation:
 class _Emitter:
     """Applies EOS / max_new_tokens / stop strings one token at a time (shared by both decoding paths)."""
 
-    def __init__(self, tokenizer, eos: set, gen: GenerationConfig):
-        self.tok, self.eos, self.gen = tokenizer, eos, gen
+    def __init__(self, tokenizer, eos: set, gen: GenerationConfig, on_token=None):
+        self.tok, self.eos, self.gen, self.on_token = tokenizer, eos, gen, on_token
         self.ids: list = []
         self.reason = ""
 
     def push(self, token: int) -> bool:
         self.ids.append(int(token))
+        if self.on_token is not None:
+            self.on_token(int(token))
         if token in self.eos:
             self.reason = "eos"
         elif self.gen.stop and any(s in self.tok.decode(self.ids) for s in self.gen.stop):
@@ -115,23 +117,29 @@ class Engine:
             raise GenerationError("prompt is empty: give at least one non-empty message")
         return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
-    def generate(self, messages, gen: GenerationConfig, speculative: bool = True, turn_id: str = "") -> Generation:
-        """One chat turn: apply the chat template to ``messages`` and generate the assistant reply."""
-        return self.generate_ids(self.encode_chat(messages), gen, speculative, turn_id)
+    def generate(self, messages, gen: GenerationConfig, speculative: bool = True, turn_id: str = "",
+                 on_token=None) -> Generation:
+        """One chat turn: apply the chat template to ``messages`` and generate the assistant reply.
 
-    def chat(self, user_turns: list, gen: GenerationConfig, speculative: bool = True, turn_id: str = "") -> list:
+        ``on_token(token_id: int)``, if given, is called for every token as it is committed (streaming; the
+        EOS token included, stop strings not applied).
+        """
+        return self.generate_ids(self.encode_chat(messages), gen, speculative, turn_id, on_token)
+
+    def chat(self, user_turns: list, gen: GenerationConfig, speculative: bool = True, turn_id: str = "",
+             on_token=None) -> list:
         """Multi-turn conversation: each user turn is asked after the teacher's own previous answers."""
         messages, out = [], []
         for i, text in enumerate(user_turns):
             messages.append({"role": "user", "content": text})
-            g = self.generate(messages, gen, speculative, f"{turn_id}-{i}" if turn_id else str(i))
+            g = self.generate(messages, gen, speculative, f"{turn_id}-{i}" if turn_id else str(i), on_token)
             messages.append({"role": "assistant", "content": g.text})
             out.append(g)
         return out
 
     def generate_ids(self, prompt_ids, gen: GenerationConfig, speculative: bool = True,
-                     turn_id: str = "") -> Generation:
-        """Generate from raw prompt ids (int [T], T >= 1).
+                     turn_id: str = "", on_token=None) -> Generation:
+        """Generate from raw prompt ids (int [T], T >= 1); ``on_token`` as in :meth:`generate`.
 
         Raises:
             GenerationError: empty prompt, or prompt + max_new_tokens (+ M when speculative) > cache.max_seq_len.
@@ -146,7 +154,7 @@ class Engine:
                                   + (f" + speculative.M={self.spec.M}" if speculative else "")
                                   + f" = {room} exceeds cache.max_seq_len={self.target.S}")
         rng = np.random.default_rng(gen.seed)
-        emitter = _Emitter(self.tokenizer, self.eos, gen)
+        emitter = _Emitter(self.tokenizer, self.eos, gen, on_token)
         compiles0 = self.compiles
         sid = self.target.new_seq()
         try:
