@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Cost of the teacher's forward on this machine, beside a numpy-only forward of the same shapes (one run).
+
+Prints, for the embedded default teacher (or --teacher PATH):
+  - teacher-only decode ms/token in fused (jit) and eager (PyNative) mode, after a 256-token context;
+  - prefill tok/s (256 tokens, chunk 128);
+  - one forward over k = 1, 8, 16, 32, 64 query tokens (logits for all k rows, as tree verification needs)
+    against a 256-token cached context, MindSpore fused vs a float32 numpy implementation of the same math
+    (fused q/k/v and gate/up weights in [out, in] layout, GQA attention over the cached K/V).
+Not a test: figures only. Usage: python scripts/bench_forward.py [--teacher PATH] [--repeat 5]
+"""
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from mindspore_eagle import runtime  # noqa: E402
+
+
+def median_ms(fn, repeat):
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(times))
+
+
+class NumpyTeacher:
+    """float32 numpy forward of the same network with a dense per-layer K/V context (the bandwidth reference)."""
+
+    def __init__(self, cfg, t, ctx=256, seed=0):
+        self.c = cfg
+        hd = cfg.head_dim
+        L = cfg.num_layers
+        self.layers = []
+        for i in range(L):
+            p = f"model.layers.{i}."
+            self.layers.append(dict(
+                wqkv=np.ascontiguousarray(np.concatenate([t[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])),
+                wo=t[p + "self_attn.o_proj.weight"], ln1=t[p + "input_layernorm.weight"],
+                ln2=t[p + "post_attention_layernorm.weight"],
+                wgu=np.ascontiguousarray(np.concatenate([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]])),
+                wd=t[p + "mlp.down_proj.weight"]))
+        rng = np.random.default_rng(seed)
+        self.kc = rng.normal(size=(L, ctx, cfg.num_kv_heads, hd)).astype(np.float32)
+        self.vc = rng.normal(size=(L, ctx, cfg.num_kv_heads, hd)).astype(np.float32)
+        self.embed = t["model.embed_tokens.weight"]
+        self.head = t.get("lm_head.weight", self.embed)
+        self.norm = t["model.norm.weight"]
+        inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2) / hd))
+        ang = np.arange(4096)[:, None] * inv[None]
+        self.cos = np.cos(np.concatenate([ang, ang], 1)).astype(np.float32)
+        self.sin = np.sin(np.concatenate([ang, ang], 1)).astype(np.float32)
+
+    def forward(self, tokens, positions):
+        c = self.c
+        k, nh, nkv, hd = len(tokens), c.num_heads, c.num_kv_heads, c.head_dim
+        g = nh // nkv
+        x = self.embed[tokens]
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+
+        def rms(v, w):
+            return v / np.sqrt((v * v).mean(-1, keepdims=True) + c.rms_norm_eps) * w
+
+        def rope(v):
+            return v * cos + np.concatenate([-v[..., hd // 2:], v[..., :hd // 2]], -1) * sin
+
+        for i, ly in enumerate(self.layers):
+            qkv = rms(x, ly["ln1"]) @ ly["wqkv"].T
+            q = rope(qkv[:, :nh * hd].reshape(k, nh, hd))
+            kk = rope(qkv[:, nh * hd:(nh + nkv) * hd].reshape(k, nkv, hd))
+            v = qkv[:, (nh + nkv) * hd:].reshape(k, nkv, hd)
+            keys = np.concatenate([self.kc[i], kk])                      # [ctx + k, nkv, hd]
+            vals = np.concatenate([self.vc[i], v])
+            qg = q.reshape(k, nkv, g, hd).transpose(1, 2, 0, 3).reshape(nkv, g * k, hd)
+            s = qg @ keys.transpose(1, 2, 0) / np.sqrt(hd)
+            s = np.exp(s - s.max(-1, keepdims=True))
+            s /= s.sum(-1, keepdims=True)
+            ctx = (s @ vals.transpose(1, 0, 2)).reshape(nkv, g, k, hd).transpose(2, 0, 1, 3).reshape(k, nh * hd)
+            x = x + ctx @ ly["wo"].T
+            gu = rms(x, ly["ln2"]) @ ly["wgu"].T
+            f = gu.shape[1] // 2
+            x = x + (gu[:, :f] / (1 + np.exp(-gu[:, :f])) * gu[:, f:]) @ ly["wd"].T
+        return rms(x, self.norm) @ self.head.T
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--teacher", default="embedded")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--ks", default="1,8,16,32,64")
+    args = ap.parse_args(argv)
+    runtime.configure()
+    import mindspore as ms
+    from mindspore_eagle.config import load_config
+    from mindspore_eagle.kv import slots_to_2d
+    from mindspore_eagle.pipeline import build_engine, load_models
+    from mindspore_eagle.tree import NEG_BIAS
+
+    cfg = load_config(None, [f"model.teacher={args.teacher}", "model.drafter=none"])
+    loaded = load_models(cfg)
+    ks = [int(k) for k in args.ks.split(",")]
+    rng = np.random.default_rng(0)
+    ctx = rng.integers(100, 20000, size=256)
+    print(f"teacher: {loaded.teacher_cfg.num_layers} layers, hidden {loaded.teacher_cfg.hidden_size}, "
+          f"vocab {loaded.teacher_cfg.vocab_size}; threads {os.environ.get('MSEAGLE_THREADS', 'default')}")
+    results = {}
+    for mode in ("fused", "eager"):
+        eng = build_engine(load_config(None, ["model.drafter=none", f"speculative.mode={mode}"]), loaded)
+        tg = eng.target
+        sid = tg.new_seq()
+        t0 = time.perf_counter()
+        tg.prefill(sid, ctx)
+        first = time.perf_counter() - t0
+        tg.free(sid)
+        sid = tg.new_seq()
+        t0 = time.perf_counter()
+        tg.prefill(sid, ctx)
+        prefill_s = time.perf_counter() - t0
+        n_dec = 16 if mode == "eager" else 32
+        tok = 42
+        tg.decode(sid, tok)
+        t0 = time.perf_counter()
+        for _ in range(n_dec):
+            logits, _ = tg.decode(sid, tok)
+            tok = int(np.argmax(logits))
+        dec_ms = (time.perf_counter() - t0) * 1e3 / n_dec
+        results[mode] = dec_ms
+        print(f"[{mode}] prefill 256 tokens: {prefill_s * 1e3:.0f} ms ({256 / prefill_s:.0f} tok/s; first call "
+              f"incl. compile {first:.1f} s); decode: {dec_ms:.1f} ms/token ({1e3 / dec_ms:.1f} tok/s)")
+        if mode == "fused":
+            base = tg.length(sid)
+            rows = {}
+            for k in ks:
+                tg.bm.reserve(sid, k)
+                slots = tg.bm.slots(sid, np.arange(base, base + k))
+                mask = np.full((k, tg.S), NEG_BIAS, np.float32)
+                mask[:, :base] = 0
+                mask[:, base:base + k] = np.where(np.tril(np.ones((k, k), bool)), 0, NEG_BIAS)
+                args_ = (ms.Tensor(rng.integers(100, 20000, size=k).astype(np.int32)),
+                         ms.Tensor((base + np.arange(k)).astype(np.int32)), ms.Tensor(slots_to_2d(slots, tg.B)),
+                         ms.Tensor(tg.bm.block_table(sid)), ms.Tensor(mask), ms.Tensor(np.arange(k, dtype=np.int32)))
+                rows[k] = median_ms(lambda: tg._fwd(*args_)[0].asnumpy(), args.repeat)
+                tg.bm.rollback(sid)
+            npt = NumpyTeacher(loaded.teacher_cfg, loaded.teacher_tensors)
+            print(f"{'k':>4} {'MindSpore fused ms':>19} {'x(k=1)':>7} {'numpy ms':>9} {'MS/numpy':>9}")
+            for k in ks:
+                toks, pos = rng.integers(100, 20000, size=k), 256 + np.arange(k)
+                nms = median_ms(lambda: npt.forward(toks, pos), args.repeat)
+                print(f"{k:>4} {rows[k]:>19.1f} {rows[k] / rows[ks[0]]:>7.2f} {nms:>9.1f} {rows[k] / nms:>9.2f}")
+        tg.free(sid)
+    print(f"eager / fused decode: {results['eager'] / results['fused']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
