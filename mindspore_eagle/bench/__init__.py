@@ -1,0 +1,216 @@
+"""``mindspore-eagle bench``: the paper's evaluation reproduced (EAGLE-Pangu, Tables 1-3, Figures 1-7).
+
+    python -m mindspore_eagle bench --config configs/default.yaml --turns 24 --out runs/t24
+    python -m mindspore_eagle bench --turns 6 --sweep budget --budgets 8,16,32 --depths 2,4,6 --out runs/sweep
+    python -m mindspore_eagle bench --turns 6 --sweep window --windows none,128,256,512 --out runs/window
+(``python -m mindspore_eagle.bench ...`` is the same command.)
+
+Evaluation set (evalsets.eval_turns): 240 turns = 80 MT-Bench questions x 2 turns (turn 2 asked after the teacher's
+own turn-1 answer) + 80 HumanEval prompts. ``--turns N`` takes the first N turns of the fixed round-robin order
+documented in ``evalsets.eval_turns`` (8 MT-Bench categories, then HumanEval, one item each per round; so
+``--turns 18`` = the first question of each MT-Bench category with both turns + HumanEval/0 + writing/82 turn 1);
+``--subset mtbench,humaneval,coding,...`` restricts the groups first.
+
+Per turn: teacher-only greedy, then speculative decoding for each setting, same prompt, same process (see
+throughput.py); outputs must be identical (the run stops with exit code 3 otherwise, after writing the report).
+Outputs in the run folder (``--out DIR``; default ``runs/<date>_<config>_M.._D.._K.._t<turns>``):
+    turns.jsonl   one record per finished turn (a restarted run with the same --out skips finished turns)
+    run.json      the run's fixed parameters (a restart with different ones is refused)
+    report.json   turns, M, D_max, top_k, identical_outputs, baseline_tok_s / ea_tok_s / speedup / accept_len
+                  ({mean, p50, p90, p99, n}), figures, sweeps, paper numbers, machine
+    report.md     the tables, beside the paper's numbers;   fig1..fig7 PNGs (Figures 4 / 6 with the sweeps)
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+
+__all__ = ["cli_main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mindspore-eagle bench",
+                                description="Paired teacher-only vs EAGLE-3 throughput benchmark, sweeps, figures.")
+    p.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="config override, repeatable (e.g. --set speculative.M=32)")
+    p.add_argument("--turns", type=int, default=None, help="number of turns (default: all 240)")
+    p.add_argument("--subset", default=None,
+                   help="comma-separated groups: mtbench, humaneval or MT-Bench categories (writing, coding, ...)")
+    p.add_argument("--out", default=None, help="run folder (default runs/<date>_<config>...); reused to resume")
+    p.add_argument("--sweep", choices=("none", "budget", "window", "all"), default="none",
+                   help="also time the budget sweep (M, D_max, top_k) and/or the drafter window study")
+    p.add_argument("--budgets", default="8,16,32,64,128", help="M values of the budget sweep (at the config D_max)")
+    p.add_argument("--depths", default="2,4,6,8", help="D_max values of the budget sweep (at the config M)")
+    p.add_argument("--top-ks", default="2,4,8", help="top_k values of the budget sweep ('' = none)")
+    p.add_argument("--windows", default="none,128,256,512", help="drafter windows W (none = unlimited)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per turn (default 128)")
+    p.add_argument("--warmup", choices=("full", "short", "none"), default="full",
+                   help="compile before timing: full = every shape bucket + one short generation per engine; "
+                        "short = one short generation per engine; none")
+    p.add_argument("--attn-samples", type=int, default=4,
+                   help="context-pass rows per turn sampled for the attention evidence (Figure 7); 0 = off")
+    p.add_argument("--peer-llamacpp", action="store_true",
+                   help="also time llama.cpp (llama-cpp-python) greedy on an F32 GGUF of the teacher, if importable")
+    p.add_argument("--allow-mismatch", action="store_true",
+                   help="record output mismatches instead of stopping (identical_outputs becomes false)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    return p
+
+
+def _log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def machine_info() -> dict:
+    """CPU model, core count, load average, MindSpore version, kernel threads (for report.md / results.md)."""
+    model = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        import mindspore
+
+        msv = mindspore.__version__
+    except Exception:  # pragma: no cover - mindspore is a dependency
+        msv = "?"
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    cores = os.cpu_count() or 1
+    return {"cpu": model, "cores": cores, "loadavg_start": list(load), "python": platform.python_version(),
+            "mindspore": msv, "platform": platform.platform(),
+            "summary": f"{model}, {cores} cores, MindSpore {msv}, Python {platform.python_version()}"}
+
+
+def _threads(cfg) -> int:
+    return cfg.context.threads or int(os.environ.get("MSEAGLE_THREADS", 0)) or min(os.cpu_count() or 1, 8)
+
+
+def cli_main(argv=None) -> int:
+    """Entry point of ``mindspore-eagle bench``; returns the exit code (0 ok, 2 usage/config error, 3 mismatch)."""
+    from ..config import ConfigError, load_config
+    from ..evalsets import eval_turns
+    from . import report as report_mod
+    from . import sweeps as sw
+    from .throughput import EnginePool, OutputMismatchError, read_records, run_turns, turn_specs
+
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.set)
+        if args.max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens = {args.max_new_tokens} is out of range: must be >= 1")
+        subset = [s.strip() for s in args.subset.split(",") if s.strip()] if args.subset else None
+        items = eval_turns(args.turns, subset)
+        budgets = sw.parse_int_list(args.budgets)
+        depths = sw.parse_int_list(args.depths)
+        top_ks = sw.parse_int_list(args.top_ks) if args.top_ks.strip() else ()
+        windows = sw.parse_int_list(args.windows, allow_none=True)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if cfg.generation.temperature != 0:
+        _log("generation.temperature forced to 0: the benchmark is greedy (identical-output check)")
+    gen = dataclasses.replace(cfg.generation, max_new_tokens=args.max_new_tokens, temperature=0.0)
+    turns = turn_specs(items)
+    main = sw.main_setting(cfg.speculative)
+    points = {"budget": [], "window": []}
+    if args.sweep in ("budget", "all"):
+        points["budget"] = sw.budget_points(cfg.speculative, budgets, depths, top_ks)
+    if args.sweep in ("window", "all"):
+        points["window"] = sw.window_points(cfg.speculative, windows)
+    settings, rows_all = sw.dedupe(main, points["budget"] + points["window"])
+    rows = {"budget": rows_all[:len(points["budget"])], "window": rows_all[len(points["budget"]):]}
+    try:
+        for s in settings:
+            s.spec(cfg.speculative)
+    except ConfigError as e:
+        print(f"error: sweep setting invalid: {e}", file=sys.stderr)
+        return 2
+
+    stem = os.path.splitext(os.path.basename(args.config))[0] if args.config else "defaults"
+    sp = cfg.speculative
+    name = (f"{time.strftime('%Y%m%d-%H%M%S')}_{stem}_M{sp.M}_D{sp.D_max}_K{sp.top_k}"
+            f"{'_W' + str(sp.window) if sp.window else ''}_t{len(turns)}"
+            f"{'' if args.sweep == 'none' else '_sweep-' + args.sweep}")
+    out = args.out or os.path.join("runs", name)
+    os.makedirs(out, exist_ok=True)
+    fixed = {"turn_ids": [t.turn_id for t in turns], "settings": [s.to_dict() for s in settings],
+             "max_new_tokens": gen.max_new_tokens, "teacher": cfg.model.teacher, "drafter": cfg.model.drafter,
+             "cache": dataclasses.asdict(cfg.cache), "mode": cfg.exec_mode}
+    run_json = os.path.join(out, "run.json")
+    if os.path.exists(run_json):
+        with open(run_json, encoding="utf-8") as f:
+            prev = json.load(f)
+        if prev.get("fixed") != fixed:
+            diff = sorted(k for k in fixed if prev.get("fixed", {}).get(k) != fixed[k])
+            print(f"error: {out} holds a run with different parameters ({', '.join(diff)}); use another --out",
+                  file=sys.stderr)
+            return 2
+        name = prev.get("name", name)
+        _log(f"resuming {out}")
+    else:
+        with open(run_json, "w", encoding="utf-8") as f:
+            json.dump({"name": name, "fixed": fixed, "config": cfg.to_dict()}, f, indent=1)
+    jsonl = os.path.join(out, "turns.jsonl")
+    machine = machine_info()
+    command = "python -m mindspore_eagle bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None
+                                                                                    else sys.argv[1:]))
+    todo = [t for t in turns if t.turn_id not in read_records(jsonl)]
+    warm = {"mode": args.warmup, "seconds": 0.0, "compiles": 0}
+    peer_note = None
+    failed = None
+    t_start = time.time()
+    if todo:
+        from ..pipeline import load_models
+
+        _log(f"{len(todo)} of {len(turns)} turns to run, {len(settings)} speculative setting(s): "
+             + ", ".join(f"{s.name}(M={s.M},D={s.D_max},K={s.top_k},W={s.window or 'none'})" for s in settings))
+        t0 = time.perf_counter()
+        loaded = load_models(cfg)
+        pool = EnginePool(cfg, loaded, settings)
+        _log(f"models loaded and engines built in {time.perf_counter() - t0:.1f} s")
+        warm.update(pool.warmup(gen, args.warmup, log=_log))
+        peer = None
+        if args.peer_llamacpp:
+            from .peer import make_peer
+
+            peer = make_peer(cfg, loaded, out, _threads(cfg), log=_log)
+            peer_note = "llama.cpp peer ran" if peer else "llama_cpp not importable (or teacher not GGUF): skipped"
+        try:
+            run_turns(pool, turns, gen, settings, jsonl, args.attn_samples, peer, args.allow_mismatch,
+                      progress=not args.no_progress)
+        except OutputMismatchError as e:
+            failed = str(e)
+    elif args.peer_llamacpp:
+        peer_note = "resumed run: no turns left to time"
+    records = [r for r in (read_records(jsonl).get(t.turn_id) for t in turns) if r is not None]
+    machine["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    machine["threads"] = _threads(cfg)
+    sweeps = {k: sw.summarize_points(records, rows[k], settings) for k in ("budget", "window") if rows[k]}
+    meta = {"name": name, "main": main.to_dict(), "command": command, "turns_requested": len(turns),
+            "subset": subset, "max_new_tokens": gen.max_new_tokens, "teacher": cfg.model.teacher,
+            "drafter": cfg.model.drafter, "mode": cfg.exec_mode, "machine": machine, "warmup": warm,
+            "settings": [s.to_dict() for s in settings], "sweeps": sweeps, "peer_llamacpp": peer_note,
+            "wall_s": time.time() - t_start, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "config": cfg.to_dict()}
+    rep = report_mod.build_report(records, meta)
+    report_mod.write_all(rep, out)
+    s, a = rep["speedup"], rep["accept_len"]
+    _log(f"{rep['turns']} turns: baseline {rep['baseline_tok_s']['mean']:.2f} tok/s, EAGLE-3 "
+         f"{rep['ea_tok_s']['mean']:.2f} tok/s, speedup mean {s['mean']:.3f}x p99 {s['p99']:.3f}x, "
+         f"L_k mean {a['mean']:.3f}; identical outputs: {rep['identical_outputs']}")
+    _log(f"wrote {os.path.join(out, 'report.json')}, report.md and {len(rep['run']['figure_files'])} figures")
+    if failed:
+        print(f"error: OUTPUT MISMATCH: {failed}", file=sys.stderr)
+        return 3
+    return 0

@@ -1,0 +1,119 @@
+"""Budget sweeps (paper Table 2, Figure 4) and drafter-only window truncation (paper Table 3, Figure 6).
+
+Budget sweep: M in ``budgets`` at the config's D_max and top_k; D_max in ``depths`` at the config's M and
+top_k; top_k in ``top_ks`` at the config's M and D_max. Window study: the drafter attends only to the last W
+context tokens (W in ``windows``; 0 = none = unlimited) at the config's M / D_max / top_k, teacher unchanged.
+
+Every sweep point is a :class:`~mindspore_eagle.bench.throughput.Setting` timed on the same turns, right after
+that turn's baseline (throughput.run_turn), so all points share one baseline per turn. A point whose parameters
+equal the config's own setting reuses the "main" run instead of timing it twice. Reported per point: mean tok/s,
+mean speedup (mean over turns of spec tok/s / baseline tok/s), aggregate speedup (total tokens / total seconds,
+spec over baseline), mean and p90 L_k; the fastest point (highest mean tok/s) is marked.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .throughput import Setting, stats
+
+DEFAULT_BUDGETS = (8, 16, 32, 64, 128)
+DEFAULT_DEPTHS = (2, 4, 6, 8)
+DEFAULT_WINDOWS = (0, 128, 256, 512)
+
+
+def main_setting(sp) -> Setting:
+    """The config's own setting (name "main") from a SpeculativeConfig."""
+    return Setting("main", sp.M, sp.D_max, sp.top_k, sp.window)
+
+
+def budget_points(sp, budgets=DEFAULT_BUDGETS, depths=DEFAULT_DEPTHS, top_ks=()) -> list:
+    """[(axis, value, Setting)] for the budget sweep; points with top_k > M are dropped (invalid trees)."""
+    out = []
+    for m in budgets:
+        out.append(("M", m, Setting(f"M={m}", m, sp.D_max, sp.top_k, sp.window)))
+    for d in depths:
+        out.append(("D_max", d, Setting(f"D={d}", sp.M, d, sp.top_k, sp.window)))
+    for k in top_ks:
+        out.append(("top_k", k, Setting(f"K={k}", sp.M, sp.D_max, k, sp.window)))
+    return [p for p in out if p[2].top_k <= p[2].M]
+
+
+def window_points(sp, windows=DEFAULT_WINDOWS) -> list:
+    """[("window", W, Setting)] for the drafter-only truncation study (W = 0 means no truncation)."""
+    return [("window", w, Setting(f"W={w or 'none'}", sp.M, sp.D_max, sp.top_k, w)) for w in windows]
+
+
+def dedupe(main: Setting, points: list) -> tuple[list, list]:
+    """Settings to run (main first, one per distinct parameter tuple) and the points relabelled to the setting
+    name that actually holds their parameters. Returns (settings, [(axis, value, run_name)])."""
+    by_params = {main.params: main}
+    settings = [main]
+    rows = []
+    for axis, value, s in points:
+        if s.params not in by_params:
+            by_params[s.params] = s
+            settings.append(s)
+        rows.append((axis, value, by_params[s.params].name))
+    return settings, rows
+
+
+def summarize_points(records, rows, settings) -> list:
+    """One summary dict per sweep point over the records that ran it (skipped turns excluded).
+
+    Returns [{"axis", "value", "setting", "M", "D_max", "top_k", "window", "turns", "tok_s" (mean spec tok/s),
+    "baseline_tok_s" (mean), "speedup" (mean per-turn), "speedup_agg", "accept_len_mean", "accept_len_p90",
+    "identical" (all outputs equal the baseline), "fastest" (bool, highest tok_s among points of the same study)}].
+    """
+    by_name = {s.name: s for s in settings}
+    out = []
+    for axis, value, name in rows:
+        s = by_name[name]
+        rs = [(r["baseline"], r["settings"][name]) for r in records
+              if "baseline" in r and name in r.get("settings", {}) and "tok_s" in r["settings"][name]]
+        lens = [x for _, sr in rs for x in sr["accept_lens"]]
+        tok = [sr["tok_s"] for _, sr in rs]
+        base_time = sum((b["prefill_ms"] + b["decode_ms"]) for b, _ in rs)
+        spec_time = sum((sr["prefill_ms"] + sr["decode_ms"]) for _, sr in rs)
+        base_new = sum(b["new_tokens"] for b, _ in rs)
+        spec_new = sum(sr["new_tokens"] for _, sr in rs)
+        agg = (spec_new / spec_time) / (base_new / base_time) if rs and spec_time and base_time and base_new else \
+            float("nan")
+        ls = stats(lens)
+        out.append({"axis": axis, "value": value, "setting": name, "M": s.M, "D_max": s.D_max, "top_k": s.top_k,
+                    "window": s.window, "turns": len(rs), "tok_s": stats(tok)["mean"],
+                    "baseline_tok_s": stats([b["tok_s"] for b, _ in rs])["mean"],
+                    "speedup": stats([sr["speedup"] for _, sr in rs])["mean"], "speedup_agg": agg,
+                    "accept_len_mean": ls["mean"], "accept_len_p90": ls["p90"],
+                    "identical": all(sr["identical"] for _, sr in rs), "fastest": False})
+    finite = [p for p in out if p["tok_s"] == p["tok_s"]]
+    if finite:
+        best = max(p["tok_s"] for p in finite)
+        for p in finite:
+            p["fastest"] = p["tok_s"] == best
+    return out
+
+
+def parse_int_list(text: str, allow_none: bool = False) -> tuple:
+    """"8,16,32" -> (8, 16, 32); with allow_none, "none" / "0" -> 0 (no window). Raises ValueError naming it."""
+    out = []
+    for part in str(text).split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        if allow_none and part in ("none", "all", "inf"):
+            out.append(0)
+            continue
+        try:
+            v = int(part)
+        except ValueError:
+            raise ValueError(f"expected a comma-separated list of integers, got {part!r} in {text!r}") from None
+        if v < (0 if allow_none else 1):
+            raise ValueError(f"value {v} out of range in {text!r}")
+        out.append(v)
+    if not out:
+        raise ValueError(f"empty list {text!r}")
+    return tuple(out)
+
+
+__all__ = ["DEFAULT_BUDGETS", "DEFAULT_DEPTHS", "DEFAULT_WINDOWS", "main_setting", "budget_points",
+           "window_points", "dedupe", "summarize_points", "parse_int_list"]

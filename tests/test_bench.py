@@ -1,0 +1,253 @@
+"""Benchmark harness (mindspore_eagle.bench): end-to-end CLI run on the real teacher with an untrained drafter,
+statistics against hand computation, resume, acceptance by position from synthetic traces, mismatch detection,
+sweep summaries, and the F32 GGUF writer round-trip through our own loader."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from mindspore_eagle.bench import cli_main
+from mindspore_eagle.bench import report as report_mod
+from mindspore_eagle.bench.sweeps import budget_points, dedupe, main_setting, parse_int_list, summarize_points, \
+    window_points
+from mindspore_eagle.bench.throughput import (OutputMismatchError, Setting, TurnSpec, accept_by_depth,
+                                              attention_buckets, read_records, run_turns, stats)
+from mindspore_eagle.config import GenerationConfig, SpeculativeConfig
+from mindspore_eagle.engine import Generation
+from mindspore_eagle.trace import StepTrace, TurnTrace
+
+STAT_KEYS = ("mean", "p50", "p90", "p99")
+
+
+# ----------------------------------------------------------------------------------------- end to end (real) --
+def test_cli_end_to_end_random_drafter(tmp_path):
+    """--turns 2 (MT-Bench writing/81, both turns) --max-new-tokens 8 with an untrained drafter: lossless, report
+    keys, markdown and figures; a second call with the same --out resumes with nothing left to run."""
+    out = tmp_path / "run"
+    argv = ["--turns", "2", "--max-new-tokens", "8", "--set", "model.drafter=random", "--warmup", "short",
+            "--attn-samples", "2", "--no-progress", "--out", str(out)]
+    assert cli_main(argv) == 0
+    rep = json.loads((out / "report.json").read_text())
+    for key in ("turns", "M", "D_max", "top_k", "identical_outputs", "baseline_tok_s", "ea_tok_s", "speedup",
+                "accept_len"):
+        assert key in rep, key
+    for key in ("baseline_tok_s", "ea_tok_s", "speedup", "accept_len"):
+        assert all(isinstance(rep[key][s], float) for s in STAT_KEYS), key
+    assert rep["turns"] == 2 and rep["identical_outputs"] is True
+    assert (rep["M"], rep["D_max"], rep["top_k"]) == (16, 5, 4)
+    assert rep["accept_len"]["mean"] >= 1.0 and rep["figures"]["fig7_attention"]["n"] >= 1
+    md = (out / "report.md").read_text()
+    assert "Table 1" in md and "1.27x" in md and "3.17" in md
+    for n in (1, 2, 3, 5, 7):
+        assert (out / report_mod.FIGURES[n]).stat().st_size > 1000
+    recs = read_records(out / "turns.jsonl")
+    assert list(recs) == ["mtbench/81#0", "mtbench/81#1"]
+    assert recs["mtbench/81#1"]["prompt_tokens"] > recs["mtbench/81#0"]["prompt_tokens"]  # history included
+    lines = (out / "turns.jsonl").read_text().splitlines()
+    assert cli_main(argv) == 0                                                            # resume: nothing to do
+    assert (out / "turns.jsonl").read_text().splitlines() == lines
+    assert cli_main(argv[:-1] + [str(out)] + ["--max-new-tokens", "9"]) == 2              # different params refused
+
+
+# ------------------------------------------------------------------------------------------------ helpers --
+def test_stats_hand_computed():
+    s = stats([1, 2, 3, 4])
+    assert s["mean"] == 2.5 and s["p50"] == 2.5 and s["n"] == 4
+    assert s["p90"] == pytest.approx(3.7) and s["p99"] == pytest.approx(3.97)   # 1 + q * 3 (linear)
+    s = stats([5.0])
+    assert all(s[k] == 5.0 for k in STAT_KEYS)
+    assert np.isnan(stats([])["mean"])
+
+
+def test_accept_by_depth_hand_count():
+    lens = [1, 2, 3, 6, 2]                          # accepted drafts 0, 1, 2, 5, 1
+    r = accept_by_depth(lens, 5)
+    assert r["depth"] == [1, 2, 3, 4, 5] and r["n_steps"] == 5
+    assert r["reach"] == pytest.approx([4 / 5, 2 / 5, 1 / 5, 1 / 5, 1 / 5])
+    assert r["conditional"] == pytest.approx([0.8, 0.5, 0.5, 1.0, 1.0])
+
+
+def test_attention_buckets():
+    b = attention_buckets([0, 31, 32, 127, 128, 255, 256, 1000])
+    assert (b["0-31"], b["32-127"], b["128-255"], b["256+"], b["n"]) == (0.25, 0.25, 0.25, 0.25, 8)
+    assert np.isnan(attention_buckets([])["0-31"])
+
+
+def test_parse_and_sweep_points():
+    assert parse_int_list("8, 16,32") == (8, 16, 32)
+    assert parse_int_list("none,128", allow_none=True) == (0, 128)
+    with pytest.raises(ValueError):
+        parse_int_list("8,x")
+    sp = SpeculativeConfig(M=16, D_max=5, top_k=4)
+    main = main_setting(sp)
+    pts = budget_points(sp, (2, 16, 32), (2, 5), (4, 8)) + window_points(sp, (0, 128))
+    settings, rows = dedupe(main, pts)
+    # M=2 dropped (top_k > M); M=16, D=5, K=4 and W=none are the main setting itself
+    assert [s.name for s in settings] == ["main", "M=32", "D=2", "K=8", "W=128"]
+    assert [r[2] for r in rows] == ["main", "M=32", "D=2", "main", "main", "K=8", "main", "W=128"]
+
+
+# ---------------------------------------------------------------------------------------- fake engine runs --
+class FakeEngine:
+    """Deterministic stand-in for Engine: output ids depend on the prompt; speculative steps are scripted."""
+
+    def __init__(self, accept_script=(), calls=None, fail_at=None, corrupt=False):
+        self.script, self.calls, self.fail_at, self.corrupt = list(accept_script), calls, fail_at, corrupt
+        self.drafter = None
+
+    def encode_chat(self, messages):
+        return [len(m["content"]) % 50 + 3 for m in messages for _ in range(3)]
+
+    def generate_ids(self, ids, gen, speculative=True, turn_id=""):
+        if self.calls is not None:
+            self.calls.append((turn_id, speculative, len(ids)))
+            if self.fail_at is not None and len(self.calls) > self.fail_at:
+                raise KeyboardInterrupt("simulated kill")
+        out = [(sum(ids) + i) % 97 for i in range(gen.max_new_tokens)]
+        steps = []
+        if speculative:
+            lens = self.script.pop(0) if self.script else [1] * len(out)
+            steps = [StepTrace(step=k, accept_len=L, accepted=list(range(L)), n_nodes=8, draft_ms=2.0,
+                               tensorize_ms=0.5, mask_ms=0.25, verify_ms=4.0, accept_ms=0.125, commit_ms=1.0,
+                               total_ms=8.0) for k, L in enumerate(lens)]
+            if self.corrupt:
+                out = out[:-1] + [out[-1] + 1]
+        ms = 10.0 * (len(steps) if speculative else len(out))
+        turn = TurnTrace(turn_id, len(ids), len(out), prefill_ms=5.0, decode_ms=ms,
+                         tok_per_s=len(out) / ((5.0 + ms) / 1e3),
+                         mean_accept_len=float(np.mean([s.accept_len for s in steps])) if steps else 1.0)
+        return Generation(out, f"answer to {turn_id}", "length", len(ids), steps, turn)
+
+
+class FakePool:
+    def __init__(self, engine):
+        self.baseline = engine
+
+    def engine(self, name):
+        return self.baseline
+
+
+TURNS = [TurnSpec("mtbench/81#0", "mtbench/81", "mtbench", "writing", 0, "Write a blog post."),
+         TurnSpec("mtbench/81#1", "mtbench/81", "mtbench", "writing", 1, "Rewrite it.", "mtbench/81#0"),
+         TurnSpec("HumanEval/0#0", "HumanEval/0", "humaneval", "humaneval", 0, "def f():")]
+GEN = GenerationConfig(max_new_tokens=6)
+MAIN = [Setting("main", 16, 5, 4)]
+
+
+def test_resume_skips_finished_turns(tmp_path):
+    path = str(tmp_path / "turns.jsonl")
+    calls = []
+    with pytest.raises(KeyboardInterrupt):   # killed during the third turn's baseline (5th generate call)
+        run_turns(FakePool(FakeEngine(calls=calls, fail_at=4)), TURNS, GEN, MAIN, path, progress=False)
+    assert list(read_records(path)) == ["mtbench/81#0", "mtbench/81#1"]
+    with open(path, "a") as f:
+        f.write('{"turn_id": "HumanEval/0#0", "trunc')             # torn line from the kill: ignored
+    calls2 = []
+    recs = run_turns(FakePool(FakeEngine(calls=calls2)), TURNS, GEN, MAIN, path, progress=False)
+    assert [c[0] for c in calls2] == ["HumanEval/0#0", "HumanEval/0#0"]    # only the unfinished turn ran
+    assert [r["turn_id"] for r in recs] == [t.turn_id for t in TURNS]
+    # the second MT-Bench turn was asked after the first turn's baseline answer (3 messages -> 9 fake ids)
+    assert calls[2] == ("mtbench/81#1", False, 9) and recs[1]["prompt_tokens"] == 9
+
+
+def test_acceptance_by_position_from_synthetic_traces(tmp_path):
+    script = [[1, 3, 2], [6, 1], [4]]          # L_k per step of the three speculative turns
+    recs = run_turns(FakePool(FakeEngine(accept_script=script)), TURNS, GEN, MAIN, str(tmp_path / "t.jsonl"),
+                     progress=False)
+    rep = report_mod.build_report(recs, {"main": MAIN[0].to_dict(), "sweeps": {}})
+    flat = [1, 3, 2, 6, 1, 4]
+    hand = [sum(1 for L in flat if L - 1 >= d) / 6 for d in range(1, 6)]   # 4/6, 3/6, 2/6, 1/6, 1/6
+    assert rep["figures"]["fig3_accept_by_depth"]["reach"] == pytest.approx(hand)
+    assert hand == pytest.approx([4 / 6, 3 / 6, 2 / 6, 1 / 6, 1 / 6])
+    assert rep["accept_len"]["mean"] == pytest.approx(np.mean(flat)) and rep["identical_outputs"] is True
+    assert rep["turns"] == 3 and rep["by_source"]["mtbench"]["turns"] == 2
+    # speedup per turn = (6 / (5 + 10 * steps) ms) / (6 / (5 + 60) ms)
+    want = [65 / (5 + 10 * len(s)) for s in script]
+    assert rep["speedup"]["mean"] == pytest.approx(np.mean(want))
+    ov = rep["figures"]["fig5_overheads"]
+    assert ov["steps"] == 6 and ov["total_ms"]["verify"] == pytest.approx(24.0)
+    assert ov["total_ms"]["prefill"] == pytest.approx(15.0) and ov["total_ms"]["other"] == pytest.approx(60 - 6 * 7.875)
+    assert sum(ov["share"].values()) == pytest.approx(1.0)
+    report_mod.write_all(rep, str(tmp_path))
+    assert "| reach | 0.667 | 0.500 | 0.333 | 0.167 | 0.167 |" in (tmp_path / "report.md").read_text()
+
+
+def test_mismatch_fails_loudly_and_is_recorded(tmp_path):
+    path = str(tmp_path / "t.jsonl")
+    with pytest.raises(OutputMismatchError, match="differs from teacher-only greedy at generated token 5"):
+        run_turns(FakePool(FakeEngine(corrupt=True)), TURNS, GEN, MAIN, path, progress=False)
+    rec = read_records(path)["mtbench/81#0"]
+    assert rec["settings"]["main"]["identical"] is False and rec["mismatch"]
+    recs = run_turns(FakePool(FakeEngine(corrupt=True)), TURNS, GEN, MAIN, str(tmp_path / "u.jsonl"),
+                     progress=False, allow_mismatch=True)
+    assert report_mod.build_report(recs, {"main": MAIN[0].to_dict(), "sweeps": {}})["identical_outputs"] is False
+
+
+def test_sweep_summary_marks_fastest(tmp_path):
+    settings = [Setting("main", 16, 5, 4), Setting("M=8", 8, 5, 4)]
+    recs = run_turns(FakePool(FakeEngine(accept_script=[[2, 2, 2], [1] * 6, [6], [3, 3]])), TURNS[:2], GEN,
+                     settings, str(tmp_path / "t.jsonl"), progress=False)
+    rows = summarize_points(recs, [("M", 16, "main"), ("M", 8, "M=8")], settings)
+    assert [r["fastest"] for r in rows] == [True, False]       # main: 3 + 1 steps; M=8: 6 + 2 steps
+    assert rows[0]["accept_len_mean"] == pytest.approx(12 / 4) and rows[1]["turns"] == 2
+
+
+# ------------------------------------------------------------------------------------------------ GGUF peer --
+def _bytes_to_unicode():
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return [chr(c) for _, c in sorted(zip(bs, cs))]
+
+
+def _tokenizer_gguf(path):
+    """A GGUF holding only tokenizer metadata (gpt2 byte-level BPE, 261 tokens) and a dummy tensor."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    tokens = ["<|im_start|>", "<|im_end|>"] + _bytes_to_unicode() + ["Ġt", "he", "Ġthe"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3] + [1] * (len(tokens) - 2))
+    w.add_token_merges(["Ġ t", "h e", "Ġt he"])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+    w.add_tensor("dummy", np.zeros(4, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_gguf_f32_writer_roundtrip(tmp_path, tied):
+    from tiny_pangu import random_tensors
+    from mindspore_eagle.bench.peer import permute_qk, write_gguf_f32
+    from mindspore_eagle.models.checkpoints import load_teacher, unpermute_qk
+    from mindspore_eagle.models.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=261, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
+                      num_kv_heads=2, head_dim=8, rope_theta=1e5, rms_norm_eps=1e-5, tie_word_embeddings=tied,
+                      max_position_embeddings=256, arch="llama")
+    tensors = random_tensors(cfg, seed=5)
+    w = tensors["model.layers.0.self_attn.q_proj.weight"]
+    assert np.array_equal(unpermute_qk(permute_qk(w, 4), 4), w) and not np.array_equal(permute_qk(w, 4), w)
+    path = write_gguf_f32(tmp_path / "t.gguf", cfg, tensors, _tokenizer_gguf(tmp_path / "tok.gguf"))
+    cfg2, loaded, tok = load_teacher(path)
+    assert cfg2 == cfg.replace(bos_token_id=0, eos_token_ids=(1,))
+    assert list(loaded) == list(tensors)
+    for name, arr in tensors.items():
+        assert loaded[name].dtype == np.float32 and np.array_equal(loaded[name], arr), name
+    assert tok.decode(tok.encode("the thethe")) == "the thethe" and tok.eos_token_ids == (1,)
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(path))
+    assert {int(t.tensor_type) for t in r.tensors} == {0}            # GGML F32 only
