@@ -24,16 +24,8 @@ import mindspore as ms
 from .kv import BlockManager, slots_to_2d
 from .models.eagle3 import Eagle3Drafter
 from .runtime import CompiledFn
+from .target import pow2_buckets
 from .tree import NEG_BIAS, DraftTree
-
-
-def pow2_buckets(limit: int) -> list[int]:
-    """1, 2, 4, ... up to ``limit`` (a power of two): query-length buckets for context passes."""
-    out, b = [], 1
-    while b <= limit:
-        out.append(b)
-        b *= 2
-    return out
 
 
 class DrafterRunner:

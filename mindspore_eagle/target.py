@@ -19,12 +19,16 @@ from .runtime import CompiledFn
 from .tree import NEG_BIAS, TreeTensors, tree_attention_bias
 
 
-def prefill_buckets(chunk: int) -> list[int]:
-    """Query-length buckets for prefill: 16, 32, ... up to ``chunk`` (a power of two >= 16)."""
-    if chunk < 16 or chunk & (chunk - 1):
-        raise ValueError(f"prefill chunk must be a power of two >= 16, got {chunk}")
-    out, b = [], 16
-    while b <= chunk:
+def pow2_buckets(limit: int, lo: int = 1) -> list[int]:
+    """Query-length buckets lo, 2 lo, 4 lo, ... up to ``limit`` (both powers of two).
+
+    Raises:
+        ValueError: limit is not a power of two >= lo (names the prefill chunk, its only user-set source).
+    """
+    if limit < lo or limit & (limit - 1):
+        raise ValueError(f"cache.prefill_chunk must be a power of two >= {lo}, got {limit}")
+    out, b = [], lo
+    while b <= limit:
         out.append(b)
         b *= 2
     return out
@@ -44,7 +48,7 @@ class TargetRunner:
         self.teacher, self.mode = teacher, mode
         self.bm = BlockManager(num_blocks, block_size, max_seq_len)
         self.S, self.B = max_seq_len, block_size
-        self.buckets = prefill_buckets(prefill_chunk)
+        self.buckets = pow2_buckets(prefill_chunk, 16)
         self._fwd = CompiledFn(teacher.construct, mode)
         self._hidden = CompiledFn(teacher.hidden, mode)
         self._compact = CompiledFn(KVCompactor(teacher.caches()), mode)
@@ -145,4 +149,4 @@ class TargetRunner:
         self.bm.rollback(sid)
 
 
-__all__ = ["TargetRunner", "CacheExhaustedError", "prefill_buckets"]
+__all__ = ["TargetRunner", "CacheExhaustedError", "pow2_buckets"]
