@@ -22,7 +22,7 @@ class ConfigError(ValueError):
 
 def _check_int(path: str, v, lo: int, hi: int | None = None):
     if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
-        rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        rng = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
         raise ConfigError(f"{path} = {v!r} is out of range: must be an int {rng}")
 
 

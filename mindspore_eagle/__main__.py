@@ -1,0 +1,5 @@
+"""``python -m mindspore_eagle`` = the ``mindspore-eagle`` console script (see :mod:`mindspore_eagle.cli`)."""
+from .cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,384 @@
+"""Resumable batch inference: JSONL records in, one JSONL result line per record out.
+
+Input (UTF-8 JSONL, blank lines ignored), one record per line, exactly one of ``prompt`` / ``messages`` / ``turns``
+(other keys are ignored, so MT-Bench style files with ``category`` etc. load as they are)::
+
+    {"id": "q1", "prompt": "What is the capital of France?"}                       one user message
+    {"id": 7, "messages": [{"role": "system", "content": "..."}, {"role": "user", "content": "..."}]}
+    {"id": "chat-3", "turns": ["Name a colour.", "Why that one?"]}                  multi-turn; answers chained
+
+Output, one line per input record (``line`` = 1-based input line)::
+
+    {"id": "q1", "line": 1, "text": "...", "prompt_tokens": 31, "new_tokens": 8, "tok_per_s": 3.1,
+     "mean_accept_len": 2.4, "stop_reason": "eos"}
+    multi-turn: text / prompt_tokens / new_tokens / stop_reason are lists (one entry per turn); tok_per_s and
+    mean_accept_len cover all turns (tokens per wall second incl. prefill; L_k counts the bonus token).
+    failed record: {"id": ..., "line": 4, "error": "..."} (invalid JSON line: "id": null), and the job goes on.
+
+Crash safety: every finished record is appended as one whole line with a single ``write`` then ``fsync``; a JSON
+line never contains a newline, so a job killed at any moment leaves complete lines plus at most one partial last
+line. ``resume=True`` truncates that partial line and skips the records already written (by id; by line number for
+records without a usable id), so no record is lost or duplicated.
+
+Data parallel: ``shard(records, rank, size)`` keeps record i (0-based, in input order) when i % size == rank; each
+rank writes ``shard_path(output, rank)`` and ``merge_shards`` writes the union in input order.
+
+Errors: :class:`BatchError` (one line) for job-level problems: missing or empty input, duplicate ids, an output that
+exists without resume/overwrite, or an output that belongs to another input.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+KINDS = ("prompt", "messages", "turns")
+ROLES = ("system", "user", "assistant")
+
+
+class BatchError(ValueError):
+    """A batch job cannot start or finish (bad input file, duplicate ids, output conflict); one-line message."""
+
+
+@dataclass
+class InputRecord:
+    """One input line.
+
+    Attributes:
+        line: 1-based line number in the input file.
+        index: 0-based position among the non-blank lines (record i; sharding uses it).
+        id: the record's ``id`` as given (None when missing or the line is not JSON).
+        kind: "prompt" | "messages" | "turns", or "" when the record is invalid.
+        payload: str (prompt) | list of {"role", "content"} (messages) | list of str (turns) | None.
+        error: why the record cannot run ("" if it can); written as its result.
+    """
+    line: int
+    index: int
+    id: object = None
+    kind: str = ""
+    payload: object = None
+    error: str = ""
+
+    @property
+    def key(self) -> str:
+        """Resume / merge key: the id (JSON-encoded, so 1 and "1" differ), else the line number."""
+        return f"line:{self.line}" if self.id is None else "id:" + json.dumps(self.id, sort_keys=True)
+
+
+def result_key(result: dict) -> str:
+    """The :attr:`InputRecord.key` of an output line."""
+    rid = result.get("id")
+    return f"line:{result.get('line')}" if rid is None else "id:" + json.dumps(rid, sort_keys=True)
+
+
+def parse_record(line: int, index: int, text: str) -> InputRecord:
+    """Parse and check one input line; problems go into ``InputRecord.error`` (never raised)."""
+    rec = InputRecord(line, index)
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        rec.error = f"line {line}: invalid JSON ({e.msg} at column {e.colno})"
+        return rec
+    if not isinstance(obj, dict):
+        rec.error = f"line {line}: a record must be a JSON object, got {type(obj).__name__}"
+        return rec
+    rec.id = obj.get("id")
+    where = f"line {line}" + ("" if rec.id is None else f" (id {json.dumps(rec.id)})")
+    if rec.id is None:
+        rec.error = f'{where}: missing "id"'
+    elif isinstance(rec.id, bool) or not isinstance(rec.id, (str, int)):
+        rec.error = f"{where}: id must be a string or an integer"
+    kinds = [k for k in KINDS if k in obj]
+    if rec.error:
+        return rec
+    if len(kinds) != 1:
+        rec.error = f'{where}: needs exactly one of "prompt", "messages", "turns" (got {kinds or "none"})'
+        return rec
+    rec.kind, rec.payload = kinds[0], obj[kinds[0]]
+    rec.error = _check_payload(rec.kind, rec.payload, where)
+    return rec
+
+
+def _check_payload(kind: str, p, where: str) -> str:
+    if kind == "prompt":
+        return "" if isinstance(p, str) and p.strip() else f'{where}: "prompt" must be a non-empty string'
+    if kind == "turns":
+        ok = isinstance(p, list) and p and all(isinstance(t, str) and t.strip() for t in p)
+        return "" if ok else f'{where}: "turns" must be a non-empty list of non-empty strings'
+    if not isinstance(p, list) or not p:
+        return f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects'
+    for i, m in enumerate(p):
+        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
+            return (f'{where}: messages[{i}] must be {{"role": one of {", ".join(ROLES)}, '
+                    f'"content": string}}')
+    return ""
+
+
+def read_input(path) -> list:
+    """All records of a JSONL input file, in order (invalid lines included, carrying their error).
+
+    Raises:
+        BatchError: the file is missing or unreadable, holds no record (empty or blank lines only), or two records
+            share an id (both line numbers named).
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        raise BatchError(f"input file {str(path)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise BatchError(f"input file {str(path)!r} cannot be read: {e}") from None
+    records = []
+    for n, text in enumerate(lines, 1):
+        if text.strip():
+            records.append(parse_record(n, len(records), text))
+    if not records:
+        raise BatchError(f"input file {str(path)!r} is empty: expected one JSON record per line, e.g. "
+                         '{"id": "q1", "prompt": "..."}')
+    seen: dict = {}
+    for r in records:
+        if r.id is not None and r.key in seen:
+            raise BatchError(f"input file {str(path)!r}: duplicate id {json.dumps(r.id)} on lines "
+                             f"{seen[r.key]} and {r.line}; ids must be unique")
+        seen.setdefault(r.key, r.line)
+    return records
+
+
+def shard(records: list, rank: int, size: int) -> list:
+    """Records i with i % size == rank (data parallel: record i goes to rank i % size)."""
+    if size < 1 or not 0 <= rank < size:
+        raise BatchError(f"rank {rank} is out of range for {size} ranks")
+    return [r for r in records if r.index % size == rank]
+
+
+def shard_path(output, rank: int) -> str:
+    """``out.jsonl`` -> ``out.rank{rank}.jsonl`` (same directory)."""
+    root, ext = os.path.splitext(os.fspath(output))
+    return f"{root}.rank{rank}{ext or '.jsonl'}"
+
+
+def read_results(path, truncate_partial: bool = False) -> list:
+    """Complete result lines of an output file ([] if it does not exist).
+
+    Args:
+        truncate_partial: cut a trailing partial line (left by a killed job) off the file; otherwise it is
+            only ignored.
+    Raises:
+        BatchError: a complete line is not a JSON object (the file is not an output of this tool).
+    """
+    if not os.path.exists(path):
+        return []
+    with open(path, "rb") as f:
+        data = f.read()
+    end = data.rfind(b"\n") + 1
+    if end < len(data) and truncate_partial:
+        with open(path, "r+b") as f:
+            f.truncate(end)
+            f.flush()
+            os.fsync(f.fileno())
+    out = []
+    for n, raw in enumerate(data[:end].splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            obj = None
+        if not isinstance(obj, dict) or "line" not in obj:
+            raise BatchError(f"output file {str(path)!r} line {n} is not a result record; is it the output of "
+                             "another program?")
+        out.append(obj)
+    return out
+
+
+class ResultWriter:
+    """Appends result dicts as whole JSON lines: one ``os.write`` per record, then ``fsync``."""
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, result: dict) -> None:
+        data = (json.dumps(result, ensure_ascii=False) + "\n").encode("utf-8")
+        while data:  # a short write is continued; a kill in between leaves a partial line resume() cuts
+            data = data[os.write(self.fd, data):]
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _known_generation_errors() -> tuple:
+    from .engine import CacheExhaustedError, GenerationError
+    from .models.config import CheckpointError
+
+    return GenerationError, CacheExhaustedError, CheckpointError
+
+
+def run_record(engine, rec: InputRecord, gen, speculative: bool = True) -> dict:
+    """Generate one record's answer; returns its result dict (see module docstring).
+
+    Raises:
+        GenerationError / CacheExhaustedError: the record cannot run (too long, empty); ``run_batch`` turns
+            them into the record's ``error``.
+    """
+    head = {"id": rec.id, "line": rec.line}
+    if rec.kind == "turns":
+        gens = engine.chat(rec.payload, gen, speculative, turn_id=str(rec.id))
+    else:
+        gens = [engine.generate(rec.payload, gen, speculative, turn_id=str(rec.id))]
+    new = sum(len(g.token_ids) for g in gens)
+    secs = sum(g.turn.prefill_ms + g.turn.decode_ms for g in gens) / 1e3
+    lens = [s.accept_len for g in gens for s in g.steps]
+    fields = {"text": [g.text for g in gens], "prompt_tokens": [g.prompt_tokens for g in gens],
+              "new_tokens": [len(g.token_ids) for g in gens], "stop_reason": [g.stop_reason for g in gens]}
+    if rec.kind != "turns":
+        fields = {k: v[0] for k, v in fields.items()}
+    return {**head, "text": fields["text"], "prompt_tokens": fields["prompt_tokens"],
+            "new_tokens": fields["new_tokens"], "tok_per_s": round(new / secs, 3) if secs > 0 else 0.0,
+            "mean_accept_len": round(sum(lens) / len(lens), 4) if lens else 1.0,
+            "stop_reason": fields["stop_reason"]}
+
+
+@dataclass
+class BatchStats:
+    """Counts of one ``run_batch`` call: records in scope, already done before (resume), written now
+    (results + errors), errors among them, wall seconds."""
+    total: int
+    skipped: int
+    written: int
+    errors: int
+    seconds: float
+
+
+def prepare_output(records: list, output, resume: bool, overwrite: bool) -> set:
+    """Make ``output`` ready to append to; returns the keys already done (resume).
+
+    Raises:
+        BatchError: the output exists (non-empty) without resume / overwrite, or holds records that are not in
+            ``records`` (it belongs to another input or shard).
+    """
+    output = os.fspath(output)
+    exists = os.path.exists(output) and os.path.getsize(output) > 0
+    if exists and not (resume or overwrite):
+        raise BatchError(f"output file {output!r} already exists: pass --resume to continue it or --overwrite to "
+                         "start over")
+    if exists and overwrite and not resume:
+        open(output, "wb").close()
+        return set()
+    done = {result_key(r) for r in read_results(output, truncate_partial=True)}
+    stray = done - {r.key for r in records}
+    if stray:
+        raise BatchError(f"output file {output!r} holds {len(stray)} record(s) that are not in this input "
+                         f"(e.g. {sorted(stray)[0]}); it belongs to another job")
+    return done
+
+
+def run_batch(engine, records: list, output, gen, speculative: bool = True, resume: bool = False,
+              overwrite: bool = False, progress: bool = True) -> BatchStats:
+    """Run every record not yet in ``output`` and append its result (or error) line.
+
+    Args:
+        engine: an Engine, or a zero-argument callable building one (called at most once, and only if some
+            record needs generating: resuming a finished job loads no model).
+        records: InputRecords (``read_input``, possibly ``shard``-ed), processed in order.
+        output: JSONL path, appended to. gen: GenerationConfig. speculative: False = teacher-only decoding.
+        resume: skip records already in ``output`` (after cutting a partial last line).
+        overwrite: start ``output`` afresh if it exists. progress: tqdm bar on stderr.
+    Returns:
+        BatchStats.
+    Raises:
+        BatchError: see ``prepare_output``. Model loading errors (CheckpointError, ...) propagate.
+    """
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    done = prepare_output(records, output, resume, overwrite)
+    todo = [r for r in records if r.key not in done]
+    stats = BatchStats(len(records), len(records) - len(todo), 0, 0, 0.0)
+    bar = tqdm(total=len(records), initial=stats.skipped, disable=not progress, unit="rec", file=sys.stderr,
+               dynamic_ncols=True, desc="batch")
+    errors: tuple = ()
+    with ResultWriter(output) as writer, bar:
+        for rec in todo:
+            result = {"id": rec.id, "line": rec.line, "error": rec.error} if rec.error else None
+            if result is None:
+                if not hasattr(engine, "generate"):
+                    engine = engine()
+                errors = errors or _known_generation_errors()
+                try:
+                    result = run_record(engine, rec, gen, speculative)
+                except errors as e:
+                    result = {"id": rec.id, "line": rec.line, "error": " ".join(str(e).split())}
+            writer.write(result)
+            stats.written += 1
+            stats.errors += "error" in result
+            bar.update(1)
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def shard_progress(records: list, output, size: int) -> dict:
+    """rank -> number of its records still missing from its shard file (partial last lines ignored)."""
+    missing = {}
+    for rank in range(size):
+        want = {r.key for r in shard(records, rank, size)}
+        have = {result_key(r) for r in read_results(shard_path(output, rank))}
+        missing[rank] = len(want - have)
+    return missing
+
+
+def merge_shards(records: list, output, size: int) -> int:
+    """Write ``output`` = the results of all ``size`` shard files, in input order (atomic replace).
+
+    Returns:
+        number of records written.
+    Raises:
+        BatchError: some shard lacks records (names the ranks and counts).
+    """
+    missing = {r: n for r, n in shard_progress(records, output, size).items() if n}
+    if missing:
+        raise BatchError("cannot merge: shards incomplete (" + ", ".join(f"rank {r}: {n} record(s) missing"
+                                                                      for r, n in missing.items()) + ")")
+    by_key = {}
+    for rank in range(size):
+        for res in read_results(shard_path(output, rank)):
+            by_key.setdefault(result_key(res), res)
+    tmp = f"{os.fspath(output)}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(by_key[r.key], ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, output)
+    return len(records)
+
+
+def wait_and_merge(records: list, output, size: int, timeout_s: float = 86400.0, poll_s: float = 2.0) -> int:
+    """Poll until every shard is complete, then ``merge_shards``.
+
+    Raises:
+        BatchError: still incomplete after ``timeout_s`` seconds (names the ranks).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if not any(shard_progress(records, output, size).values()):
+            return merge_shards(records, output, size)
+        if time.monotonic() > deadline:
+            return merge_shards(records, output, size)  # raises, naming what is missing
+        time.sleep(poll_s)
+
+
+__all__ = ["BatchError", "BatchStats", "InputRecord", "ResultWriter", "merge_shards", "parse_record",
+           "prepare_output", "read_input", "read_results", "result_key", "run_batch", "run_record", "shard",
+           "shard_path", "shard_progress", "wait_and_merge"]

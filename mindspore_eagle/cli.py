@@ -1,0 +1,421 @@
+"""Command line: ``mindspore-eagle`` (console script) = ``python -m mindspore_eagle``.
+
+Sub-commands::
+
+    generate       chat with the teacher (+ EAGLE-3 drafter), streaming tokens as they are committed
+    batch          JSONL prompts in, JSONL results out; resumable after a kill (--resume)
+    inspect        architecture of a teacher (HF dir / GGUF) or drafter directory, and what it fits
+    bench          delegated to mindspore_eagle.bench.cli_main(argv)
+    train-drafter  delegated to mindspore_eagle.train.__main__.main(argv)
+
+Configuration: ``--config FILE`` (repeatable: a deployment then a preset, merged key by key), ``--set
+section.key=value`` (repeatable), then the shorthand flags (``--mode``, ``--max-new-tokens``, ``--baseline``,
+``--trace``), which win. Without ``--config`` the built-in defaults (= configs/default.yaml) apply.
+
+Every known error (ConfigError, CheckpointError, DrafterCheckpointError, GenerationError, CacheExhaustedError,
+AssetError, BatchError) is printed as one line ``error: ...`` on stderr with exit code 2, never a traceback.
+The answer goes to stdout; summaries, prompts and progress bars go to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .assets import AssetError
+from .batch import BatchError
+from .config import Config, ConfigError, load_config
+from .models.config import CheckpointError
+
+EXIT_ERROR = 2
+_LAZY_ERRORS = (("mindspore_eagle.models.eagle3", "DrafterCheckpointError"),
+                ("mindspore_eagle.engine", "GenerationError"), ("mindspore_eagle.kv", "CacheExhaustedError"))
+
+
+def known_errors() -> tuple:
+    """Exception classes reported as ``error: ...`` (exit 2). Classes of modules not imported yet cannot have
+    been raised, so they are looked up lazily (keeps ``--help`` and config errors free of the MindSpore import)."""
+    classes = [ConfigError, CheckpointError, AssetError, BatchError]
+    for module, name in _LAZY_ERRORS:
+        if module in sys.modules:
+            classes.append(getattr(sys.modules[module], name))
+    return tuple(classes)
+
+
+def one_line(e: BaseException) -> str:
+    """The exception message on one line (whitespace runs collapsed)."""
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+# --------------------------------------------------------------------------------------------- config flags --
+def _add_config_args(p: argparse.ArgumentParser, generation: bool = True) -> None:
+    g = p.add_argument_group("configuration")
+    g.add_argument("--config", action="append", default=[], metavar="FILE",
+                   help="YAML config; repeat to merge (e.g. configs/default.yaml configs/presets/chain.yaml)")
+    g.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value, e.g. --set speculative.M=32 (repeatable)")
+    if generation:
+        g.add_argument("--mode", choices=("fused", "eager"),
+                       help="fused = compiled graphs (context.mode 0), eager = PyNative with per-step checks")
+        g.add_argument("--max-new-tokens", type=int, metavar="N", help="generation.max_new_tokens")
+        g.add_argument("--baseline", action="store_true",
+                       help="teacher-only decoding (no drafter is loaded): the reference for speed and output")
+        g.add_argument("--trace", metavar="FILE.jsonl", help="append per-step / per-turn traces (speculative.trace)")
+
+
+def config_from_args(args) -> Config:
+    """The validated Config of ``--config`` / ``--set`` plus the shorthand flags.
+
+    Raises:
+        ConfigError: as :func:`mindspore_eagle.config.load_config`, or a flag value out of range.
+    """
+    cfg = load_config(args.config or None, args.set)
+    if getattr(args, "mode", None):
+        cfg.speculative.mode = args.mode
+        cfg.context.mode = 0 if args.mode == "fused" else 1
+    if getattr(args, "max_new_tokens", None) is not None:
+        cfg.generation.max_new_tokens = args.max_new_tokens
+    if getattr(args, "baseline", False):
+        cfg.model.drafter = "none"
+    if getattr(args, "trace", None):
+        cfg.speculative.trace = args.trace
+    return cfg.validate()
+
+
+def _engine(cfg: Config):
+    from .pipeline import build_engine
+
+    return build_engine(cfg)
+
+
+# ----------------------------------------------------------------------------------------------- generate --
+class Streamer:
+    """``on_token`` callback printing committed text as it becomes final.
+
+    EOS tokens are not printed; text that could still turn into a stop string (the last max(len(stop)) - 1
+    characters) is held back until it cannot, so what is printed is always a prefix of ``Generation.text``.
+    """
+
+    def __init__(self, tokenizer, eos_ids, stop, out=None):
+        from .tokenizer import IncrementalDecoder
+
+        self.decoder, self.eos, self.stop = IncrementalDecoder(tokenizer), set(eos_ids), list(stop)
+        self.out = out or sys.stdout
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.text, self.printed, self.stopped = "", 0, False
+
+    def __call__(self, token: int) -> None:
+        if token in self.eos or self.stopped:
+            return
+        self.text += self.decoder.push([token])
+        cut = min((self.text.find(s) for s in self.stop if s in self.text), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            self._emit(cut)
+        else:
+            self._emit(len(self.text) - self.hold)
+
+    def _emit(self, upto: int) -> None:
+        if upto > self.printed:
+            self.out.write(self.text[self.printed:upto])
+            self.out.flush()
+            self.printed = upto
+
+    def finish(self, final_text: str) -> None:
+        """Print the rest of the turn's final text and a newline."""
+        shown = self.text[:self.printed]
+        rest = final_text[len(shown):] if final_text.startswith(shown) else "\n" + final_text
+        self.out.write(rest + "\n")
+        self.out.flush()
+
+
+def turn_summary(g, mode: str, speculative: bool) -> str:
+    """One line: new tokens, tok/s (wall, prefill included), mean accept length L_k (bonus counted), compiles."""
+    t = g.turn
+    how = "speculative" if speculative else "teacher-only"
+    return (f"[{t.new_tokens} new tokens, {t.tok_per_s:.2f} tok/s, mean L_k {t.mean_accept_len:.2f} "
+            f"over {len(g.steps)} steps, {t.compile_count} compiles, {mode}, {how}, stop: {g.stop_reason}]")
+
+
+def _stdin_turns(prompt_tty: bool):
+    while True:
+        if prompt_tty:
+            sys.stderr.write("you> ")
+            sys.stderr.flush()
+        line = sys.stdin.readline()
+        if not line:
+            return
+        line = line.strip()
+        if line in ("/exit", "/quit"):
+            return
+        if line:
+            yield line
+
+
+def cmd_generate(args) -> int:
+    """``generate``: one prompt, a multi-turn chat (repeated --prompt), or interactive --chat on stdin."""
+    if not args.prompt and not args.chat:
+        raise ConfigError("generate needs --prompt TEXT (repeatable for a multi-turn chat) or --chat")
+    cfg = config_from_args(args)
+    engine = _engine(cfg)
+    speculative = engine.drafter is not None
+    gen, steps, turns = cfg.generation, [], []
+    turns_in = args.prompt if args.prompt else _stdin_turns(sys.stdin.isatty())
+    labelled = args.chat or len(args.prompt) > 1
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    for i, text in enumerate(turns_in):
+        if text == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        messages.append({"role": "user", "content": text})
+        if labelled and not args.chat:
+            sys.stdout.write(f"user: {text}\nassistant: ")
+        streamer = Streamer(engine.tokenizer, engine.eos, gen.stop)
+        g = engine.generate(messages, gen, speculative, turn_id=str(i), on_token=streamer)
+        streamer.finish(g.text)
+        messages.append({"role": "assistant", "content": g.text})
+        print(turn_summary(g, cfg.exec_mode, speculative), file=sys.stderr, flush=True)
+        steps += g.steps
+        turns.append(g.turn)
+    if args.stats and turns:
+        from .trace import format_summary
+
+        print(format_summary(steps, turns), file=sys.stderr)
+    return 0
+
+
+# -------------------------------------------------------------------------------------------------- batch --
+def _parse_shard(text: str) -> tuple:
+    try:
+        rank, size = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise BatchError(f"--shard expects RANK/SIZE, e.g. 0/2, got {text!r}") from None
+    if size < 1 or not 0 <= rank < size:
+        raise BatchError(f"--shard {text}: rank must be in [0, {size - 1}]")
+    return rank, size
+
+
+def cmd_batch(args) -> int:
+    """``batch``: run a JSONL file (see mindspore_eagle.batch), one result line per record."""
+    from . import batch
+
+    cfg = config_from_args(args)
+    records = batch.read_input(args.input)
+    if args.shard:
+        records = batch.shard(records, *_parse_shard(args.shard))
+    stats = batch.run_batch(lambda: _engine(cfg), records, args.output, cfg.generation,
+                            speculative=cfg.model.drafter != "none", resume=args.resume, overwrite=args.overwrite,
+                            progress=not args.no_progress)
+    print(f"batch: {stats.written} record(s) written ({stats.errors} with an error), {stats.skipped} already done, "
+          f"{stats.total} in total -> {args.output} in {stats.seconds:.1f} s", file=sys.stderr)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ inspect --
+def _safetensors_params(files) -> tuple:
+    n_params = n_tensors = 0
+    for f in files:
+        with open(f, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(size))
+        for name, meta in header.items():
+            if name != "__metadata__":
+                n_tensors += 1
+                n = 1
+                for s in meta["shape"]:
+                    n *= s
+                n_params += n
+    return n_params, n_tensors
+
+
+def _is_drafter_config(d: dict) -> bool:
+    archs = " ".join(d.get("architectures") or [])
+    return "Eagle" in archs or "eagle_config" in d or "draft_vocab_size" in d or "target_hidden_size" in d
+
+
+def describe_teacher(path) -> dict:
+    """Architecture facts of a teacher checkpoint, read from metadata only (no weights loaded).
+
+    Raises:
+        CheckpointError: missing path, pickle checkpoint, unreadable config / GGUF metadata.
+    """
+    from pathlib import Path
+
+    from .models.checkpoints import _read_json, _resolve, gguf_config, open_gguf
+    from .models.config import ModelConfig
+    from .tokenizer import Tokenizer
+
+    p = _resolve(path)
+    if p.suffix.lower() == ".gguf":
+        reader = open_gguf(p)
+        cfg = gguf_config(reader)
+        n_params = sum(int(t.n_elements) for t in reader.tensors)
+        fmt = f"GGUF ({cfg.arch}, {len(reader.tensors)} tensors, types " \
+              f"{', '.join(sorted({t.tensor_type.name for t in reader.tensors}))})"
+        tok = lambda: Tokenizer.from_gguf(reader)  # noqa: E731
+    else:
+        cfg = ModelConfig.from_hf_config(_read_json(Path(p) / "config.json"))
+        n_params, n_tensors = _safetensors_params(sorted(Path(p).glob("*.safetensors")))
+        fmt = f"HF safetensors directory ({cfg.arch}, {n_tensors} tensors)"
+        tok = lambda: Tokenizer.from_hf_dir(p)  # noqa: E731
+    try:
+        t = tok()
+        tok_info = f"vocab {t.vocab_size}, chat template {'yes' if t.chat_template else 'no'}"
+    except CheckpointError as e:
+        tok_info = f"unusable ({one_line(e)})"
+    return {"kind": "teacher", "path": str(p), "format": fmt, "parameters": n_params, "config": cfg,
+            "tokenizer": tok_info}
+
+
+def cmd_inspect(args) -> int:
+    """``inspect``: print a checkpoint's architecture and what it is compatible with."""
+    from pathlib import Path
+
+    from .pipeline import EMBEDDED_DRAFTER, resolve_teacher
+
+    path = {"embedded": resolve_teacher("embedded"), "embedded-drafter": EMBEDDED_DRAFTER}.get(args.path, args.path)
+    cfg_json = Path(path) / "config.json"
+    if Path(path).is_dir() and cfg_json.is_file():
+        from .models.checkpoints import _read_json
+
+        if _is_drafter_config(_read_json(cfg_json)):
+            return _inspect_drafter(path, args.teacher)
+    info = describe_teacher(path)
+    c = info["config"]
+    print(f"teacher: {info['path']}\n  format: {info['format']}\n"
+          f"  parameters: {info['parameters'] / 1e6:.1f} M\n"
+          f"  architecture: {c.arch} decoder, {c.num_layers} layers, hidden {c.hidden_size}, intermediate "
+          f"{c.intermediate_size}, heads {c.num_heads} (kv {c.num_kv_heads}, head_dim {c.head_dim}), vocab "
+          f"{c.vocab_size}, rope_theta {c.rope_theta:g}, qkv_bias {c.qkv_bias}, o_bias {c.o_bias}, tied embeddings "
+          f"{c.tie_word_embeddings}, context {c.max_position_embeddings}\n"
+          f"  tokenizer: {info['tokenizer']}; bos {c.bos_token_id}, eos {list(c.eos_token_ids)}\n"
+          f"  EAGLE-3 capture layers (inputs of): {list(c.aux_layers)}\n"
+          f"  compatible drafters: EAGLE-3 with hidden_size = target_hidden_size = {c.hidden_size}, vocab_size = "
+          f"{c.vocab_size} (any draft_vocab_size), trained on capture layers {list(c.aux_layers)}")
+    return 0
+
+
+def _inspect_drafter(path, teacher) -> int:
+    from .models.eagle3 import load_drafter
+    from .pipeline import check_drafter_fits, resolve_teacher
+
+    d, tensors = load_drafter(path)
+    n = sum(int(v.size) for k, v in tensors.items() if k not in ("d2t", "t2d"))
+    aux = list(d.aux_layers) or "teacher default (2, L//2, L-3)"
+    print(f"drafter: {path}\n  format: EAGLE-3 / SpecForge directory (config.json + model.safetensors)\n"
+          f"  parameters: {n / 1e6:.1f} M (embedding shared with the teacher, not stored)\n"
+          f"  architecture: 1 decoder layer, hidden {d.hidden_size}, intermediate {d.intermediate_size}, heads "
+          f"{d.num_attention_heads} (kv {d.num_key_value_heads}, head_dim {d.head_dim}), draft vocab "
+          f"{d.draft_vocab_size} of {d.vocab_size}, rope_theta {d.rope_theta:g}\n"
+          f"  fuses 3 x {d.target_hidden_size} teacher features from layers (inputs of): {aux}\n"
+          f"  compatible teachers: hidden_size {d.hidden_size}, vocab_size {d.vocab_size}"
+          + (f", capture layers {list(d.aux_layers)}" if d.aux_layers else ""))
+    if teacher:
+        t = describe_teacher(resolve_teacher(teacher))["config"]
+        check_drafter_fits(d, t)
+        print(f"  fits teacher {teacher}: yes")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ delegations --
+def _delegate(command: str, argv: list) -> int:
+    import importlib
+
+    module, func = {"bench": ("mindspore_eagle.bench", "cli_main"),
+                    "train-drafter": ("mindspore_eagle.train.__main__", "main")}[command]
+    try:
+        fn = getattr(importlib.import_module(module), func)
+    except (ImportError, AttributeError):
+        raise BatchError(f"'{command}' is not available in this installation ({module}.{func} is missing)") from None
+    rc = fn(argv)
+    return int(rc or 0)
+
+
+# ------------------------------------------------------------------------------------------------ parser --
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse tree (``--help`` on every sub-command)."""
+    p = argparse.ArgumentParser(prog="mindspore-eagle", description="EAGLE-3 tree speculative decoding on "
+                                "MindSpore (SmolLM2 on CPU by default; openPangu on Ascend).",
+                                epilog="Errors are one line 'error: ...' on stderr, exit code 2.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="chat with the model, streaming the answer",
+                       description="Generate an answer (streamed to stdout as tokens are committed), then print a "
+                       "one-line summary on stderr: new tokens, tok/s, mean accepted length L_k, compile count.")
+    g.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                   help="user message; repeat for a multi-turn chat (each turn sees the previous answers)")
+    g.add_argument("--chat", action="store_true", help="interactive: read user turns from stdin (/reset, /exit)")
+    g.add_argument("--system", metavar="TEXT", help="system message")
+    g.add_argument("--stats", action="store_true", help="print the per-step timing table at the end (stderr)")
+    _add_config_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("batch", help="JSONL in, JSONL out (resumable)",
+                       description="Run every record of a JSONL file ({'id', 'prompt' | 'messages' | 'turns'}) and "
+                       "append one result line per record (text, token counts, tok/s, mean L_k, stop_reason, or "
+                       "error). Each line is flushed and fsync'd: after a kill, --resume continues without losing "
+                       "or duplicating a record.")
+    b.add_argument("--input", required=True, metavar="IN.jsonl")
+    b.add_argument("--output", required=True, metavar="OUT.jsonl")
+    b.add_argument("--resume", action="store_true", help="continue OUT: cut a partial last line, skip done ids")
+    b.add_argument("--overwrite", action="store_true", help="start OUT afresh if it exists")
+    b.add_argument("--shard", metavar="RANK/SIZE", help="only records i with i %% SIZE == RANK (data parallel)")
+    b.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    _add_config_args(b)
+    b.set_defaults(func=cmd_batch)
+
+    i = sub.add_parser("inspect", help="print a checkpoint's architecture and compatibility",
+                       description="Describe a teacher (HF/openPangu directory, .gguf file, 'embedded') or an "
+                       "EAGLE-3 drafter directory ('embedded-drafter'), from metadata, and what it fits.")
+    i.add_argument("path", help="checkpoint path, 'embedded' or 'embedded-drafter'")
+    i.add_argument("--teacher", help="for a drafter: check that it fits this teacher (path or 'embedded')")
+    i.set_defaults(func=cmd_inspect)
+
+    sub.add_parser("bench", help="benchmarks (mindspore_eagle.bench; see 'bench --help')", add_help=False)
+    sub.add_parser("train-drafter", help="train an EAGLE-3 drafter (see 'train-drafter --help')", add_help=False)
+    return p
+
+
+def guarded(fn, *args) -> int:
+    """Run ``fn(*args)`` and map known errors to one line ``error: ...`` on stderr and exit code 2.
+
+    KeyboardInterrupt gives exit code 130; any other exception keeps its traceback (a bug, not a user error).
+    Used by :func:`main` and the scripts/ entry points.
+    """
+    os.environ.setdefault("GLOG_v", "3")  # MindSpore's C++/Python log: errors only (before mindspore is imported)
+    try:
+        return int(fn(*args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - known errors become one line, others keep their traceback
+        if isinstance(e, known_errors()):
+            print(f"error: {one_line(e)}", file=sys.stderr)
+            return EXIT_ERROR
+        raise
+
+
+def _dispatch(argv: list) -> int:
+    if argv and argv[0] in ("bench", "train-drafter"):
+        return _delegate(argv[0], argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_ERROR
+    return args.func(args)
+
+
+def main(argv=None) -> int:
+    """Entry point of ``mindspore-eagle`` / ``python -m mindspore_eagle``.
+
+    Args:
+        argv: arguments without the program name (default ``sys.argv[1:]``).
+    Returns:
+        exit code: 0 ok, 2 a known error (printed as ``error: ...``) or bad arguments, 130 interrupted.
+    """
+    return guarded(_dispatch, list(sys.argv[1:] if argv is None else argv))
+
+
+__all__ = ["main", "guarded", "build_parser", "config_from_args", "known_errors", "Streamer", "describe_teacher"]

@@ -1,0 +1,97 @@
+#!/usr/bin/env python
+"""ModelArts / msrun boot file: data-parallel batch inference, one process per rank, merged by rank 0.
+
+    python scripts/modelarts_boot.py --input IN.jsonl --output OUT.jsonl [--config FILE] [--set k=v] ...
+    msrun --worker_num 2 --local_worker_num 2 --join True scripts/modelarts_boot.py --input ... --output ...
+
+Environment (set by ModelArts' Ascend jobs per card, or by MindSpore's ``msrun`` per worker process;
+pangu_mindformers.md §4):
+    RANK_ID    this process's rank r (default 0)        RANK_SIZE  number of ranks N (default 1)
+    DEVICE_ID  device index; sets context.device_id unless context.device_target is CPU
+    MS_ROLE    msrun also runs this file once as its scheduler (MS_ROLE=MS_SCHED); that process exits at once,
+               since the ranks exchange nothing but files (no mindspore.communication.init()).
+
+Steps: every rank reads the whole input (so ids are checked the same way everywhere), keeps record i when
+i % N == r, and runs it with ``mindspore_eagle.batch.run_batch`` to ``OUT.rank{r}.jsonl`` (resumed by default: a
+restarted job skips what its shard already holds). Rank 0 then waits until every shard is complete and writes
+OUT.jsonl with all records in input order. ``--merge`` only does that last step (e.g. as a separate job step).
+Exit codes: 0 ok, 2 a known error (one line ``error: ...``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mindspore_eagle.cli import _add_config_args, config_from_args, guarded  # noqa: E402
+
+
+def rank_env() -> tuple:
+    """(rank, size, device_id or None) from RANK_ID / RANK_SIZE / DEVICE_ID.
+
+    Raises:
+        mindspore_eagle.batch.BatchError: malformed or inconsistent values.
+    """
+    from mindspore_eagle.batch import BatchError
+
+    try:
+        rank, size = int(os.environ.get("RANK_ID", 0)), int(os.environ.get("RANK_SIZE", 1))
+        device = os.environ.get("DEVICE_ID")
+        device = None if device in (None, "") else int(device)
+    except ValueError:
+        raise BatchError("RANK_ID, RANK_SIZE and DEVICE_ID must be integers") from None
+    if size < 1 or not 0 <= rank < size:
+        raise BatchError(f"RANK_ID={rank} is out of range for RANK_SIZE={size}")
+    return rank, size, device
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="modelarts_boot.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", required=True, metavar="IN.jsonl", help="batch records (see mindspore_eagle.batch)")
+    p.add_argument("--output", required=True, metavar="OUT.jsonl", help="merged output; shards OUT.rank{r}.jsonl")
+    p.add_argument("--overwrite", action="store_true", help="start this rank's shard afresh instead of resuming")
+    p.add_argument("--merge", action="store_true", help="only merge the (complete) shards into OUT.jsonl")
+    p.add_argument("--merge-timeout", type=float, default=86400.0, metavar="S",
+                   help="rank 0: seconds to wait for the other shards (default 1 day)")
+    _add_config_args(p)
+    return p.parse_args(argv)
+
+
+def boot(args) -> int:
+    """Run this rank's shard, then (rank 0) wait for all shards and merge them."""
+    from mindspore_eagle import batch
+    from mindspore_eagle.pipeline import build_engine
+
+    rank, size, device = rank_env()
+    records = batch.read_input(args.input)
+    if args.merge:
+        n = batch.merge_shards(records, args.output, size)
+        print(f"rank {rank}: merged {n} records from {size} shard(s) -> {args.output}", file=sys.stderr)
+        return 0
+    cfg = config_from_args(args)
+    if device is not None and cfg.context.device_target != "CPU":
+        cfg.context.device_id = device
+    mine = batch.shard(records, rank, size)
+    out = batch.shard_path(args.output, rank) if size > 1 else args.output
+    stats = batch.run_batch(lambda: build_engine(cfg), mine, out, cfg.generation,
+                            speculative=cfg.model.drafter != "none", resume=not args.overwrite,
+                            overwrite=args.overwrite, progress=sys.stderr.isatty())
+    print(f"rank {rank}/{size}: {stats.written} written ({stats.errors} with an error), {stats.skipped} already "
+          f"done, {stats.total} in shard -> {out} ({stats.seconds:.1f} s)", file=sys.stderr, flush=True)
+    if rank == 0 and size > 1:
+        n = batch.wait_and_merge(records, args.output, size, timeout_s=args.merge_timeout)
+        print(f"rank 0: merged {n} records from {size} shards -> {args.output}", file=sys.stderr, flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    if os.environ.get("MS_ROLE") == "MS_SCHED":  # msrun's scheduler process: nothing to do
+        return 0
+    return guarded(lambda: boot(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
