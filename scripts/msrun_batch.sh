@@ -21,8 +21,12 @@ shift 2
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 WORKERS=${WORKERS:-2}
 LOG_DIR=${LOG_DIR:-msrun_log}
-if [[ -n "${PYTHON:-}" ]]; then
-  PATH="$(dirname "$PYTHON"):$PATH"   # msrun launches `python <script>` from PATH
+if [[ -n "${PYTHON:-}" ]]; then   # msrun launches `python <script>` from PATH: put a `python` running $PYTHON first
+  SHIM=$(mktemp -d)
+  trap 'rm -rf "$SHIM"' EXIT
+  printf '#!/bin/sh\nexec "%s" "$@"\n' "$PYTHON" > "$SHIM/python"
+  chmod +x "$SHIM/python"
+  PATH="$SHIM:$PATH"
 fi
 
 rc=0
