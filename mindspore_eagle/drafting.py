@@ -24,7 +24,7 @@ import mindspore as ms
 from .kv import BlockManager, slots_to_2d
 from .models.eagle3 import Eagle3Drafter
 from .runtime import CompiledFn
-from .target import pow2_buckets
+from .target import context_widths, pow2_buckets
 from .tree import NEG_BIAS, DraftTree
 
 
@@ -44,6 +44,7 @@ class DrafterRunner:
         self.bm = BlockManager(num_blocks, block_size, max_seq_len)
         self.S, self.B, self.window = max_seq_len, block_size, int(window)
         self.buckets = pow2_buckets(chunk)
+        self.widths = context_widths(max_seq_len, block_size)
         self._fuse = CompiledFn(drafter.fuse, mode)
         self._step = CompiledFn(drafter.construct, mode)
 
@@ -61,9 +62,13 @@ class DrafterRunner:
         lo = max(0, upto - self.window) if self.window > 0 else 0
         return lo, upto
 
+    def _width(self, need: int) -> int:
+        return next(w for w in self.widths if w >= need)
+
     def _run(self, sid, h, tokens, positions, slots, mask):
+        table = self.bm.block_table(sid)[: mask.shape[1] // self.B]
         return self._step(h, ms.Tensor(np.asarray(tokens, np.int32)), ms.Tensor(np.asarray(positions, np.int32)),
-                          ms.Tensor(slots_to_2d(slots, self.B)), ms.Tensor(self.bm.block_table(sid)),
+                          ms.Tensor(slots_to_2d(slots, self.B)), ms.Tensor(table),
                           ms.Tensor(mask))
 
     # ------------------------------------------------------------------ context pass
@@ -89,7 +94,7 @@ class DrafterRunner:
             tokens[:m] = next_tokens[part]
             positions = np.zeros(k, np.int64)
             positions[:m] = np.arange(p0, p0 + m)
-            mask = np.full((k, self.S), NEG_BIAS, np.float32)
+            mask = np.full((k, self._width(p0 + m)), NEG_BIAS, np.float32)
             for i in range(m):
                 lo, hi = self._visible_ctx(p0 + i + 1)
                 mask[i, lo:hi] = 0.0
@@ -125,7 +130,7 @@ class DrafterRunner:
         for i in range(1, steps + 1):
             positions = np.full(K, n_ctx + i - 1, np.int64)
             slots = self.bm.slots(sid, n_ctx + (i - 1) * K + np.arange(K))
-            mask = np.full((K, self.S), NEG_BIAS, np.float32)
+            mask = np.full((K, self._width(n_ctx + K * steps)), NEG_BIAS, np.float32)
             mask[:, lo:hi] = 0.0
             mask[:, n_ctx:n_ctx + K * i] = np.where(tm, 0.0, NEG_BIAS)
             lp, ids, h_out = self._run(sid, cur_h, cur_tok, positions, slots, mask)

@@ -6,7 +6,7 @@ Legend: M = tree budget, D = D_max, K = top_k, V = vocab, n = committed tokens, 
 One speculative round (docs/architecture.md):
     draft      drafter.extend(new context pairs) ; drafter.build_tree(root)        -> DraftTree
     tensorize  tree.tensorize(DraftTree, M, D) [+ validate_tree in eager / when asked] -> TreeTensors
-    mask       tree.tree_attention_bias(tt, n, S)                                   -> [M, S] additive bias
+    mask       target.verify_mask(tt) = tree.tree_attention_bias(tt, n, w)          -> [M, w] additive bias
     verify     target.verify(tt, mask)                                              -> logits [M, V], aux [M, 3H]
     accept     verify.accept_greedy(argmax) | accept_sampling(warped probs)         -> VerifyResult
     commit     target.commit(path) ; new drafter context = (aux[path], emitted tokens)
@@ -27,7 +27,7 @@ import numpy as np
 from .config import GenerationConfig, SpeculativeConfig
 from .kv import CacheExhaustedError
 from .trace import StepTrace, Timer, TraceWriter, TurnTrace
-from .tree import tensorize, tree_attention_bias, validate_tree
+from .tree import tensorize, validate_tree
 from .verify import accept_greedy, accept_sampling, warp_probs
 
 
@@ -209,7 +209,7 @@ class Engine:
                         if self.validate:
                             validate_tree(tt, M, D)
                     with timer.phase("mask"):
-                        mask = tree_attention_bias(tt, tg.length(sid), tg.S)
+                        mask = tg.verify_mask(sid, tt)
                     with timer.phase("verify"):
                         logits, aux = tg.verify(sid, tt, mask)
                     with timer.phase("accept"):

@@ -5,7 +5,8 @@ V = vocab, H = hidden.
 
 Static shapes, so the fused (jit) path compiles a small fixed set of graphs: prefill runs in chunks of at most
 ``prefill_chunk`` tokens, each padded to a power-of-two bucket >= 16 (feasibility.md §4: dynamic shapes are
-10-15x slower on CPU); decode is k = 1; verification is k = M. Padding rows write into the pad block and
+10-15x slower on CPU); decode is k = 1; verification is k = M; the attended context is cut to a width bucket
+(256, 512, ..., S slots), so each (k, width) pair is one graph. Padding rows write into the pad block and
 attend only to slot 0, so they never touch the sequence.
 """
 from __future__ import annotations
@@ -34,6 +35,20 @@ def pow2_buckets(limit: int, lo: int = 1) -> list[int]:
     return out
 
 
+def context_widths(max_seq_len: int, block_size: int, lo: int = 256) -> list[int]:
+    """Attention width buckets: 256, 512, ... (multiples of block_size) below max_seq_len, then max_seq_len.
+
+    Each call reads only the first ``w`` slots of the sequence's block table, so a short context does not pay for
+    gathering and scoring all S slots (60 gathers of S = 1024 cost ~2x those of S = 256 on the 2-core CPU).
+    """
+    out, w = [], lo
+    while w < max_seq_len:
+        if w % block_size == 0:
+            out.append(w)
+        w *= 2
+    return out + [max_seq_len]
+
+
 class TargetRunner:
     """Drives one :class:`PanguTeacher` with a MindFormers-backed :class:`BlockManager`.
 
@@ -49,6 +64,7 @@ class TargetRunner:
         self.bm = BlockManager(num_blocks, block_size, max_seq_len)
         self.S, self.B = max_seq_len, block_size
         self.buckets = pow2_buckets(prefill_chunk, 16)
+        self.widths = context_widths(max_seq_len, block_size)
         self._fwd = CompiledFn(teacher.construct, mode)
         self._hidden = CompiledFn(teacher.hidden, mode)
         self._compact = CompiledFn(KVCompactor(teacher.caches()), mode)
@@ -69,9 +85,14 @@ class TargetRunner:
         return self.bm.length(sid)
 
     # ------------------------------------------------------------------ calls
+    def width(self, need: int) -> int:
+        """Key slots attended by a call whose sequence needs ``need`` positions: the smallest width bucket."""
+        return next(w for w in self.widths if w >= need)
+
     def _call(self, fn, sid, tokens, positions, slots, mask, out_rows):
+        table = self.bm.block_table(sid)[: mask.shape[1] // self.B]
         args = (ms.Tensor(np.asarray(tokens, np.int32)), ms.Tensor(np.asarray(positions, np.int32)),
-                ms.Tensor(slots_to_2d(slots, self.B)), ms.Tensor(self.bm.block_table(sid)),
+                ms.Tensor(slots_to_2d(slots, self.B)), ms.Tensor(table),
                 ms.Tensor(mask), ms.Tensor(np.asarray(out_rows, np.int32)))
         out, aux = fn(*args)
         return out.asnumpy(), aux.asnumpy()
@@ -99,8 +120,9 @@ class TargetRunner:
             tokens[:n] = part
             positions = np.zeros(k, np.int64)
             positions[:n] = np.arange(p0, p0 + n)
-            mask = np.full((k, self.S), NEG_BIAS, np.float32)
-            cols = np.arange(self.S)[None, :]
+            w = self.width(p0 + n)
+            mask = np.full((k, w), NEG_BIAS, np.float32)
+            cols = np.arange(w)[None, :]
             rows = positions[:n, None]
             mask[:n] = np.where(cols <= rows, 0.0, NEG_BIAS)
             mask[n:, 0] = 0.0
@@ -117,7 +139,7 @@ class TargetRunner:
         """Append one token; returns (logits float32 [V], aux float32 [1, 3H])."""
         p = self.bm.length(sid)
         slots = self.bm.append(sid, 1, 1)
-        mask = np.full((1, self.S), NEG_BIAS, np.float32)
+        mask = np.full((1, self.width(p + 1)), NEG_BIAS, np.float32)
         mask[0, :p + 1] = 0.0
         out, aux = self._call(self._fwd, sid, [token], [p], slots, mask, [0])
         self.bm.advance(sid, 1)
@@ -136,8 +158,13 @@ class TargetRunner:
         n = self.bm.length(sid)
         slots = self.bm.branch(sid, tt.budget)
         if mask is None:
-            mask = tree_attention_bias(tt, n, self.S)
+            mask = self.verify_mask(sid, tt)
         return self._call(self._fwd, sid, tt.tokens, n + tt.depth, slots, mask, np.arange(tt.budget))
+
+    def verify_mask(self, sid: int, tt: TreeTensors) -> np.ndarray:
+        """float32 [M, w] additive bias of the tree placed after the committed prefix (w = width bucket)."""
+        n = self.bm.length(sid)
+        return tree_attention_bias(tt, n, self.width(n + tt.budget))
 
     def commit(self, sid: int, path, width: int) -> None:
         """Move the K/V of accepted tree nodes ``path`` (root first) to the positions after the prefix."""
