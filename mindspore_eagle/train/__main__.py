@@ -1,0 +1,121 @@
+"""``python -m mindspore_eagle.train``: data -> teacher features -> draft vocab -> TTT training -> SpecForge export.
+
+Every stage resumes: samples are written once to ``<features-dir>/samples.npz``, feature shards are skipped when
+listed in the manifest, and ``--resume`` continues training from ``<out>/resume/`` (see trainer.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m mindspore_eagle.train", description=__doc__)
+    p.add_argument("--teacher", default=None, help="teacher checkpoint (GGUF or HF dir); default: embedded SmolLM2")
+    p.add_argument("--out", required=True, help="drafter output directory (config.json + model.safetensors)")
+    p.add_argument("--features-dir", default=None, help="feature shards (default <out>/../features)")
+    p.add_argument("--samples", type=int, default=256, help="training conversations to use")
+    p.add_argument("--max-len", type=int, default=256, help="tokens per sample (truncation); also T of a batch")
+    p.add_argument("--vd", type=int, default=8192, help="draft vocabulary size")
+    p.add_argument("--ttt-length", type=int, default=7)
+    p.add_argument("--steps", type=int, default=1000, help="optimiser steps (one sample per step)")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default 3%% of --steps)")
+    p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
+    p.add_argument("--intermediate", type=int, default=None, help="drafter MLP width (default: teacher's)")
+    p.add_argument("--regenerate", type=int, default=0, help="answer the first N prompts with the teacher itself")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature for --regenerate")
+    p.add_argument("--resume", action="store_true", help="continue from <out>/resume")
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--stage", choices=("all", "features", "train"), default="all")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shard-size", type=int, default=32)
+    return p.parse_args(argv)
+
+
+def prepare_features(args, cfg, tensors, tok) -> str:
+    """Build samples (once) and the missing feature shards; returns the features directory."""
+    import numpy as np
+    from tqdm import tqdm
+
+    from .data import build_samples, load_samples, save_samples
+    from .features import build_runner, extract_features, head_weight
+
+    fdir = args.features_dir or os.path.join(os.path.dirname(os.path.abspath(args.out)), "features")
+    os.makedirs(fdir, exist_ok=True)
+    spath = os.path.join(fdir, "samples.npz")
+    runner = None
+    if os.path.exists(spath):
+        samples, stats = load_samples(spath)
+        print(f"[data] {len(samples)} samples from {spath}", flush=True)
+    else:
+        from ..evalsets import sharegpt_conversations
+
+        t0 = time.time()
+        convs = sharegpt_conversations(int(args.samples * 1.5) + 200)
+        if args.regenerate:
+            runner, _ = build_runner(cfg, tensors, args.max_len)
+        bar = tqdm(total=args.samples, desc="tokenise", unit="conv")
+        samples, st = build_samples(tok, convs, args.samples, args.max_len, regenerate=args.regenerate,
+                                    runner=runner, temperature=args.temperature,
+                                    progress=lambda k, r: bar.update(1))
+        bar.close()
+        stats = st.as_dict()
+        stats["seconds"] = round(time.time() - t0, 1)
+        save_samples(spath, samples, st)
+        print(f"[data] {json.dumps(stats)}", flush=True)
+    with open(os.path.join(fdir, "data_stats.json"), "w") as f:
+        json.dump(stats, f, indent=1)
+    if runner is None:
+        runner, _ = build_runner(cfg, tensors, args.max_len)
+    bar = tqdm(total=len(samples), desc="features", unit="sample")
+    last = [0]
+
+    def progress(n, toks, sec):
+        bar.update(n - last[0])
+        last[0] = n
+        bar.set_postfix(tok_s=f"{toks / max(sec, 1e-9):.0f}")
+
+    t0 = time.time()
+    meta = {"teacher": str(args.teacher), "max_len": args.max_len, "aux_layers": list(cfg.aux_layers)}
+    man = extract_features(runner, head_weight(cfg, tensors), samples, fdir, args.shard_size, meta, progress)
+    bar.close()
+    tok_n = sum(s["tokens"] for s in man["shards"])
+    print(f"[features] {len(man['shards'])} shards, {tok_n} tokens, {time.time() - t0:.0f} s this run", flush=True)
+    del np
+    return fdir
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from .. import runtime
+
+    runtime.configure()
+    from ..models.checkpoints import load_teacher
+
+    if args.teacher is None:
+        from ..assets import embedded_teacher_path
+
+        args.teacher = str(embedded_teacher_path())
+    cfg, tensors, tok = load_teacher(args.teacher)
+    print(f"[teacher] {args.teacher}: L={cfg.num_layers} H={cfg.hidden_size} V={cfg.vocab_size} "
+          f"aux={cfg.aux_layers}", flush=True)
+    fdir = args.features_dir if args.stage == "train" else prepare_features(args, cfg, tensors, tok)
+    if args.stage == "features":
+        return 0
+    from .trainer import TrainConfig, train
+
+    tc = TrainConfig(out=args.out, features_dir=fdir, vd=args.vd, ttt_length=args.ttt_length, steps=args.steps,
+                     lr=args.lr, warmup=args.warmup, schedule=args.schedule, max_len=args.max_len,
+                     intermediate=args.intermediate, seed=args.seed, checkpoint_every=args.checkpoint_every,
+                     command=" ".join(["python -m mindspore_eagle.train"] + list(sys.argv[1:] if argv is None
+                                                                                  else argv)))
+    train(tc, cfg, tensors, resume=args.resume)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""Drafter training (mindspore_eagle.train): TTT layout, data masks, vocab, learning on a tiny teacher, exact
+resume, and consistency of the training Cell with the inference Cell (eagle3.md §4)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from mindspore_eagle.train.ttt import causal_bias, make_batch, ttt_layout
+from mindspore_eagle.train.vocab import select_vocab
+
+
+# ----------------------------------------------------------------------------------------------- pure parts --
+def test_ttt_layout_matches_hand_written_t4_s3():
+    T = 4
+    exp = {
+        0: ["1000", "1100", "1110", "1111"],
+        1: ["1000" "1000", "1100" "0100", "1110" "0010", "1111" "0001"],
+        2: ["1000" "1000" "1000", "1100" "0100" "0100", "1110" "0010" "0010", "1111" "0001" "0001"],
+    }
+    for s, rows in exp.items():
+        vis, q_pos, k_pos = ttt_layout(T, s)
+        want = np.array([[c == "1" for c in r] for r in rows])
+        assert vis.shape == (T, (s + 1) * T)
+        np.testing.assert_array_equal(vis, want)
+        np.testing.assert_array_equal(q_pos, np.arange(T) + s)
+        np.testing.assert_array_equal(k_pos, np.concatenate([np.arange(T) + j for j in range(s + 1)]))
+    np.testing.assert_array_equal(causal_bias(T) == 0, ttt_layout(T, 0)[0])
+
+
+def test_make_batch_shifts_ids_targets_and_mask_together():
+    x = np.array([10, 11, 12, 13, 14])
+    m = np.array([0, 0, 1, 1, 1])
+    g = np.array([20, 21, 22, 23, 24])
+    t2d = np.ones(30, bool)
+    t2d[23] = False
+    b = make_batch(x, m, np.ones((5, 6), np.float32), np.ones((5, 2), np.float32), g, t2d, T=5, S=3)
+    np.testing.assert_array_equal(b.ids, [[11, 12, 13, 14, 0], [12, 13, 14, 0, 0], [13, 14, 0, 0, 0]])
+    np.testing.assert_array_equal(b.tgt, [[21, 22, 23, 24, 0], [22, 23, 24, 0, 0], [23, 24, 0, 0, 0]])
+    np.testing.assert_array_equal(b.loss_mask, [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(b.pos_mask, [[1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]])  # 23 not in Vd
+    assert b.hid.shape == (8, 2) and b.hid[5:].sum() == 0 and b.aux.shape == (5, 6) and b.n_valid == 5
+
+
+def test_select_vocab_top_counts_sorted_and_padded():
+    counts = np.array([0, 5, 0, 9, 1, 0, 5, 0])
+    np.testing.assert_array_equal(select_vocab(counts, 3), [1, 3, 6])        # tie 1 vs 6: both kept
+    np.testing.assert_array_equal(select_vocab(counts, 2), [1, 3])           # tie broken by smaller id
+    np.testing.assert_array_equal(select_vocab(counts, 6), [0, 1, 2, 3, 4, 6])  # padded with unused 0, 2
+    with pytest.raises(ValueError):
+        select_vocab(counts, 9)
+
+
+class _CharTok:
+    """Minimal tokenizer: one id per character, ChatML-like template (prefix-stable)."""
+    eos_token_ids = (2,)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        s = "".join(f"<{m['role'][0]}>{m['content']}#\n" for m in messages)
+        return s + ("<a>" if add_generation_prompt else "")
+
+    def encode(self, text, add_bos=None):
+        return [ord(c) for c in text]
+
+
+def test_loss_mask_covers_assistant_content_and_end_token_only():
+    from mindspore_eagle.train.data import tokenize_conversation
+
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+            {"role": "user", "content": "q"}, {"role": "assistant", "content": "ok"}]
+    ids, mask, same = tokenize_conversation(_CharTok(), conv)
+    text = "".join(chr(i) for i in ids)
+    assert same and text == "<u>hi#\n<a>yo#\n<u>q#\n<a>ok#\n"
+    assert "".join(c for c, k in zip(text, mask) if k) == "yo#ok#"
+
+
+def test_eval_prompt_matching_normalises_text():
+    from mindspore_eagle.train.data import is_eval_prompt
+
+    keys = {"write a python function that returns the sum of a list of numbers"}
+    assert is_eval_prompt("Write a Python   function that returns\nthe sum of a list of numbers", keys)
+    assert is_eval_prompt("Please: write a python function that returns the sum of a list of numbers. Thanks", keys)
+    assert not is_eval_prompt("Write a poem", keys)
+
+
+# ------------------------------------------------------------------------------------- tiny teacher training --
+TEXTS = [ln.strip() for ln in """\
+The quick brown fox jumps over the lazy dog.
+What is the capital of France? The capital of France is Paris.
+Speculative decoding drafts several tokens and the teacher verifies them in one forward pass.
+Write a short story about a robot who learns to paint.
+Explain why the sky is blue.
+Please answer the question step by step, and keep the answer short and clear.
+def add(a, b): return a + b
+numbers 0 1 2 3 4 5 6 7 8 9 10 42 100""".splitlines()]
+
+
+def _conversations(n, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        a, b, c = rng.choice(len(TEXTS), 3)
+        out.append([{"role": "user", "content": TEXTS[a]},
+                    {"role": "assistant", "content": TEXTS[b] + " " + TEXTS[c]}])
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_features(ms_runtime, tiny, tmp_path_factory):
+    """Feature shards of 48 tiny-teacher samples (max_len 64)."""
+    from mindspore_eagle.train.data import build_samples
+    from mindspore_eagle.train.features import build_runner, extract_features, head_weight
+
+    cfg, tensors, tok = tiny
+    samples, stats = build_samples(tok, _conversations(60), 48, 64, min_assistant=4, eval_keys=set())
+    assert stats.kept == 48 and stats.template_mismatch == 0
+    d = tmp_path_factory.mktemp("features")
+    runner, _ = build_runner(cfg, tensors, 64)
+    man = extract_features(runner, head_weight(cfg, tensors), samples, str(d), shard_size=16)
+    assert [s["n"] for s in man["shards"]] == [16, 16, 16]
+    return str(d)
+
+
+def _tc(out, fdir, **kw):
+    from mindspore_eagle.train.trainer import TrainConfig
+
+    base = dict(out=str(out), features_dir=fdir, vd=96, ttt_length=3, steps=300, lr=3e-3, max_len=64,
+                checkpoint_every=100, n_eval=8, progress=False)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny, tiny_features, tmp_path_factory):
+    from mindspore_eagle.train.trainer import train
+
+    cfg, tensors, _ = tiny
+    out = tmp_path_factory.mktemp("drafter")
+    return out, train(_tc(out, tiny_features), cfg, tensors)
+
+
+def test_regenerate_reply_uses_teacher_greedy_decode(tiny, ms_runtime):
+    from mindspore_eagle.train.data import build_samples, regenerate_reply
+    from mindspore_eagle.train.features import build_runner
+
+    cfg, tensors, tok = tiny
+    runner, _ = build_runner(cfg, tensors, 64)
+    a = regenerate_reply(runner, tok, TEXTS[1], max_new=6)
+    assert a == regenerate_reply(runner, tok, TEXTS[1], max_new=6) and runner.bm.free_blocks() > 0
+    samples, st = build_samples(tok, _conversations(3), 2, 64, min_assistant=1, regenerate=1, runner=runner,
+                                eval_keys=set())
+    assert st.regenerated == 1 and len(samples) == 2
+
+
+def test_features_resume_skips_finished_shards(tiny, tiny_features):
+    from mindspore_eagle.train.features import FeatureSet, extract_features, head_weight
+
+    cfg, tensors, _ = tiny
+    fs = FeatureSet(tiny_features)
+    assert len(fs) == 48
+    d = fs[0]
+    assert d["aux"].dtype == np.float16 and d["aux"].shape == (len(d["input_ids"]), 3 * cfg.hidden_size)
+
+    class NoRunner:  # every shard is listed: the teacher must not run again
+        def new_seq(self):
+            raise AssertionError("teacher ran for a finished shard")
+    man = extract_features(NoRunner(), head_weight(cfg, tensors), [(d["input_ids"], d["loss_mask"])] * 48,
+                           tiny_features, shard_size=16)
+    assert len(man["shards"]) == 3
+
+
+def test_training_loss_falls_and_accuracy_rises(trained):
+    out, summary = trained
+    log = [json.loads(ln) for ln in open(out / "train_log.jsonl")]
+    assert len(log) == 300
+    first = np.mean([r["loss"] for r in log[:20]])
+    last = np.mean([r["loss"] for r in log[-20:]])
+    acc = lambda rs: sum(r["correct"][0] for r in rs) / max(1, sum(r["masked"][0] for r in rs))  # noqa: E731
+    assert last < 0.8 * first, (first, last)
+    # chance is 1 / Vd ~ 0.01 and the most frequent teacher token ~ 0.07 (measured: 0.07 -> ~0.3 in 300 steps)
+    assert acc(log[-50:]) > acc(log[:20]) + 0.12 and acc(log[-50:]) > 0.2, (acc(log[:20]), acc(log[-50:]))
+    assert summary["heldout"]["acc"][0] > 0.15
+
+
+def test_resume_reproduces_uninterrupted_losses(tiny, tiny_features, tmp_path):
+    from mindspore_eagle.train.trainer import train
+
+    cfg, tensors, _ = tiny
+    full = train(_tc(tmp_path / "a", tiny_features, steps=30, checkpoint_every=15, n_eval=0), cfg, tensors)
+    part = train(_tc(tmp_path / "b", tiny_features, steps=30, stop_at=15, n_eval=0), cfg, tensors)
+    assert len(part["losses_this_run"]) == 15
+    rest = train(_tc(tmp_path / "b", tiny_features, steps=30, n_eval=0), cfg, tensors, resume=True)
+    assert rest["resumed_from"] == 15
+    np.testing.assert_allclose(rest["losses_this_run"], full["losses_this_run"][15:], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(part["losses_this_run"], full["losses_this_run"][:15], atol=1e-5, rtol=0)
+
+
+def test_export_loads_and_inference_cell_matches_training_step0(tiny, tiny_features, trained):
+    import mindspore as ms
+    from mindspore import Parameter, Tensor
+
+    from mindspore_eagle.kv import slots_to_2d
+    from mindspore_eagle.models.eagle3 import Eagle3Drafter, load_drafter
+    from mindspore_eagle.train.features import FeatureSet, head_weight
+    from mindspore_eagle.train.ttt import TTTDrafter, make_batch
+
+    cfg, tensors, _ = tiny
+    out, _ = trained
+    dcfg, dt = load_drafter(str(out))
+    assert "embed_tokens.weight" not in dt and dt["d2t"].dtype == np.int64 and dt["t2d"].sum() == 96
+    used = np.nonzero(dt["t2d"])[0]
+    np.testing.assert_array_equal(dt["d2t"], used - np.arange(96))
+    T, K, B = 64, 5, 8
+    d = FeatureSet(tiny_features)[40]
+    n = len(d["input_ids"]) - 1
+    embed = tensors["model.embed_tokens.weight"]
+    train_net = TTTDrafter(dcfg, embed, head_weight(cfg, tensors)[used], dt["d2t"], T, 3)
+    train_net.load_tensors(dt)
+    b = make_batch(d["input_ids"], d["loss_mask"], d["aux"], d["hidden"], d["argmax"], dt["t2d"], T, 3)
+    ref = ms.jit(train_net.step0_logp)(Tensor(b.aux), Tensor(b.ids[0])).asnumpy()[:n]
+
+    inf = Eagle3Drafter(dcfg, Parameter(Tensor(embed), name="shared_embed", requires_grad=False), top_k=K,
+                        num_blocks=T // B, block_size=B, max_seq_len=T)
+    inf.load_tensors(dt)
+    mask = np.where(np.tri(n, T, dtype=bool), 0.0, -1e9).astype(np.float32)
+    h = inf.fuse(Tensor(b.aux[:n]))
+    top_logp, top_ids, _ = inf(h, Tensor(b.ids[0][:n]), Tensor(np.arange(n, dtype=np.int32)),
+                               Tensor(slots_to_2d(np.arange(n), B)), Tensor(np.arange(T // B, dtype=np.int32)),
+                               Tensor(mask))
+    want_idx = np.argsort(-ref, -1, kind="stable")[:, :K]
+    np.testing.assert_allclose(top_logp.asnumpy(), np.take_along_axis(ref, want_idx, -1), atol=2e-4)
+    np.testing.assert_array_equal(top_ids.asnumpy()[:, 0], used[want_idx[:, 0]])
