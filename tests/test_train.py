@@ -29,6 +29,72 @@ def test_ttt_layout_matches_hand_written_t4_s3():
     np.testing.assert_array_equal(causal_bias(T) == 0, ttt_layout(T, 0)[0])
 
 
+def _numpy_ttt_losses(t, embed, head_rows, b, cfg, S):
+    """Expanded-form reference of the TTT forward (ttt_layout masks over all keys of steps 0..s), float64."""
+    T = b.ids.shape[1]
+    nh, nkv, hd, F = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
+    W = {k: np.asarray(v, np.float64) for k, v in t.items() if k not in ("d2t", "t2d")}
+    rms = lambda x, w: x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.rms_norm_eps) * w  # noqa: E731
+    inv = 1.0 / cfg.rope_theta ** (np.arange(0, hd, 2) / hd)
+
+    def rope(x, pos):
+        ang = np.concatenate([pos[:, None] * inv] * 2, -1)[:, None]
+        return x * np.cos(ang) + np.concatenate([-x[..., hd // 2:], x[..., :hd // 2]], -1) * np.sin(ang)
+
+    p = "midlayer."
+    h = b.aux.astype(np.float64) @ W["fc.weight"].T
+    logits_t = b.hid.astype(np.float64) @ head_rows.T
+    tp = np.exp(logits_t - logits_t.max(-1, keepdims=True))
+    tp /= tp.sum(-1, keepdims=True)
+    ks, vs, out = [], [], []
+    for s in range(S):
+        x = np.concatenate([rms(embed[b.ids[s]], W[p + "input_layernorm.weight"]),
+                            rms(h, W[p + "hidden_norm.weight"])], -1)
+        pos = np.arange(T) + s
+        q = rope((x @ W[p + "self_attn.q_proj.weight"].T).reshape(T, nh, hd), pos)
+        ks.append(rope((x @ W[p + "self_attn.k_proj.weight"].T).reshape(T, nkv, hd), pos))
+        vs.append((x @ W[p + "self_attn.v_proj.weight"].T).reshape(T, nkv, hd))
+        vis = ttt_layout(T, s)[0]
+        K = np.repeat(np.concatenate(ks, 0), nh // nkv, 1)
+        V = np.repeat(np.concatenate(vs, 0), nh // nkv, 1)
+        sc = np.einsum("qhd,khd->hqk", q, K) / np.sqrt(hd) + np.where(vis, 0.0, -np.inf)[None]
+        pr = np.exp(sc - sc.max(-1, keepdims=True))
+        pr /= pr.sum(-1, keepdims=True)
+        h = h + np.einsum("hqk,khd->qhd", pr, V).reshape(T, nh * hd) @ W[p + "self_attn.o_proj.weight"].T
+        y = rms(h, W[p + "post_attention_layernorm.weight"])
+        g = y @ W[p + "mlp.gate_proj.weight"].T
+        h = h + (g / (1 + np.exp(-g)) * (y @ W[p + "mlp.up_proj.weight"].T)) @ W[p + "mlp.down_proj.weight"].T
+        lg = rms(h, W["norm.weight"]) @ W["lm_head.weight"].T
+        logp = lg - lg.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        out.append(float((-(tp[s + 1:s + 1 + T] * logp).sum(-1) * b.pos_mask[s]).sum() / T))
+    return np.array(out)
+
+
+def test_ttt_cell_matches_expanded_numpy_reference(ms_runtime):
+    import mindspore as ms
+
+    from mindspore_eagle.models.eagle3 import DrafterConfig, init_drafter_tensors
+    from mindspore_eagle.train.ttt import TTTDrafter
+
+    cfg = DrafterConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                        vocab_size=50, draft_vocab_size=20, target_hidden_size=32)
+    rng = np.random.default_rng(1)
+    used = np.sort(rng.choice(50, 20, replace=False))
+    t = init_drafter_tensors(cfg, 3, used)
+    t = {k: (v * 10 if k.endswith("proj.weight") or k == "fc.weight" else v) for k, v in t.items()}  # non-trivial
+    embed = rng.normal(size=(50, 32)).astype(np.float32)
+    T, S, n = 6, 3, 5
+    b = make_batch(rng.integers(0, 50, n), np.ones(n), rng.normal(size=(n, 96)).astype(np.float32),
+                   rng.normal(size=(n, 32)).astype(np.float32), rng.integers(0, 50, n), t["t2d"], T, S)
+    net = TTTDrafter(cfg, embed, embed[used], t["d2t"], T, S)
+    net.load_tensors(t)
+    loss, losses, _ = ms.jit(net.construct)(*b.tensors())
+    want = _numpy_ttt_losses(t, embed.astype(np.float64), embed[used].astype(np.float64), b, cfg, S)
+    np.testing.assert_allclose(losses.asnumpy(), want, rtol=2e-4, atol=1e-5)
+    assert abs(float(loss.asnumpy()) - sum(0.8 ** s * want[s] for s in range(S))) < 1e-4
+
+
 def test_make_batch_shifts_ids_targets_and_mask_together():
     x = np.array([10, 11, 12, 13, 14])
     m = np.array([0, 0, 1, 1, 1])
@@ -177,10 +243,10 @@ def test_training_loss_falls_and_accuracy_rises(trained):
     first = np.mean([r["loss"] for r in log[:20]])
     last = np.mean([r["loss"] for r in log[-20:]])
     acc = lambda rs: sum(r["correct"][0] for r in rs) / max(1, sum(r["masked"][0] for r in rs))  # noqa: E731
-    assert last < 0.8 * first, (first, last)
-    # chance is 1 / Vd ~ 0.01 and the most frequent teacher token ~ 0.07 (measured: 0.07 -> ~0.3 in 300 steps)
-    assert acc(log[-50:]) > acc(log[:20]) + 0.12 and acc(log[-50:]) > 0.2, (acc(log[:20]), acc(log[-50:]))
-    assert summary["heldout"]["acc"][0] > 0.15
+    assert last < 0.75 * first, (first, last)
+    # chance is 1 / Vd ~ 0.01; measured: step-0 accuracy ~0.13 over the first 50 steps, ~0.6 over the last 50
+    assert acc(log[-50:]) > acc(log[:20]) + 0.25 and acc(log[-50:]) > 0.4, (acc(log[:20]), acc(log[-50:]))
+    assert summary["heldout"]["acc"][0] > 0.25
 
 
 def test_resume_reproduces_uninterrupted_losses(tiny, tiny_features, tmp_path):
