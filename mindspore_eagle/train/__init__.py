@@ -1,0 +1,10 @@
+"""EAGLE-3 drafter training on MindSpore (eagle3.md §4).
+
+Pipeline (``python -m mindspore_eagle.train``, see ``__main__``):
+    data.build_samples        ShareGPT -> chat-templated ids + assistant loss mask (eval prompts excluded)
+    features.extract_features teacher prefill -> resumable .npz shards (aux f16 [n,3H], hidden f16 [n,H], argmax)
+    vocab.build_vocab         Vd most frequent loss-masked tokens -> d2t / t2d
+    ttt.TTTDrafter/TrainStep  TTT unroll Cell + jitted value_and_grad / clip / AdamW step
+    trainer.train             loop, checkpoints + exact resume, SpecForge fp16 export, summary.json
+    report                    TRAINING.md from summary.json and data_stats.json
+"""

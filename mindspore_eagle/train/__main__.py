@@ -36,15 +36,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def features_dir(args) -> str:
+    """--features-dir, default ``<parent of --out>/features``."""
+    return args.features_dir or os.path.join(os.path.dirname(os.path.abspath(args.out)), "features")
+
+
 def prepare_features(args, cfg, tensors, tok) -> str:
     """Build samples (once) and the missing feature shards; returns the features directory."""
-    import numpy as np
     from tqdm import tqdm
 
     from .data import build_samples, load_samples, save_samples
     from .features import build_runner, extract_features, head_weight
 
-    fdir = args.features_dir or os.path.join(os.path.dirname(os.path.abspath(args.out)), "features")
+    fdir = features_dir(args)
     os.makedirs(fdir, exist_ok=True)
     spath = os.path.join(fdir, "samples.npz")
     runner = None
@@ -85,7 +89,6 @@ def prepare_features(args, cfg, tensors, tok) -> str:
     bar.close()
     tok_n = sum(s["tokens"] for s in man["shards"])
     print(f"[features] {len(man['shards'])} shards, {tok_n} tokens, {time.time() - t0:.0f} s this run", flush=True)
-    del np
     return fdir
 
 
@@ -103,7 +106,7 @@ def main(argv=None) -> int:
     cfg, tensors, tok = load_teacher(args.teacher)
     print(f"[teacher] {args.teacher}: L={cfg.num_layers} H={cfg.hidden_size} V={cfg.vocab_size} "
           f"aux={cfg.aux_layers}", flush=True)
-    fdir = args.features_dir if args.stage == "train" else prepare_features(args, cfg, tensors, tok)
+    fdir = features_dir(args) if args.stage == "train" else prepare_features(args, cfg, tensors, tok)
     if args.stage == "features":
         return 0
     from .trainer import TrainConfig, train
