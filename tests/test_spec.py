@@ -233,3 +233,40 @@ def test_traces_parse_and_phases_add_up(ms_runtime, tiny_dir, drafter_dir, tmp_p
         phases = s.draft_ms + s.tensorize_ms + s.mask_ms + s.verify_ms + s.accept_ms + s.commit_ms
         assert phases <= s.total_ms * 1.0001 and phases >= 0.9 * s.total_ms
         assert s.accept_len == len(s.accepted) >= 1
+
+
+def test_drafter_window_truncation_masks_old_context(ms_runtime, tiny_dir, drafter_dir):
+    """With speculative.window = W the drafter's queries see only the last W context pairs (paper Table 3);
+    the teacher is unchanged, so the output stays identical."""
+    eng, cfg = tiny_engine(tiny_dir, drafter_dir, "eager", ["speculative.window=8", "speculative.D_max=3"])
+    seen = []
+    orig = eng.drafter._run
+
+    def spy(sid, h, tokens, positions, slots, mask):
+        seen.append((np.asarray(positions).copy(), mask.copy()))
+        return orig(sid, h, tokens, positions, slots, mask)
+
+    eng.drafter._run = spy
+    gen = cfg.generation
+    gen.max_new_tokens = 6
+    g = eng.generate(PROMPTS[1], gen)
+    assert g.token_ids == eng.generate(PROMPTS[1], gen, speculative=False).token_ids
+    for positions, mask in seen:
+        visible = mask > -1
+        ctx_cols = visible.sum(axis=1)
+        assert ctx_cols.max() <= 8 + 3 * 4        # at most W context pairs (+ tree ancestors in tree steps)
+    first_pos, first_mask = seen[0]               # context pass over the whole prompt
+    row = int(np.argmax(first_pos))
+    assert np.flatnonzero(first_mask[row] > -1).tolist() == list(range(first_pos[row] - 7, first_pos[row] + 1))
+
+
+def test_bad_generation_inputs(ms_runtime, tiny_dir, drafter_dir):
+    from mindspore_eagle.engine import GenerationError
+
+    eng, cfg = tiny_engine(tiny_dir, drafter_dir, "eager")
+    with pytest.raises(GenerationError, match="prompt is empty"):
+        eng.generate("   ", cfg.generation)
+    with pytest.raises(GenerationError, match="prompt is empty"):
+        eng.generate_ids([], cfg.generation)
+    with pytest.raises(GenerationError, match=r"exceeds cache.max_seq_len=256"):
+        eng.generate_ids(list(range(5, 205)), cfg.generation)      # 200 + 128 new + M > 256
