@@ -91,13 +91,14 @@ def build_records(predict_data: list) -> list:
 
 def predict(args) -> int:
     """Run ``--predict_data`` and write the MindFormers-style result files (rank 0 only when parallel)."""
-    from mindspore_eagle import batch
     from mindspore_eagle.config import ConfigError, load_config
-    from mindspore_eagle.pipeline import build_engine
 
     if args.run_mode != "predict":
         raise ConfigError(f"run_mode {args.run_mode!r} is not supported by run_eagle.py: only 'predict' "
-                          "(train drafters with `mindspore-eagle train-drafter`)")
+                          "(train drafters with mindspore-eagle train-drafter)")
+    from mindspore_eagle import batch
+    from mindspore_eagle.pipeline import build_engine
+
     overrides = list(args.set)
     cfg = load_config(args.config or None, overrides)
     if args.teacher:

@@ -1,0 +1,384 @@
+"""Command line: --help everywhere, one-line errors (each row of docs/errors.md), streaming generate on the tiny
+openPangu fixture, inspect, delegation to bench / train-drafter, and scripts/run_eagle.py on the real teacher.
+
+Most tests call ``cli.main(argv)`` in-process (one MindSpore import for the module); a few run real processes to
+check what a user sees (exit code, no traceback). The tiny teacher runs in eager mode (no graph compilation).
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mindspore_eagle import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+ERRORS_MD = ROOT / "docs" / "errors.md"
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+TINY_FAST = ["--mode", "eager", "--max-new-tokens", "6"]
+
+
+# ------------------------------------------------------------------------------------------------ helpers --
+def documented(row: str) -> str:
+    """The message docs/errors.md gives for ``row`` (first column), as a regex (placeholders <..> = .+?)."""
+    for line in ERRORS_MD.read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if len(cells) == 3 and cells[0] == row:
+            span = re.search(r"`(.+?)`", cells[2]).group(1)
+            if cells[2].startswith("record "):  # an output record's "error" field, JSON-encoded in the table
+                span = json.loads(span[len('"error": '):])
+            return ".+?".join(re.escape(p) for p in re.split(r"<[^>]+>", span))
+    raise AssertionError(f"docs/errors.md has no row {row!r}")
+
+
+def check_row(row: str, message: str) -> None:
+    """Assert that ``message`` is exactly what docs/errors.md documents for ``row``."""
+    assert re.fullmatch(documented(row), message), f"{row}: got {message!r}, documented {documented(row)!r}"
+
+
+def run_main(capsys, argv) -> tuple:
+    """(exit code, stdout, stderr) of an in-process ``mindspore-eagle`` call."""
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:  # argparse --help / usage errors
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def expect_error(capsys, argv, row: str) -> str:
+    rc, out, err = run_main(capsys, argv)
+    lines = err.strip().splitlines()
+    assert rc == 2, err
+    assert lines and "Traceback" not in err, err
+    check_row(row, lines[-1])
+    return lines[-1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tiny_pangu import write_tiny_pangu
+
+    return write_tiny_pangu(tmp_path_factory.mktemp("tiny_teacher"))
+
+
+@pytest.fixture(scope="module")
+def tiny_cfg(tiny):
+    from mindspore_eagle.models.checkpoints import load_teacher
+
+    return load_teacher(tiny)
+
+
+def _drafter(tmp_path, tiny_cfg, name="drafter", **changes):
+    from dataclasses import replace
+
+    from mindspore_eagle.models.eagle3 import init_drafter_tensors, save_drafter
+    from mindspore_eagle.pipeline import random_drafter
+
+    dcfg, _ = random_drafter(tiny_cfg[0])
+    dcfg = replace(dcfg, **changes)
+    path = tmp_path / name
+    save_drafter(str(path), dcfg, init_drafter_tensors(dcfg, 0))
+    return path
+
+
+def _cfg_file(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text, encoding="utf-8")
+    return str(p)
+
+
+# ---------------------------------------------------------------------------------------------------- help --
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["batch", "--help"], ["inspect", "--help"]])
+def test_help(capsys, argv):
+    rc, out, _ = run_main(capsys, argv)
+    assert rc == 0 and "usage: mindspore-eagle" in out
+
+
+def test_help_subprocess_and_module_entry():
+    res = subprocess.run([sys.executable, "-m", "mindspore_eagle", "--help"], env=ENV, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0
+    for cmd in ("generate", "batch", "inspect", "bench", "train-drafter"):
+        assert cmd in res.stdout
+
+
+@pytest.mark.skipif(shutil.which("mindspore-eagle") is None, reason="console script not installed (pip install -e .)")
+def test_console_script():
+    res = subprocess.run(["mindspore-eagle", "batch", "--help"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "--resume" in res.stdout
+
+
+def test_scripts_help():
+    for script in ("run_eagle.py", "modelarts_boot.py"):
+        res = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--help"], env=ENV,
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0 and "usage:" in res.stdout, res.stderr
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "msrun_batch.sh"), "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0 and "msrun" in res.stdout
+
+
+def test_no_command_prints_help(capsys):
+    rc, out, _ = run_main(capsys, [])
+    assert rc == 2 and "COMMAND" in out
+
+
+# ------------------------------------------------------------------------------------ errors (errors.md) --
+def test_error_malformed_yaml(capsys, tmp_path):
+    path = _cfg_file(tmp_path, "speculative:\n  M: [16\n  D_max: 5\n")
+    expect_error(capsys, ["generate", "--config", path, "--prompt", "hi"], "malformed YAML")
+
+
+def test_error_unknown_key(capsys, tmp_path):
+    path = _cfg_file(tmp_path, "speculative:\n  budget: 8\n")
+    expect_error(capsys, ["generate", "--config", path, "--prompt", "hi"], "unknown key")
+
+
+def test_error_unknown_section(capsys, tmp_path):
+    path = _cfg_file(tmp_path, "parallel:\n  data_parallel: 1\n")
+    expect_error(capsys, ["batch", "--config", path, "--input", "x", "--output", "y"], "unknown section")
+
+
+def test_error_bad_range(capsys):
+    expect_error(capsys, ["generate", "--set", "speculative.M=1", "--prompt", "hi"], "bad range")
+
+
+def test_error_wrong_type(capsys):
+    expect_error(capsys, ["generate", "--set", "speculative.M=abc", "--prompt", "hi"], "wrong type")
+
+
+def test_error_missing_checkpoint(capsys, tmp_path):
+    msg = expect_error(capsys, ["generate", "--set", f"model.teacher={tmp_path}/nowhere", "--prompt", "hi"],
+                       "missing checkpoint")
+    assert str(tmp_path / "nowhere") in msg
+
+
+def test_error_drafter_hidden_size(capsys, tmp_path, tiny, tiny_cfg):
+    bad = _drafter(tmp_path, tiny_cfg, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    msg = expect_error(capsys, ["generate", "--set", f"model.teacher={tiny}", "--set", f"model.drafter={bad}",
+                                "--prompt", "hi"], "drafter whose hidden size does not fit the teacher")
+    assert msg == "error: drafter hidden_size = 32 does not fit the teacher (needs 64)"
+
+
+def test_error_drafter_vocabulary(capsys, tmp_path, tiny, tiny_cfg):
+    v = tiny_cfg[0].vocab_size
+    bad = _drafter(tmp_path, tiny_cfg, vocab_size=v + 100, draft_vocab_size=v + 100)
+    msg = expect_error(capsys, ["batch", "--set", f"model.teacher={tiny}", "--set", f"model.drafter={bad}",
+                                "--input", str(_one_record(tmp_path)), "--output", str(tmp_path / "o.jsonl"),
+                                "--no-progress"], "drafter whose vocabulary does not fit the teacher")
+    assert msg == f"error: drafter vocab_size = {v + 100} does not fit the teacher (needs {v})"
+
+
+def _one_record(tmp_path) -> Path:
+    p = tmp_path / "in.jsonl"
+    p.write_text(json.dumps({"id": 1, "prompt": "What is the capital of France?"}) + "\n", encoding="utf-8")
+    return p
+
+
+def test_error_embedded_drafter_missing(capsys, tmp_path, tiny, monkeypatch):
+    from mindspore_eagle import pipeline
+
+    monkeypatch.setattr(pipeline, "EMBEDDED_DRAFTER", str(tmp_path / "no_drafter"))
+    expect_error(capsys, ["generate", "--set", f"model.teacher={tiny}", "--set", "model.drafter=embedded",
+                          "--prompt", "hi"], "embedded drafter not installed")
+
+
+def test_error_pickle_teacher(capsys, tmp_path, tiny):
+    d = tmp_path / "pickled"
+    d.mkdir()
+    shutil.copy(tiny / "config.json", d / "config.json")
+    (d / "pytorch_model.bin").write_bytes(b"\x80\x04K\x01.")
+    msg = expect_error(capsys, ["generate", "--set", f"model.teacher={d}", "--prompt", "hi"],
+                       "pickle teacher checkpoint")
+    assert str(d / "pytorch_model.bin") in msg
+
+
+def test_error_pickle_drafter(capsys, tmp_path, tiny, tiny_cfg):
+    d = _drafter(tmp_path, tiny_cfg)
+    os.remove(d / "model.safetensors")
+    (d / "pytorch_model.bin").write_bytes(b"\x80\x04K\x01.")
+    expect_error(capsys, ["generate", "--set", f"model.teacher={tiny}", "--set", f"model.drafter={d}",
+                          "--prompt", "hi"], "pickle drafter checkpoint")
+
+
+def test_error_prompt_longer_than_context(capsys, tiny):
+    msg = expect_error(capsys, ["generate", "--set", f"model.teacher={tiny}", "--set", "model.drafter=random",
+                                "--set", "cache.max_seq_len=64", "--set", "cache.num_blocks=4", *TINY_FAST,
+                                "--prompt", "word " * 100], "prompt longer than the context (`generate`)")
+    assert "+ generation.max_new_tokens=6 + speculative.M=16 =" in msg and msg.endswith("cache.max_seq_len=64")
+
+
+def test_error_run_eagle_train_mode():
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "run_eagle.py"), "--run_mode", "train",
+                          "--predict_data", "hi"], env=ENV, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    check_row("`run_eagle.py --run_mode train`", res.stderr.strip().splitlines()[-1])
+
+
+def test_error_is_one_line_in_a_real_process(tmp_path):
+    """What a user sees: exit code 2, one stderr line, no traceback (MindSpore is imported on this path)."""
+    res = subprocess.run([sys.executable, "-m", "mindspore_eagle", "generate", "--set",
+                          f"model.teacher={tmp_path}/nowhere", "--prompt", "hi"], env=ENV, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.strip() == f"error: {tmp_path}/nowhere: no such file or directory"
+
+
+def test_every_documented_row_is_tested():
+    """Each row of docs/errors.md is named by a check_row call in these tests (test_cli / test_batch)."""
+    rows = [c.strip() for line in ERRORS_MD.read_text(encoding="utf-8").splitlines()
+            if line.startswith("| ") and not line.startswith("| Bad input")
+            for c in [line.strip().strip("|").split(" | ")[0]]]
+    sources = (Path(__file__).read_text(encoding="utf-8")
+               + (Path(__file__).parent / "test_batch.py").read_text(encoding="utf-8"))
+    missing = [r for r in rows if f'"{r}"' not in sources]
+    assert rows and not missing, missing
+
+
+# ------------------------------------------------------------------------------------------------ generate --
+def test_generate_multi_turn_streams_and_summarises(capsys, tiny, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    argv = ["generate", "--set", f"model.teacher={tiny}", "--set", "model.drafter=random", *TINY_FAST,
+            "--prompt", "What is the capital of France?", "--prompt", "And of Italy?"]
+    rc, out, err = run_main(capsys, argv + ["--trace", str(trace), "--stats"])
+    assert rc == 0, err
+    assert out.startswith("user: What is the capital of France?\nassistant: ")
+    assert "\nuser: And of Italy?\nassistant: " in out
+    summaries = re.findall(r"\[(\d+) new tokens, [\d.]+ tok/s, mean L_k ([\d.]+) over (\d+) steps, (\d+) compiles, "
+                           r"eager, speculative, stop: (eos|length|stop)\]", err)
+    assert len(summaries) == 2 and all(int(s[0]) >= 1 for s in summaries)
+    assert "mean accept_len" in err  # --stats table
+    kinds = [json.loads(line)["kind"] for line in trace.read_text().splitlines()]
+    assert kinds.count("turn") == 2 and "step" in kinds
+
+    rc, base_out, base_err = run_main(capsys, argv + ["--baseline"])
+    assert rc == 0 and "teacher-only" in base_err
+    assert base_out == out  # greedy speculative decoding is lossless: same streamed text as teacher-only
+
+
+def test_generate_chat_from_stdin(capsys, tiny, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello there\n\n/reset\nWhat is 2 + 2?\n/exit\nnever asked\n"))
+    rc, out, err = run_main(capsys, ["generate", "--chat", "--set", f"model.teacher={tiny}", "--baseline",
+                                     *TINY_FAST])
+    assert rc == 0, err
+    assert len(re.findall(r"new tokens", err)) == 2 and "never asked" not in out
+
+
+def test_generate_needs_a_prompt(capsys):
+    rc, _, err = run_main(capsys, ["generate"])
+    assert rc == 2 and err.strip() == "error: generate needs --prompt TEXT (repeatable for a multi-turn chat) or --chat"
+
+
+def test_streamer_holds_back_stop_strings(tiny_cfg):
+    _, _, tok = tiny_cfg
+    text = "The capital of France is Paris. Speculative decoding drafts several tokens."
+    ids = tok.encode(text, add_bos=False)
+    full = tok.decode(ids)
+    for stop in (["Paris"], ["decoding", "capital of X"], []):
+        buf = io.StringIO()
+        s = cli.Streamer(tok, eos_ids=[], stop=stop, out=buf)
+        for i in ids:
+            s(i)
+        cut = min([full.index(x) for x in stop if x in full], default=len(full))
+        assert buf.getvalue() == full[:cut]  # everything before the stop string, never the stop string
+        s.finish(full[:cut])
+        assert buf.getvalue() == full[:cut] + "\n"
+
+
+def test_streamer_skips_eos(tiny_cfg):
+    _, _, tok = tiny_cfg
+    ids = tok.encode("Paris is nice.", add_bos=False)
+    buf = io.StringIO()
+    s = cli.Streamer(tok, eos_ids=[99999], stop=[], out=buf)
+    for i in ids + [99999]:
+        s(i)
+    s.finish(tok.decode(ids))
+    assert buf.getvalue() == tok.decode(ids) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------- inspect --
+def test_inspect_teacher_dir(capsys, tiny):
+    rc, out, err = run_main(capsys, ["inspect", str(tiny)])
+    assert rc == 0, err
+    assert "teacher:" in out and "pangu decoder, 4 layers, hidden 64" in out
+    assert "compatible drafters: EAGLE-3 with hidden_size = target_hidden_size = 64, vocab_size = 400" in out
+    assert "chat template yes" in out
+
+
+def test_inspect_drafter_and_fit(capsys, tmp_path, tiny, tiny_cfg):
+    d = _drafter(tmp_path, tiny_cfg)
+    rc, out, err = run_main(capsys, ["inspect", str(d), "--teacher", str(tiny)])
+    assert rc == 0, err
+    assert "drafter:" in out and "1 decoder layer, hidden 64" in out and "fits teacher" in out
+    bad = _drafter(tmp_path, tiny_cfg, "bad", hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+                   head_dim=16)
+    rc, out, err = run_main(capsys, ["inspect", str(bad), "--teacher", str(tiny)])
+    assert rc == 2 and err.strip() == "error: drafter hidden_size = 32 does not fit the teacher (needs 64)"
+
+
+def test_inspect_embedded_gguf(capsys):
+    rc, out, err = run_main(capsys, ["inspect", "embedded"])
+    assert rc == 0, err
+    assert "GGUF (llama" in out and "30 layers, hidden 576" in out and "vocab 49152" in out
+
+
+# -------------------------------------------------------------------------------------------- delegation --
+def test_bench_and_train_are_delegated(capsys, monkeypatch):
+    seen = {}
+    fake_bench = types.ModuleType("mindspore_eagle.bench")
+    fake_bench.cli_main = lambda argv: seen.setdefault("bench", argv) and 3
+    fake_train = types.ModuleType("mindspore_eagle.train.__main__")
+    fake_train.main = lambda argv: seen.setdefault("train", argv) and 0
+    monkeypatch.setitem(sys.modules, "mindspore_eagle.bench", fake_bench)
+    monkeypatch.setitem(sys.modules, "mindspore_eagle.train.__main__", fake_train)
+    assert cli.main(["bench", "--help", "--x"]) == 3
+    assert cli.main(["train-drafter", "--steps", "2"]) == 0
+    assert seen == {"bench": ["--help", "--x"], "train": ["--steps", "2"]}
+
+
+def test_missing_delegate_is_an_error(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mindspore_eagle.bench", None)
+    rc, _, err = run_main(capsys, ["bench"])
+    assert rc == 2 and err.strip().startswith("error: 'bench' is not available")
+
+
+# ------------------------------------------------------------------------------------ MindFormers entry --
+def test_run_eagle_answers_paris(tmp_path):
+    """The MindFormers-style command of the issue, on the real embedded teacher (+ drafter once shipped)."""
+    from mindspore_eagle.pipeline import EMBEDDED_DRAFTER
+
+    drafter = "embedded" if os.path.isdir(EMBEDDED_DRAFTER) else "none"
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "run_eagle.py"), "--config",
+                          str(ROOT / "configs" / "default.yaml"), "--run_mode", "predict", "--predict_data",
+                          "What is the capital of France?", "--set", f"model.drafter={drafter}",
+                          "--set", "generation.max_new_tokens=16", "--use_parallel", "False"],
+                         cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "Paris" in res.stdout
+    lines = (tmp_path / "text_generation_result.txt").read_text(encoding="utf-8").splitlines()
+    assert len(lines) == 1 and lines[0].startswith("{'text_generation_text': [") and "Paris" in lines[0]
+
+
+def test_run_eagle_predict_data_file(tmp_path):
+    """--predict_data FILE.txt: one prompt per line (records built without a model)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import run_eagle
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    p = tmp_path / "prompts.txt"
+    p.write_text("first question\n\nsecond question\n", encoding="utf-8")
+    recs = run_eagle.build_records([str(p)])
+    assert [(r.id, r.payload) for r in recs] == [(0, "first question"), (1, "second question")]
+    assert [r.payload for r in run_eagle.build_records(["a b", "c"])] == ["a b", "c"]
+    assert np.array_equal([r.index for r in recs], [0, 1])
