@@ -325,9 +325,10 @@ def write_figures(rep: dict, outdir: str) -> list:
             sel = [r for r in rows if r["axis"] == a]
             x = [r["value"] for r in sel]
             ax[0, i].plot(x, [r["tok_s"] for r in sel], "o-", color="#4c72b0", label="EAGLE-3 tok/s")
-            ax[0, i].plot(x, [r["baseline_tok_s"] for r in sel], "--", color="gray", label="baseline tok/s")
+            ax[0, i].axhline(float(np.nanmean([r["baseline_tok_s"] for r in sel])), ls="--", color="gray",
+                             label="baseline tok/s")
             for r in sel:
-                if r["fastest"]:
+                if r.get("fastest_in_axis"):
                     ax[0, i].plot([r["value"]], [r["tok_s"]], "*", ms=14, color="#c44e52")
             if a == "M":
                 ax[0, i].set_xscale("log", base=2)

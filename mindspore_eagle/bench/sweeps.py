@@ -62,7 +62,8 @@ def summarize_points(records, rows, settings) -> list:
 
     Returns [{"axis", "value", "setting", "M", "D_max", "top_k", "window", "turns", "tok_s" (mean spec tok/s),
     "baseline_tok_s" (mean), "speedup" (mean per-turn), "speedup_agg", "accept_len_mean", "accept_len_p90",
-    "identical" (all outputs equal the baseline), "fastest" (bool, highest tok_s among points of the same study)}].
+    "identical" (all outputs equal the baseline), "fastest" (bool, highest tok_s among points of the same study),
+    "fastest_in_axis" (highest tok_s along its own axis)}].
     """
     by_name = {s.name: s for s in settings}
     out = []
@@ -84,12 +85,17 @@ def summarize_points(records, rows, settings) -> list:
                     "baseline_tok_s": stats([b["tok_s"] for b, _ in rs])["mean"],
                     "speedup": stats([sr["speedup"] for _, sr in rs])["mean"], "speedup_agg": agg,
                     "accept_len_mean": ls["mean"], "accept_len_p90": ls["p90"],
-                    "identical": all(sr["identical"] for _, sr in rs), "fastest": False})
+                    "identical": all(sr["identical"] for _, sr in rs), "fastest": False, "fastest_in_axis": False})
     finite = [p for p in out if p["tok_s"] == p["tok_s"]]
     if finite:
         best = max(p["tok_s"] for p in finite)
         for p in finite:
             p["fastest"] = p["tok_s"] == best
+    for axis in {p["axis"] for p in finite}:
+        best = max(p["tok_s"] for p in finite if p["axis"] == axis)
+        for p in finite:
+            if p["axis"] == axis:
+                p["fastest_in_axis"] = p["tok_s"] == best
     return out
 
 
