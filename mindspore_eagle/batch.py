@@ -269,6 +269,7 @@ def prepare_output(records: list, output, resume: bool, overwrite: bool) -> set:
             ``records`` (it belongs to another input or shard).
     """
     output = os.fspath(output)
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     exists = os.path.exists(output) and os.path.getsize(output) > 0
     if exists and not (resume or overwrite):
         raise BatchError(f"output file {output!r} already exists: pass --resume to continue it or --overwrite to "

@@ -165,14 +165,21 @@ def cmd_generate(args) -> int:
     labelled = args.chat or len(args.prompt) > 1
     messages = [{"role": "system", "content": args.system}] if args.system else []
     for i, text in enumerate(turns_in):
-        if text == "/reset":
+        if args.chat and text == "/reset":
             messages = messages[:1] if args.system else []
             continue
         messages.append({"role": "user", "content": text})
         if labelled and not args.chat:
             sys.stdout.write(f"user: {text}\nassistant: ")
         streamer = Streamer(engine.tokenizer, engine.eos, gen.stop)
-        g = engine.generate(messages, gen, speculative, turn_id=str(i), on_token=streamer)
+        try:
+            g = engine.generate(messages, gen, speculative, turn_id=str(i), on_token=streamer)
+        except known_errors() as e:  # interactive: report (e.g. context full) and keep the session
+            if not args.chat:
+                raise
+            messages.pop()
+            print(f"\nerror: {one_line(e)} (/reset starts a new conversation)", file=sys.stderr, flush=True)
+            continue
         streamer.finish(g.text)
         messages.append({"role": "assistant", "content": g.text})
         print(turn_summary(g, cfg.exec_mode, speculative), file=sys.stderr, flush=True)

@@ -42,6 +42,12 @@ REAL_RECORDS = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _quiet_mindspore_log(monkeypatch):
+    """cli.guarded() sets GLOG_v with setdefault; keep that from leaking into later tests' environment."""
+    monkeypatch.setenv("GLOG_v", os.environ.get("GLOG_v", "3"))
+
+
 def _write(path: Path, lines) -> Path:
     path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     return path

@@ -27,6 +27,12 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("P
 TINY_FAST = ["--mode", "eager", "--max-new-tokens", "6"]
 
 
+@pytest.fixture(autouse=True)
+def _quiet_mindspore_log(monkeypatch):
+    """cli.guarded() sets GLOG_v with setdefault; keep that from leaking into later tests' environment."""
+    monkeypatch.setenv("GLOG_v", os.environ.get("GLOG_v", "3"))
+
+
 # ------------------------------------------------------------------------------------------------ helpers --
 def documented(row: str) -> str:
     """The message docs/errors.md gives for ``row`` (first column), as a regex (placeholders <..> = .+?)."""
@@ -267,11 +273,16 @@ def test_generate_multi_turn_streams_and_summarises(capsys, tiny, tmp_path):
 
 
 def test_generate_chat_from_stdin(capsys, tiny, monkeypatch):
-    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello there\n\n/reset\nWhat is 2 + 2?\n/exit\nnever asked\n"))
+    """--chat reads turns from stdin; a turn that overflows the context is reported and the session goes on."""
+    long_turn = "word " * 100
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"Hello there\n\n{long_turn}\n/reset\nWhat is 2 + 2?\n/exit\n"
+                                                  "never asked\n"))
     rc, out, err = run_main(capsys, ["generate", "--chat", "--set", f"model.teacher={tiny}", "--baseline",
-                                     *TINY_FAST])
+                                     "--set", "cache.max_seq_len=64", "--set", "cache.num_blocks=4", *TINY_FAST])
     assert rc == 0, err
     assert len(re.findall(r"new tokens", err)) == 2 and "never asked" not in out
+    assert re.search(r"error: prompt of \d+ tokens .* exceeds cache.max_seq_len=64 \(/reset starts a new "
+                     r"conversation\)", err)
 
 
 def test_generate_needs_a_prompt(capsys):
