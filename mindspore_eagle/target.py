@@ -169,7 +169,8 @@ class TargetRunner:
     def commit(self, sid: int, path, width: int) -> None:
         """Move the K/V of accepted tree nodes ``path`` (root first) to the positions after the prefix."""
         src, dst = self.bm.commit_plan(sid, path, width)
-        self._compact(ms.Tensor(slots_to_2d(src, self.B)), ms.Tensor(slots_to_2d(dst, self.B)))
+        if not np.array_equal(src, dst):     # a chain prefix [0, 1, ..., a] is already in place: no device work
+            self._compact(ms.Tensor(slots_to_2d(src, self.B)), ms.Tensor(slots_to_2d(dst, self.B)))
         self.bm.finish_commit(sid, len(path))
 
     def rollback(self, sid: int) -> None:
