@@ -141,6 +141,19 @@ def test_loss_mask_covers_assistant_content_and_end_token_only():
     assert "".join(c for c, k in zip(text, mask) if k) == "yo#ok#"
 
 
+def test_loss_mask_by_token_offsets_on_sentencepiece_template(tiny):
+    from mindspore_eagle.train.data import tokenize_conversation
+
+    _, _, tok = tiny
+    conv = [{"role": "user", "content": "Explain why the sky is blue."},
+            {"role": "assistant", "content": "The quick brown fox."}, {"role": "user", "content": "ok"},
+            {"role": "assistant", "content": "Paris."}]
+    ids, mask, exact = tokenize_conversation(tok, conv)
+    assert exact                                   # whole-text ids, the tokenisation the teacher sees at inference
+    np.testing.assert_array_equal(ids, tok.encode(tok.apply_chat_template(conv, add_generation_prompt=False)))
+    assert tok.decode(ids[mask == 1]) == "The quick brown fox.[unused10]Paris.[unused10]"
+
+
 def test_eval_prompt_matching_normalises_text():
     from mindspore_eagle.train.data import is_eval_prompt
 

@@ -11,8 +11,9 @@ Loss mask (eagle3.md §4 "Data", pitfall P11): for each assistant turn i the tem
 ``messages[:i+1]`` without it; the assistant span is the character range between the two renderings with trailing
 whitespace removed (so ChatML's ``<|im_end|>`` is trained, the ``\\n`` after it is not). Each rendering must be a
 prefix of the next and of the whole conversation, otherwise the conversation is rejected (counted as
-``template_mismatch``). The text is tokenised segment by segment at the span boundaries, so the mask is exact in
-token offsets; ``tokenize_mismatch`` counts samples whose segmented ids differ from tokenising the whole text.
+``template_mismatch``). The whole text is tokenised once and the spans are found by token offsets (the token
+counts of the encoded prefixes); where a token merges across a span edge the sample is tokenised segment by
+segment at the edges instead (counted as ``tokenize_mismatch``), see :func:`tokenize_conversation`.
 
 Optional regeneration (SF ``scripts/regenerate_train_data.py``): the first user turn is answered by the teacher
 itself (greedy, or sampled at a temperature) through ``TargetRunner`` prefill + decode, and the sample becomes
@@ -72,19 +73,25 @@ class TemplateMismatch(ValueError):
     """A chat-template rendering is not a prefix of the next one (the mask cannot be built from offsets)."""
 
 
-def tokenize_conversation(tok, conv: list) -> tuple[np.ndarray, np.ndarray, bool]:
+def tokenize_conversation(tok, conv: list, max_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray, bool]:
     """Chat-templated ids and assistant loss mask of one conversation.
+
+    The whole rendering is tokenised once; each assistant span [a, b) (characters) becomes the token range
+    [len(encode(text[:a])), len(encode(text[:b]))), valid when both encodings are token prefixes of the whole
+    one. If a boundary token merges across a span edge, the conversation falls back to tokenising segment by
+    segment at the span edges (exact mask, but ids that may differ from the whole-text tokenisation).
 
     Args:
         tok: a ``Tokenizer`` with a chat template; conv: [{"role", "content"}], any roles the template accepts.
+        max_tokens: assistant turns starting at or after this many tokens are not located (the sample will be
+            truncated there anyway).
     Returns:
-        (ids int32 [n], mask uint8 [n], same) where ``same`` says whether the segmented tokenisation equals
-        ``tok.encode`` of the whole rendering.
+        (ids int32 [n], mask uint8 [n], exact) where ``exact`` says the ids are the whole-text tokenisation.
     Raises:
         TemplateMismatch: a rendering is not a prefix of the next (P11).
     """
     full = tok.apply_chat_template(conv, add_generation_prompt=False)
-    bounds, spans = [], []
+    spans = []
     for i, msg in enumerate(conv):
         if msg["role"] != "assistant":
             continue
@@ -95,20 +102,32 @@ def tokenize_conversation(tok, conv: list) -> tuple[np.ndarray, np.ndarray, bool
         end = len(upto.rstrip())
         if end > len(pre):
             spans.append((len(pre), end))
-    ids, mask, cur = [], [], 0
+    whole = tok.encode(full)
+    mask = np.zeros(len(whole), np.uint8)
+    exact = True
+    for a, b in spans:
+        ta, tb = tok.encode(full[:a]), tok.encode(full[:b])
+        if whole[:len(ta)] != ta or whole[:len(tb)] != tb:
+            exact = False
+            break
+        mask[len(ta):len(tb)] = 1
+        if max_tokens is not None and len(tb) >= max_tokens:
+            break
+    if exact:
+        return np.asarray(whole, np.int32), mask, True
+    ids, seg_mask, cur = [], [], 0
     for a, b in spans:
         for (lo, hi, m) in ((cur, a, 0), (a, b, 1)):
             if hi > lo:
                 part = tok.encode(full[lo:hi], add_bos=None if lo == 0 else False)
                 ids += part
-                mask += [m] * len(part)
+                seg_mask += [m] * len(part)
         cur = b
     if cur < len(full):
         part = tok.encode(full[cur:], add_bos=None if cur == 0 else False)
         ids += part
-        mask += [0] * len(part)
-    same = ids == tok.encode(full)
-    return np.asarray(ids, np.int32), np.asarray(mask, np.uint8), same
+        seg_mask += [0] * len(part)
+    return np.asarray(ids, np.int32), np.asarray(seg_mask, np.uint8), False
 
 
 def regenerate_reply(runner, tok, user: str, max_new: int, temperature: float = 0.0,
@@ -184,7 +203,7 @@ def build_samples(tok, conversations: list, n_samples: int, max_len: int, min_as
             conv = [{"role": "user", "content": first}, {"role": "assistant", "content": reply}]
             stats.regenerated += 1
         try:
-            ids, mask, same = tokenize_conversation(tok, conv)
+            ids, mask, same = tokenize_conversation(tok, conv, max_len)
         except TemplateMismatch:
             stats.template_mismatch += 1
             continue
