@@ -44,6 +44,9 @@ def test_cli_end_to_end_random_drafter(tmp_path):
     recs = read_records(out / "turns.jsonl")
     assert list(recs) == ["mtbench/81#0", "mtbench/81#1"]
     assert recs["mtbench/81#1"]["prompt_tokens"] > recs["mtbench/81#0"]["prompt_tokens"]  # history included
+    top = recs["mtbench/81#0"]["attn_top"]
+    assert 1 <= len(top) <= 2 and all(0 <= c <= p for p, c in top)
+    assert recs["mtbench/81#0"]["attn_dist"] == [p - c for p, c in top]
     lines = (out / "turns.jsonl").read_text().splitlines()
     assert cli_main(argv) == 0                                                            # resume: nothing to do
     assert (out / "turns.jsonl").read_text().splitlines() == lines
@@ -72,6 +75,8 @@ def test_attention_buckets():
     b = attention_buckets([0, 31, 32, 127, 128, 255, 256, 1000])
     assert (b["0-31"], b["32-127"], b["128-255"], b["256+"], b["n"]) == (0.25, 0.25, 0.25, 0.25, 8)
     assert np.isnan(attention_buckets([])["0-31"])
+    b = attention_buckets([5, 200, 300], columns=[0, 3, 100])         # rows at positions 5, 203, 400
+    assert b["sink"] == pytest.approx(2 / 3) and b["far_not_sink"] == pytest.approx(1 / 3)
 
 
 def test_parse_and_sweep_points():

@@ -117,6 +117,9 @@ def build_report(records, meta: dict) -> dict:
         rep["peer_llamacpp_tok_s"] = stats([p["tok_s"] for p in peers])
         rep["peer_llamacpp_match"] = stats([p.get("match_prefix", float("nan")) for p in peers])
     dists = [d for r in ok for d in r.get("attn_dist", [])]
+    tops = [t for r in ok for t in r.get("attn_top", [])]
+    cols = [c for _, c in tops] if len(tops) == len(dists) else None
+    loads = [r["loadavg_1m"] for r in ok if "loadavg_1m" in r]
     pts = [{"turn_id": r["turn_id"], "source": r["source"],
             "accept_len_mean": float(np.mean(r["settings"]["main"]["accept_lens"]))
             if r["settings"]["main"]["accept_lens"] else 1.0,
@@ -135,9 +138,10 @@ def build_report(records, meta: dict) -> dict:
         "fig4_budget_sweep": sweeps.get("budget", []),
         "fig5_overheads": overheads(records),
         "fig6_window": sweeps.get("window", []),
-        "fig7_attention": {**attention_buckets(dists), "distances": dists,
+        "fig7_attention": {**attention_buckets(dists, cols), "distances": dists, "top": tops,
                            "window": main["window"]},
     }
+    rep["loadavg_1m"] = stats(loads)
     rep["sweeps"] = sweeps
     rep["run"] = {k: v for k, v in meta.items() if k not in ("sweeps",)}
     return rep
@@ -187,6 +191,8 @@ def markdown(rep: dict) -> str:
           f"- Teacher: {run.get('teacher', '?')}; drafter: {run.get('drafter', '?')}",
           f"- Machine: {run.get('machine', {}).get('summary', '?')}",
           f"- Outputs identical to teacher-only greedy on every turn and setting: **{rep['identical_outputs']}**",
+          f"- CPU load (1-minute load average at the end of each turn, this run alone adds about 2): mean "
+          f"{_f(rep['loadavg_1m']['mean'])}, p99 {_f(rep['loadavg_1m']['p99'])}",
           f"- Graph compilations inside timed turns: {rep['compiles_during_timing']} (warm-up: "
           f"{run.get('warmup', {}).get('mode', '?')}, {run.get('warmup', {}).get('compiles', '?')} graphs in "
           f"{_f(run.get('warmup', {}).get('seconds'), 1)} s)", ""]
@@ -262,6 +268,9 @@ def markdown(rep: dict) -> str:
           f"{f7['n']} sampled context-pass rows (mean over heads).", "",
           "| distance | 0-31 | 32-127 | 128-255 | 256+ |", "|---|---|---|---|---|",
           f"| fraction | {_f(f7['0-31'], 3)} | {_f(f7['32-127'], 3)} | {_f(f7['128-255'], 3)} | {_f(f7['256+'], 3)} |", ""]
+    if "sink" in f7:
+        L += [f"Top-1 on one of the first 4 tokens of the sequence (attention sink): {_f(f7['sink'], 3)}; distance >= 128 "
+              f"and not a sink: {_f(f7['far_not_sink'], 3)}.", ""]
     f1 = rep["figures"]["fig1_lengths"]
     L += ["## Figure 1: lengths", "", "| | mean | p50 | p90 | p99 |", "|---|---|---|---|---|",
           _stat_row("prompt tokens", f1["prompt_stats"], 1), _stat_row("new tokens", f1["new_stats"], 1), "",

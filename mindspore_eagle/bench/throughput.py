@@ -239,7 +239,8 @@ class AttnProbe:
             del self.runner.extend
 
     def finish(self, n: int) -> list:
-        """Remove the hook and return up to ``n`` top-1 attention distances (int tokens)."""
+        """Remove the hook and return up to ``n`` sampled rows as [position, top-1 column] pairs (ints; the
+        top-1 attention distance in tokens is position - column)."""
         import mindspore as ms
         from ..tree import NEG_BIAS
 
@@ -257,13 +258,15 @@ class AttnProbe:
             h = cell.fuse(ms.Tensor(feat[None]))
             probs = cell.attention_probs(h, ms.Tensor(np.array([tok], np.int32)), ms.Tensor(np.array([pos], np.int32)),
                                          ms.Tensor(self.table), ms.Tensor(mask)).asnumpy()[0]
-            dists.append(int(pos - int(np.argmax(probs[: pos + 1]))))
+            dists.append([int(pos), int(np.argmax(probs[: pos + 1]))])
         return dists
 
 
-def attention_buckets(distances) -> dict:
+def attention_buckets(distances, columns=None, sink: int = 4) -> dict:
     """Fraction of top-1 attention distances in each ATTN_BUCKETS range: {"0-31": f, "32-127": f, "128-255": f,
-    "256+": f, "n": count} (fractions are NaN when n == 0)."""
+    "256+": f, "n": count} (fractions are NaN when n == 0). With ``columns`` (the top-1 key positions), also
+    "sink": the fraction whose top-1 key is among the first ``sink`` positions of the sequence (attention sink at
+    the start of the prompt), and "far_not_sink": distance >= 128 but not a sink."""
     d = np.asarray(list(distances), np.int64)
     out = {}
     for lo, hi in ATTN_BUCKETS:
@@ -271,6 +274,10 @@ def attention_buckets(distances) -> dict:
         sel = (d >= lo) & (d <= hi) if hi is not None else d >= lo
         out[key] = float(sel.mean()) if d.size else float("nan")
     out["n"] = int(d.size)
+    if columns is not None:
+        c = np.asarray(list(columns), np.int64)
+        out["sink"] = float((c < sink).mean()) if c.size else float("nan")
+        out["far_not_sink"] = float(((d >= 128) & (c >= sink)).mean()) if c.size else float("nan")
     return out
 
 
@@ -375,7 +382,9 @@ def run_turn(pool, ts: TurnSpec, history: list, gen, settings, attn_samples: int
             rec["settings"][s.name] = {"skipped": str(e)}
             continue
         if probe:
-            rec["attn_dist"] = probe.finish(attn_samples)
+            top = probe.finish(attn_samples)
+            rec["attn_top"] = top
+            rec["attn_dist"] = [p - c for p, c in top]
         same = list(g.token_ids) == list(b.token_ids)
         r = {**_turn_result(g), "speedup": g.turn.tok_per_s / b.turn.tok_per_s if b.turn.tok_per_s else float("nan"),
              "identical": same, "first_diff": _first_diff(list(g.token_ids), list(b.token_ids)),
@@ -388,6 +397,8 @@ def run_turn(pool, ts: TurnSpec, history: list, gen, settings, attn_samples: int
                 f"({len(g.token_ids)} vs {len(b.token_ids)} tokens); speculative decoding must be lossless")
     if peer is not None:
         rec["peer_llamacpp"] = peer.run(ids, gen.max_new_tokens, b.token_ids)
+    if hasattr(os, "getloadavg"):
+        rec["loadavg_1m"] = os.getloadavg()[0]
     return rec
 
 
