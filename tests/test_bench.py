@@ -90,7 +90,11 @@ def test_parse_and_sweep_points():
     settings, rows = dedupe(main, pts)
     # M=2 dropped (top_k > M); M=16, D=5, K=4 and W=none are the main setting itself
     assert [s.name for s in settings] == ["main", "M=32", "D=2", "K=8", "W=128"]
+    assert [(r[0], r[1]) for r in rows] == [("M", 16), ("M", 32), ("D_max", 2), ("D_max", 5), ("top_k", 4),
+                                            ("top_k", 8), ("window", 0), ("window", 128)]
     assert [r[2] for r in rows] == ["main", "M=32", "D=2", "main", "main", "K=8", "main", "W=128"]
+    pts = budget_points(sp, (8,), (), ())                       # the config's own value joins each swept axis
+    assert [(a, v) for a, v, _ in pts] == [("M", 8), ("M", 16)]
 
 
 # ---------------------------------------------------------------------------------------- fake engine runs --

@@ -16,6 +16,8 @@ throughput.py); outputs must be identical (the run stops with exit code 3 otherw
 Outputs in the run folder (``--out DIR``; default ``runs/<date>_<config>_M.._D.._K.._t<turns>``):
     turns.jsonl   one record per finished turn (a restarted run with the same --out skips finished turns)
     run.json      the run's fixed parameters (a restart with different ones is refused)
+    sessions.jsonl one line per invocation that timed turns (warm-up, machine, load average, wall time); an
+                  invocation with nothing left to time only rewrites the report
     report.json   turns, M, D_max, top_k, identical_outputs, baseline_tok_s / ea_tok_s / speedup / accept_len
                   ({mean, p50, p90, p99, n}), figures, sweeps, paper numbers, machine
     report.md     the tables, beside the paper's numbers;   fig1..fig7 PNGs (Figures 4 / 6 with the sweeps)
@@ -196,13 +198,30 @@ def cli_main(argv=None) -> int:
     records = [r for r in (read_records(jsonl).get(t.turn_id) for t in turns) if r is not None]
     machine["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     machine["threads"] = _threads(cfg)
+    sessions_path = os.path.join(out, "sessions.jsonl")
+    if todo:   # one line per invocation that timed turns: its warm-up, machine state, wall time
+        with open(sessions_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t_start)),
+                                "command": command, "turns_timed": len(todo), "warmup": warm, "machine": machine,
+                                "wall_s": time.time() - t_start}) + "\n")
+    sessions = []
+    if os.path.exists(sessions_path):
+        with open(sessions_path, encoding="utf-8") as f:
+            sessions = [json.loads(line) for line in f if line.strip()]
+    if sessions:   # report the sessions that produced the records, not a later report-only invocation
+        warm = {"mode": "+".join(dict.fromkeys(x["warmup"]["mode"] for x in sessions)),
+                "seconds": sum(x["warmup"]["seconds"] for x in sessions),
+                "compiles": sum(x["warmup"]["compiles"] for x in sessions)}
+        machine = dict(sessions[0]["machine"], loadavg_end=sessions[-1]["machine"].get("loadavg_end"))
+    elif not todo:
+        warm = {"mode": "unknown (no sessions.jsonl)", "seconds": float("nan"), "compiles": "?"}
     sweeps = {k: sw.summarize_points(records, rows[k], settings) for k in ("budget", "window") if rows[k]}
-    meta = {"name": name, "main": main.to_dict(), "command": command, "turns_requested": len(turns),
-            "subset": subset, "max_new_tokens": gen.max_new_tokens, "teacher": cfg.model.teacher,
-            "drafter": cfg.model.drafter, "mode": cfg.exec_mode, "machine": machine, "warmup": warm,
-            "settings": [s.to_dict() for s in settings], "sweeps": sweeps, "peer_llamacpp": peer_note,
-            "wall_s": time.time() - t_start, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "config": cfg.to_dict()}
+    meta = {"name": name, "main": main.to_dict(), "command": sessions[0]["command"] if sessions else command,
+            "turns_requested": len(turns), "subset": subset, "max_new_tokens": gen.max_new_tokens,
+            "teacher": cfg.model.teacher, "drafter": cfg.model.drafter, "mode": cfg.exec_mode, "machine": machine,
+            "warmup": warm, "sessions": sessions, "settings": [s.to_dict() for s in settings], "sweeps": sweeps,
+            "peer_llamacpp": peer_note, "wall_s": sum(x["wall_s"] for x in sessions) if sessions else
+            time.time() - t_start, "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "config": cfg.to_dict()}
     rep = report_mod.build_report(records, meta)
     report_mod.write_all(rep, out)
     s, a = rep["speedup"], rep["accept_len"]

@@ -190,6 +190,10 @@ def markdown(rep: dict) -> str:
           f"{rep['window'] or 'none'}; greedy, max_new_tokens = {run.get('max_new_tokens', '?')}",
           f"- Teacher: {run.get('teacher', '?')}; drafter: {run.get('drafter', '?')}",
           f"- Machine: {run.get('machine', {}).get('summary', '?')}",
+          *[f"- Session {i + 1}: started {x['started']}, {x['turns_timed']} turns timed in {_f(x['wall_s'] / 60, 1)} min, "
+            f"1-minute load average {_f((x['machine'].get('loadavg_start') or [float('nan')])[0])} at start, "
+            f"{_f((x['machine'].get('loadavg_end') or [float('nan')])[0])} at end"
+            for i, x in enumerate(run.get("sessions", []))],
           f"- Outputs identical to teacher-only greedy on every turn and setting: **{rep['identical_outputs']}**",
           f"- CPU load (1-minute load average at the end of each turn, this run alone adds about 2): mean "
           f"{_f(rep['loadavg_1m']['mean'])}, p99 {_f(rep['loadavg_1m']['p99'])}",
@@ -343,9 +347,11 @@ def write_figures(rep: dict, outdir: str) -> list:
                 ax[0, i].set_xscale("log", base=2)
             ax[0, i].set(title=f"Figure 4: sweep {a}", xlabel=a, ylabel="tok/s")
             t = ax[0, i].twinx()
-            t.plot(x, [r["accept_len_mean"] for r in sel], "s:", color="#55a868", label="mean L_k")
+            t.plot(x, [r["accept_len_mean"] for r in sel], "s:", color="#55a868", label="mean L_k (right)")
             t.set_ylabel("mean L_k")
-            ax[0, i].legend(fontsize=7, loc="lower right")
+            h1, l1 = ax[0, i].get_legend_handles_labels()
+            h2, l2 = t.get_legend_handles_labels()
+            ax[0, i].legend(h1 + h2, l1 + l2, fontsize=7, loc="best")
         save(fig, 4)
 
     ov = F["fig5_overheads"]

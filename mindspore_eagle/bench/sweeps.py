@@ -27,20 +27,25 @@ def main_setting(sp) -> Setting:
 
 
 def budget_points(sp, budgets=DEFAULT_BUDGETS, depths=DEFAULT_DEPTHS, top_ks=()) -> list:
-    """[(axis, value, Setting)] for the budget sweep; points with top_k > M are dropped (invalid trees)."""
+    """[(axis, value, Setting)] for the budget sweep; each non-empty axis also gets the config's own value (run
+    once, as "main"), values sorted; points with top_k > M are dropped (invalid trees)."""
     out = []
-    for m in budgets:
-        out.append(("M", m, Setting(f"M={m}", m, sp.D_max, sp.top_k, sp.window)))
-    for d in depths:
-        out.append(("D_max", d, Setting(f"D={d}", sp.M, d, sp.top_k, sp.window)))
-    for k in top_ks:
-        out.append(("top_k", k, Setting(f"K={k}", sp.M, sp.D_max, k, sp.window)))
+    axes = (("M", budgets, sp.M), ("D_max", depths, sp.D_max), ("top_k", top_ks, sp.top_k))
+    for axis, values, own in axes:
+        if not values:
+            continue
+        for v in sorted(set(values) | {own}):
+            m, d, k = (v if axis == "M" else sp.M), (v if axis == "D_max" else sp.D_max), (v if axis == "top_k" else sp.top_k)
+            name = {"M": f"M={v}", "D_max": f"D={v}", "top_k": f"K={v}"}[axis]
+            out.append((axis, v, Setting(name, m, d, k, sp.window)))
     return [p for p in out if p[2].top_k <= p[2].M]
 
 
 def window_points(sp, windows=DEFAULT_WINDOWS) -> list:
-    """[("window", W, Setting)] for the drafter-only truncation study (W = 0 means no truncation)."""
-    return [("window", w, Setting(f"W={w or 'none'}", sp.M, sp.D_max, sp.top_k, w)) for w in windows]
+    """[("window", W, Setting)] for the drafter-only truncation study (W = 0 means no truncation; always
+    included, first; the others ascending)."""
+    ws = [0] + sorted(set(windows) - {0})
+    return [("window", w, Setting(f"W={w or 'none'}", sp.M, sp.D_max, sp.top_k, w)) for w in ws]
 
 
 def dedupe(main: Setting, points: list) -> tuple[list, list]:
