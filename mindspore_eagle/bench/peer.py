@@ -133,10 +133,14 @@ class LlamaCppPeer:
 
     def run(self, prompt_ids, max_new_tokens: int, ref_ids=()) -> dict:
         """Greedy continuation of ``prompt_ids``; returns {"tok_s", "new_tokens", "seconds", "match_prefix"}."""
+        import inspect
+
+        want = {"top_k": 1, "top_p": 1.0, "min_p": 0.0, "temp": 0.0, "repeat_penalty": 1.0, "reset": True}
+        params = inspect.signature(self.llm.generate).parameters     # older releases lack min_p
+        kwargs = {k: v for k, v in want.items() if k in params}
         out = []
         t0 = time.perf_counter()
-        for tok in self.llm.generate([int(i) for i in prompt_ids], top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
-                                     repeat_penalty=1.0, reset=True):
+        for tok in self.llm.generate([int(i) for i in prompt_ids], **kwargs):
             out.append(int(tok))
             if tok in self.eos or len(out) >= max_new_tokens:
                 break
