@@ -260,3 +260,54 @@ def test_gguf_f32_writer_roundtrip(tmp_path, tied):
 
     r = GGUFReader(str(path))
     assert {int(t.tensor_type) for t in r.tensors} == {0}            # GGML F32 only
+
+
+def test_llamacpp_peer_with_fake_module(tmp_path, monkeypatch):
+    """The peer code path without llama-cpp-python: a stand-in ``llama_cpp`` module, greedy stop on EOS /
+    max_new_tokens, match_prefix against our ids, and peer_llamacpp_tok_s in the report."""
+    import importlib.machinery
+    import sys
+    import types
+
+    class Llama:
+        def __init__(self, model_path, n_threads, n_threads_batch, n_ctx, n_batch, verbose, seed):
+            assert os.path.exists(model_path) and n_threads == 2
+            self.calls = []
+
+        def token_eos(self):
+            return 1
+
+        def generate(self, tokens, top_k, top_p, temp, repeat_penalty, reset):   # an old release: no min_p
+            assert (top_k, temp, repeat_penalty) == (1, 0.0, 1.0)
+            yield from [7, 8, 9, 1, 5]
+
+    fake = types.ModuleType("llama_cpp")
+    fake.Llama = Llama
+    fake.__spec__ = importlib.machinery.ModuleSpec("llama_cpp", None)
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    from tiny_pangu import random_tensors
+    from mindspore_eagle.bench import peer
+    from mindspore_eagle.config import load_config
+    from mindspore_eagle.models.config import ModelConfig
+    from mindspore_eagle.pipeline import Loaded
+
+    assert peer.available()
+    cfg_t = ModelConfig(vocab_size=261, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
+                        num_kv_heads=2, head_dim=8, rope_theta=1e5, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                        max_position_embeddings=256, arch="llama", eos_token_ids=(1,))
+    src = _tokenizer_gguf(tmp_path / "tok.gguf")
+    cfg = load_config(None, [f"model.teacher={src}"])
+    p = peer.make_peer(cfg, Loaded(cfg_t, random_tensors(cfg_t, 1), None, None, None), str(tmp_path), 2)
+    assert (tmp_path / "teacher_f32.gguf").exists()
+    r = p.run([0, 5, 6], 128, [7, 8, 4, 1])
+    assert r["new_tokens"] == 4 and r["match_prefix"] == 0.5 and r["tok_s"] > 0        # stopped at EOS 1
+    assert p.run([0], 2, [7, 8])["new_tokens"] == 2                                    # max_new_tokens
+
+    class FakePeer:
+        def run(self, ids, n, ref):
+            return {"tok_s": 20.0, "new_tokens": n, "seconds": 0.3, "match_prefix": 1.0}
+
+    recs = run_turns(FakePool(FakeEngine()), TURNS[:1], GEN, MAIN, str(tmp_path / "t.jsonl"), peer=FakePeer(),
+                     progress=False)
+    rep = report_mod.build_report(recs, {"main": MAIN[0].to_dict(), "sweeps": {}})
+    assert rep["peer_llamacpp_tok_s"]["mean"] == 20.0 and "llama.cpp" in report_mod.markdown(rep)
