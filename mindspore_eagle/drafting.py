@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import mindspore as ms
 
-from .kv import BlockManager, slots_to_2d
+from .kv import BlockManager
 from .models.eagle3 import Eagle3Drafter
 from .runtime import CompiledFn
 from .target import context_widths, pow2_buckets
@@ -68,7 +68,7 @@ class DrafterRunner:
     def _run(self, sid, h, tokens, positions, slots, mask):
         table = self.bm.block_table(sid)[: mask.shape[1] // self.B]
         return self._step(h, ms.Tensor(np.asarray(tokens, np.int32)), ms.Tensor(np.asarray(positions, np.int32)),
-                          ms.Tensor(slots_to_2d(slots, self.B)), ms.Tensor(table),
+                          ms.Tensor(np.asarray(slots, np.int32)), ms.Tensor(table),
                           ms.Tensor(mask))
 
     # ------------------------------------------------------------------ context pass

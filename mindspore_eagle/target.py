@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import mindspore as ms
 
-from .kv import BlockManager, CacheExhaustedError, slots_to_2d
+from .kv import BlockManager, CacheExhaustedError
 from .models.pangu import KVCompactor, PanguTeacher
 from .runtime import CompiledFn
 from .tree import NEG_BIAS, TreeTensors, tree_attention_bias
@@ -92,7 +92,7 @@ class TargetRunner:
     def _call(self, fn, sid, tokens, positions, slots, mask, out_rows):
         table = self.bm.block_table(sid)[: mask.shape[1] // self.B]
         args = (ms.Tensor(np.asarray(tokens, np.int32)), ms.Tensor(np.asarray(positions, np.int32)),
-                ms.Tensor(slots_to_2d(slots, self.B)), ms.Tensor(table),
+                ms.Tensor(np.asarray(slots, np.int32)), ms.Tensor(table),
                 ms.Tensor(mask), ms.Tensor(np.asarray(out_rows, np.int32)))
         out, aux = fn(*args)
         return out.asnumpy(), aux.asnumpy()
@@ -170,7 +170,7 @@ class TargetRunner:
         """Move the K/V of accepted tree nodes ``path`` (root first) to the positions after the prefix."""
         src, dst = self.bm.commit_plan(sid, path, width)
         if not np.array_equal(src, dst):     # a chain prefix [0, 1, ..., a] is already in place: no device work
-            self._compact(ms.Tensor(slots_to_2d(src, self.B)), ms.Tensor(slots_to_2d(dst, self.B)))
+            self._compact(ms.Tensor(np.asarray(src, np.int32)), ms.Tensor(np.asarray(dst, np.int32)))
         self.bm.finish_commit(sid, len(path))
 
     def rollback(self, sid: int) -> None:

@@ -99,7 +99,6 @@ def main(argv=None):
     runtime.configure()
     import mindspore as ms
     from mindspore_eagle.config import load_config
-    from mindspore_eagle.kv import slots_to_2d
     from mindspore_eagle.pipeline import build_engine, load_models
     from mindspore_eagle.tree import NEG_BIAS
 
@@ -144,7 +143,7 @@ def main(argv=None):
                 mask[:, :base] = 0
                 mask[:, base:base + k] = np.where(np.tril(np.ones((k, k), bool)), 0, NEG_BIAS)
                 args_ = (ms.Tensor(rng.integers(100, 20000, size=k).astype(np.int32)),
-                         ms.Tensor((base + np.arange(k)).astype(np.int32)), ms.Tensor(slots_to_2d(slots, tg.B)),
+                         ms.Tensor((base + np.arange(k)).astype(np.int32)), ms.Tensor(slots.astype(np.int32)),
                          ms.Tensor(tg.bm.block_table(sid)), ms.Tensor(mask), ms.Tensor(np.arange(k, dtype=np.int32)))
                 rows[k] = median_ms(lambda: tg._fwd(*args_)[0].asnumpy(), args.repeat)
                 tg.bm.rollback(sid)

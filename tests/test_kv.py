@@ -16,8 +16,7 @@ def cache_rows(runner, sid, start, stop):
     slots = runner.bm.slots(sid, np.arange(start, stop))
     out = []
     for kc, vc in runner.teacher.caches():
-        flat_k = kc.asnumpy().reshape(-1, *kc.shape[2:])
-        flat_v = vc.asnumpy().reshape(-1, *vc.shape[2:])
+        flat_k, flat_v = kc.asnumpy(), vc.asnumpy()      # [(NB + 1) * B, n_kv, hd], indexed by slot
         out.append(np.stack([flat_k[slots], flat_v[slots]]))
     return np.stack(out)
 

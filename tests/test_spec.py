@@ -191,7 +191,7 @@ def test_drafter_checkpoint_roundtrip_and_reference_layout(ms_runtime, tmp_path,
         mask = np.full((1, 32), -1e9, np.float32)
         mask[0, 0] = 0
         _, ids, _ = cell(h, ms.Tensor(np.array([5], np.int32)), ms.Tensor(np.array([0], np.int32)),
-                         ms.Tensor(np.array([[0, 0]], np.int32)), ms.Tensor(np.arange(4, dtype=np.int32)),
+                         ms.Tensor(np.array([0], np.int32)), ms.Tensor(np.arange(4, dtype=np.int32)),
                          ms.Tensor(mask))
         assert int(ids.asnumpy()[0, 0]) == used[j]
 

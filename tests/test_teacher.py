@@ -38,8 +38,6 @@ def test_prefill_and_decode_match_numpy(ms_runtime, tiny, mode):
 @pytest.mark.parametrize("mode", ["eager", "fused"])
 def test_query_block_with_arbitrary_mask(ms_runtime, tiny, mode):
     """k query tokens after a prefix, each seeing the prefix plus an arbitrary subset of earlier block tokens."""
-    from mindspore_eagle.kv import slots_to_2d
-
     cfg, tensors, _ = tiny
     r = make_target(cfg, tensors, mode)
     rng = np.random.default_rng(1)
@@ -55,7 +53,7 @@ def test_query_block_with_arbitrary_mask(ms_runtime, tiny, mode):
     mask[:, :P] = 0
     mask[:, P:P + k] = np.where(sub, 0, -1e9)
     logits, aux = r._fwd(ms.Tensor(block.astype(np.int32)), ms.Tensor(positions.astype(np.int32)),
-                         ms.Tensor(slots_to_2d(slots, r.B)), ms.Tensor(r.bm.block_table(sid)), ms.Tensor(mask),
+                         ms.Tensor(slots.astype(np.int32)), ms.Tensor(r.bm.block_table(sid)), ms.Tensor(mask),
                          ms.Tensor(np.arange(k, dtype=np.int32)))
     full = np.full((P + k, P + k), -np.inf)
     full[:P, :P] = causal_mask(P)

@@ -279,7 +279,6 @@ def test_export_loads_and_inference_cell_matches_training_step0(tiny, tiny_featu
     import mindspore as ms
     from mindspore import Parameter, Tensor
 
-    from mindspore_eagle.kv import slots_to_2d
     from mindspore_eagle.models.eagle3 import Eagle3Drafter, load_drafter
     from mindspore_eagle.train.features import FeatureSet, head_weight
     from mindspore_eagle.train.ttt import TTTDrafter, make_batch
@@ -305,7 +304,7 @@ def test_export_loads_and_inference_cell_matches_training_step0(tiny, tiny_featu
     mask = np.where(np.tri(n, T, dtype=bool), 0.0, -1e9).astype(np.float32)
     h = inf.fuse(Tensor(b.aux[:n]))
     top_logp, top_ids, _ = inf(h, Tensor(b.ids[0][:n]), Tensor(np.arange(n, dtype=np.int32)),
-                               Tensor(slots_to_2d(np.arange(n), B)), Tensor(np.arange(T // B, dtype=np.int32)),
+                               Tensor(np.arange(n, dtype=np.int32)), Tensor(np.arange(T // B, dtype=np.int32)),
                                Tensor(mask))
     want_idx = np.argsort(-ref, -1, kind="stable")[:, :K]
     np.testing.assert_allclose(top_logp.asnumpy(), np.take_along_axis(ref, want_idx, -1), atol=2e-4)

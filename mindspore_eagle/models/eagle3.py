@@ -28,7 +28,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import nn, ops, Parameter, Tensor
 
-from ..kv import PortableKVOps, make_cache
+from ..kv import PortableKVOps, block_offsets, make_cache
 from .pangu import RMSNorm, apply_rope, paged_attention, rope_tables
 
 
@@ -191,7 +191,7 @@ class Eagle3Drafter(nn.Cell):
 
     Calls (fixed shapes; the engine jits them from outside):
         fuse(aux [k, 3Ht] f32) -> [k, H]                         (``fc``)
-        construct(h [k, H], tokens [k] i32, positions [k] i32, slots2d [k, 2] i32, block_table [S/B] i32,
+        construct(h [k, H], tokens [k] i32, positions [k] i32, slots [k] i32, block_table [S/B] i32,
                   mask [k, S] f32) -> (top_logp [k, K] f32, top_ids [k, K] i32 teacher ids, h_out [k, H] f32)
     ``top_logp`` are log-softmax values over the draft vocabulary in fp32 (eagle3.md §2), ``top_ids`` already
     mapped to teacher ids through d2t.
@@ -223,6 +223,7 @@ class Eagle3Drafter(nn.Cell):
         self.d2t = Parameter(Tensor(np.zeros(cfg.draft_vocab_size, np.int32)), name="d2t", requires_grad=False)
         self.key_cache = make_cache(num_blocks, block_size, self.nkv, hd, ms.float32, "draft_key_cache")
         self.value_cache = make_cache(num_blocks, block_size, self.nkv, hd, ms.float32, "draft_value_cache")
+        self.offsets = block_offsets(block_size)
         cos, sin = rope_tables(hd, max_seq_len, cfg.rope_theta)
         self.cos, self.sin = Tensor(cos), Tensor(sin)
         self.matmul_t = ops.MatMul(transpose_b=True)
@@ -232,7 +233,7 @@ class Eagle3Drafter(nn.Cell):
     def fuse(self, aux):
         return self.matmul_t(aux, self.fc)
 
-    def construct(self, h, tokens, positions, slots2d, block_table, mask):
+    def construct(self, h, tokens, positions, slots, block_table, mask):
         k_len = h.shape[0]
         e = ops.gather(self.embed, tokens, 0)
         x = ops.concat((self.input_layernorm(e), self.hidden_norm(h)), -1)
@@ -243,7 +244,7 @@ class Eagle3Drafter(nn.Cell):
         q = apply_rope(qkv[:, :nq].reshape(k_len, self.nh, self.hd), cos, sin)
         k = apply_rope(qkv[:, nq:nq + nk].reshape(k_len, self.nkv, self.hd), cos, sin)
         v = qkv[:, nq + nk:].reshape(k_len, self.nkv, self.hd)
-        ctx = paged_attention(q, k, v, self.key_cache, self.value_cache, slots2d, block_table, mask)
+        ctx = paged_attention(q, k, v, self.key_cache, self.value_cache, slots, block_table, self.offsets, mask)
         h = h + self.matmul_t(ctx, self.wo)
         gu = self.matmul_t(self.post_attention_layernorm(h), self.w_gate_up)
         h_out = h + self.matmul_t(ops.silu(gu[:, :self.ffn]) * gu[:, self.ffn:], self.w_down)
@@ -266,7 +267,7 @@ class Eagle3Drafter(nn.Cell):
         cos = ops.gather(self.cos, positions, 0).expand_dims(1)
         sin = ops.gather(self.sin, positions, 0).expand_dims(1)
         q = apply_rope(q.reshape(k_len, self.nh, self.hd), cos, sin)
-        keys = PortableKVOps.read(self.key_cache, block_table)
+        keys = PortableKVOps.read(self.key_cache, block_table, self.offsets)
         q = q.reshape(k_len, self.nkv, self.group, self.hd).transpose(1, 2, 0, 3).reshape(
             self.nkv, self.group * k_len, self.hd)
         scores = ops.bmm(q, keys.transpose(1, 2, 0)) * self.scale

@@ -9,10 +9,10 @@ config's theta, GQA, SwiGLU MLP, final norm, tied or separate lm_head.
 
 One forward serves prefill, single-token decode and tree verification:
 
-    construct(tokens [k] i32, positions [k] i32, slots2d [k, 2] i32, block_table [S/B] i32,
+    construct(tokens [k] i32, positions [k] i32, slots [k] i32, block_table [S/B] i32,
               mask [k, S] f32 additive, out_rows [m] i32) -> (logits [m, V] f32, aux [k, 3H] f32)
 
-``slots2d`` says where each query token's K/V is written (padding rows point into the pad block); the K/V of
+``slots`` says where each query token's K/V is written (padding rows point into the pad block); the K/V of
 the whole sequence are then read through ``block_table`` and the additive ``mask`` (0 visible, -1e9 hidden)
 decides what each query sees, so the same code handles a causal prefill, a decode step and a tree.
 ``aux`` is the concatenation of the residual stream entering layers ``aux_layers`` (EAGLE-3 captures; eagle3.md
@@ -28,7 +28,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import nn, ops, Parameter, Tensor
 
-from ..kv import PortableKVOps, make_cache
+from ..kv import PortableKVOps, block_offsets, make_cache
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -63,21 +63,21 @@ def apply_rope(x, cos, sin):
     return x * cos + rot * sin
 
 
-def paged_attention(q, k, v, key_cache, value_cache, slots2d, block_table, mask):
+def paged_attention(q, k, v, key_cache, value_cache, slots, block_table, offsets, mask):
     """Write k/v into the paged caches, then attend from q over the sequence's slots.
 
-    q [k, nh, hd], k/v [k, n_kv, hd] (RoPE applied), caches [NB+1, B, n_kv, hd], slots2d [k, 2] i32,
-    block_table [S/B] i32, mask [k, S] f32 additive -> context [k, nh * hd] f32. GQA: each KV head serves
+    q [k, nh, hd], k/v [k, n_kv, hd] (RoPE applied), caches [(NB+1)*B, n_kv, hd], slots [k] i32,
+    block_table [S/B] i32, offsets = arange(B) i32 [B], mask [k, S] f32 additive -> context [k, nh * hd] f32. GQA: each KV head serves
     nh / n_kv query heads through one batched matmul. This is the portable stand-in for Ascend's
     ReshapeAndCache + PagedAttention pair (pangu_mindformers.md §2.3).
     """
     k_len, nh, hd = q.shape
     nkv = k.shape[1]
     group = nh // nkv
-    k_out = PortableKVOps.write(key_cache, slots2d, k)
-    v_out = PortableKVOps.write(value_cache, slots2d, v)
-    keys = PortableKVOps.read(ops.depend(key_cache, k_out), block_table)        # [S, n_kv, hd]
-    vals = PortableKVOps.read(ops.depend(value_cache, v_out), block_table)
+    k_out = PortableKVOps.write(key_cache, slots, k)
+    v_out = PortableKVOps.write(value_cache, slots, v)
+    keys = PortableKVOps.read(ops.depend(key_cache, k_out), block_table, offsets)        # [S, n_kv, hd]
+    vals = PortableKVOps.read(ops.depend(value_cache, v_out), block_table, offsets)
     q = q.reshape(k_len, nkv, group, hd).transpose(1, 2, 0, 3).reshape(nkv, group * k_len, hd)
     scores = ops.bmm(q, keys.transpose(1, 2, 0)) * (1.0 / float(np.sqrt(hd)))  # [n_kv, g*k, S]
     scores = scores.reshape(nkv, group, k_len, -1) + mask
@@ -99,9 +99,10 @@ class Attention(nn.Cell):
         self.bo = Parameter(Tensor(np.zeros(cfg.hidden_size, np.float32)), name="bo") if cfg.o_bias else None
         self.key_cache = make_cache(num_blocks, block_size, self.nkv, self.hd, ms.float32, f"key_cache_{layer}")
         self.value_cache = make_cache(num_blocks, block_size, self.nkv, self.hd, ms.float32, f"value_cache_{layer}")
+        self.offsets = block_offsets(block_size)
         self.matmul_t = ops.MatMul(transpose_b=True)
 
-    def construct(self, x, cos, sin, slots2d, block_table, mask):
+    def construct(self, x, cos, sin, slots, block_table, mask):
         k_len = x.shape[0]
         qkv = self.matmul_t(x, self.wqkv)
         if self.bqkv is not None:
@@ -111,7 +112,7 @@ class Attention(nn.Cell):
         v = qkv[:, (self.nh + self.nkv) * self.hd:].reshape(k_len, self.nkv, self.hd)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        ctx = paged_attention(q, k, v, self.key_cache, self.value_cache, slots2d, block_table, mask)
+        ctx = paged_attention(q, k, v, self.key_cache, self.value_cache, slots, block_table, self.offsets, mask)
         out = self.matmul_t(ctx, self.wo)
         if self.bo is not None:
             out = out + self.bo
@@ -142,8 +143,8 @@ class DecoderLayer(nn.Cell):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def construct(self, x, cos, sin, slots2d, block_table, mask):
-        x = x + self.attn(self.input_layernorm(x), cos, sin, slots2d, block_table, mask)
+    def construct(self, x, cos, sin, slots, block_table, mask):
+        x = x + self.attn(self.input_layernorm(x), cos, sin, slots, block_table, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -173,11 +174,11 @@ class PanguTeacher(nn.Cell):
     def head_weight(self):
         return self.embed if self.lm_head is None else self.lm_head
 
-    def construct(self, tokens, positions, slots2d, block_table, mask, out_rows):
-        h, aux = self.hidden(tokens, positions, slots2d, block_table, mask, out_rows)
+    def construct(self, tokens, positions, slots, block_table, mask, out_rows):
+        h, aux = self.hidden(tokens, positions, slots, block_table, mask, out_rows)
         return self.matmul_t(h, self.head_weight()), aux
 
-    def hidden(self, tokens, positions, slots2d, block_table, mask, out_rows):
+    def hidden(self, tokens, positions, slots, block_table, mask, out_rows):
         """Like ``construct`` but returns the final-normed hidden rows [m, H] instead of logits [m, V]."""
         x = ops.gather(self.embed, tokens, 0)
         cos = ops.gather(self.cos, positions, 0).expand_dims(1)
@@ -185,7 +186,7 @@ class PanguTeacher(nn.Cell):
         inputs = ()                                    # residual stream entering each layer
         for layer in self.layers:
             inputs = inputs + (x,)
-            x = layer(x, cos, sin, slots2d, block_table, mask)
+            x = layer(x, cos, sin, slots, block_table, mask)
         a0, a1, a2 = self.aux_layers
         aux = ops.concat((inputs[a0], inputs[a1], inputs[a2]), -1)
         return self.norm(ops.gather(x, out_rows, 0)), aux
@@ -240,7 +241,7 @@ class PanguTeacher(nn.Cell):
 class KVCompactor(nn.Cell):
     """Move K/V rows inside paged caches: gather every source slot into a temporary, then scatter.
 
-    construct(src2d [P, 2] i32, dst2d [P, 2] i32) -> None-ish (a dummy tensor; the caches update in place).
+    construct(src [P] i32, dst [P] i32) slots -> a dummy scalar (the caches update in place).
     Gathering first makes overlapping source / destination ranges safe (kv commit, eagle3.md §3).
     """
 
@@ -249,9 +250,9 @@ class KVCompactor(nn.Cell):
         self.caches = nn.CellList()
         self.params = ms.ParameterTuple([p for pair in caches for p in pair])
 
-    def construct(self, src2d, dst2d):
+    def construct(self, src, dst):
         outs = ()
         for p in self.params:
-            tmp = ops.gather_nd(p, src2d)
-            outs = outs + (ops.scatter_nd_update(p, dst2d, tmp),)
-        return outs[0][0, 0, 0, 0]
+            tmp = ops.gather(p, src, 0)
+            outs = outs + (PortableKVOps.write(p, dst, tmp),)
+        return outs[0][0, 0, 0]
