@@ -4,12 +4,14 @@ and the branch / commit / rollback protocol of tree verification.
 Legend: NB = num_blocks, B = block_size, S = max_seq_len (slots one sequence can address, a multiple of B),
 n_kv = KV heads, hd = head dim, M = tree budget, P = max path length (D_max + 2).
 
-Layout: MindFormers' paged layout (``mindformers/modules/paged_attention_mgr.py``, ``[NB, B, n_kv * hd]`` per
-layer) stored flat by slot, ``[(NB + 1) * B, n_kv, hd]`` (slot = block * B + offset; same memory order). The flat
-view lets a write be a row update along axis 0: on MindSpore's CPU backend ``ScatterUpdate`` updates the cache
-Parameter in place (60 writes: 1.6-2.0 ms whatever the pool size), whereas ``scatter_nd_update`` into the 4-D
-layout copies the whole Parameter each call (60 writes: 2.4 ms at 9 blocks, 8.8 ms at 65, 59 ms at 513; measured
-2026-11-29). Block ``NB`` is the explicit **pad block**: it is never handed out by
+Layout: the slots of MindFormers' paged layout (``mindformers/modules/paged_attention_mgr.py``, ``[NB, B,
+n_kv * hd]`` per layer; slot = block * B + offset) stored **head-major and flat**: one Parameter per layer and
+K / V of shape ``[n_kv * (NB + 1) * B, hd]``, row = head * (NB + 1) * B + slot. Two measured reasons (MindSpore
+2.9 CPU, 2026-11-29): a write is then a row update along axis 0, which ``ScatterUpdate`` does in place (60 writes:
+1.6-2.0 ms whatever the pool size) where ``scatter_nd_update`` into a 4-D layout copied the whole Parameter each
+call (60 writes: 2.4 ms at 9 blocks, 8.8 ms at 65, 59 ms at 513); and a read by block table gathers straight into
+the ``[n_kv, S, hd]`` operand the attention matmuls want, with no transpose of the gathered keys and values.
+Block ``NB`` is the explicit **pad block**: it is never handed out by
 the pool, every padding entry of a block table and every padding slot points into it, so no index is ever -1
 (MindFormers pads with -1; Gather with -1 is an error on CPU and undefined on Ascend, pangu_mindformers.md §2.5).
 
@@ -217,13 +219,26 @@ class BlockManager:
 
 
 def make_cache(num_blocks: int, block_size: int, n_kv: int, head_dim: int, dtype, name: str):
-    """One zero-initialised cache Parameter of shape [(NB + 1) * B, n_kv, hd], indexed by slot.
+    """One zero-initialised cache Parameter of shape [n_kv * (NB + 1) * B, hd] (head-major slot rows).
 
-    Slots ``NB * B .. (NB + 1) * B - 1`` form the pad block. Memory is ``num_blocks + 1`` blocks of
-    ``B * n_kv * hd`` floats (4 bytes each in float32).
+    Slots ``NB * B .. (NB + 1) * B - 1`` of every head form the pad block. Memory: n_kv * (NB + 1) * B * hd
+    elements (4 bytes each in float32).
     """
-    shape = ((num_blocks + 1) * block_size, n_kv, head_dim)
+    shape = (n_kv * (num_blocks + 1) * block_size, head_dim)
     return ms.Parameter(ms.Tensor(np.zeros(shape, np.float32), dtype), name=name, requires_grad=False)
+
+
+def cache_index_constants(num_blocks: int, block_size: int, n_kv: int) -> tuple[ms.Tensor, ms.Tensor]:
+    """The two int32 constants :meth:`PortableKVOps.indices` needs: offsets = arange(B) [B] and
+    head_base = arange(n_kv) * (NB + 1) * B [n_kv] (first row of each head's slot range)."""
+    offsets = np.arange(block_size, dtype=np.int32)
+    head_base = (np.arange(n_kv) * (num_blocks + 1) * block_size).astype(np.int32)
+    return ms.Tensor(offsets), ms.Tensor(head_base)
+
+
+def slot_view(cache: np.ndarray, n_kv: int) -> np.ndarray:
+    """Host view of a cache array [n_kv * slots, hd] as [slots, n_kv, hd] (inspection and tests)."""
+    return cache.reshape(n_kv, -1, cache.shape[-1]).transpose(1, 0, 2)
 
 
 _SCATTER_UPDATE = ops.ScatterUpdate()
@@ -233,24 +248,29 @@ class PortableKVOps:
     """Write / read of a paged cache with portable MindSpore ops (CPU, GPU and Ascend).
 
     Ascend's fused kernels (``ReshapeAndCache`` for the write, ``PagedAttention`` for read + attention) are the
-    drop-in replacement for these two static methods.
+    drop-in replacement for these methods. Indices are computed once per forward and shared by all layers.
     """
 
     @staticmethod
-    def write(cache, slots, kv):
-        """Write kv [k, n_kv, hd] into cache [(NB+1)*B, n_kv, hd] at rows ``slots`` int32 [k], in place.
+    def indices(slots, block_table, offsets, head_base):
+        """Row indices of one call: slots int32 [k], block_table int32 [S/B] -> (write [k * n_kv], read [n_kv, S]).
+
+        ``offsets`` / ``head_base`` come from :func:`cache_index_constants`. All values are >= 0 by construction
+        (padding uses the pad block, never -1).
+        """
+        write = (slots.reshape(-1, 1) + head_base.reshape(1, -1)).reshape(-1)
+        ctx = (block_table.reshape(-1, 1) * offsets.shape[0] + offsets.reshape(1, -1)).reshape(1, -1)
+        return write, head_base.reshape(-1, 1) + ctx
+
+    @staticmethod
+    def write(cache, write_idx, kv):
+        """Write kv [k, n_kv, hd] (or [k * n_kv, hd]) into the cache rows ``write_idx`` [k * n_kv], in place.
 
         Several padding rows may share one pad slot; which of them lands there is unspecified (never read).
         """
-        return _SCATTER_UPDATE(cache, slots, kv)
+        return _SCATTER_UPDATE(cache, write_idx, kv.reshape(-1, cache.shape[-1]))
 
     @staticmethod
-    def read(cache, block_table, offsets):
-        """Gather a sequence's slots: block_table int32 [S/B], offsets int32 [B] (= arange(B)) -> [S, n_kv, hd]."""
-        slots = (block_table.reshape(-1, 1) * offsets.shape[0] + offsets.reshape(1, -1)).reshape(-1)
-        return ops.gather(cache, slots, 0)
-
-
-def block_offsets(block_size: int) -> ms.Tensor:
-    """int32 [B] = arange(B): the constant that :meth:`PortableKVOps.read` expands a block table with."""
-    return ms.Tensor(np.arange(block_size, dtype=np.int32))
+    def read(cache, read_idx):
+        """Gather the rows ``read_idx`` int32 [n_kv, S] -> [n_kv, S, hd]."""
+        return ops.gather(cache, read_idx, 0)

@@ -5,7 +5,7 @@ import mindspore as ms
 
 from conftest import make_target, tiny_tree
 from tiny_pangu import numpy_forward, causal_mask
-from mindspore_eagle.kv import BlockManager, CacheExhaustedError
+from mindspore_eagle.kv import BlockManager, CacheExhaustedError, slot_view
 from mindspore_eagle.tree import tensorize, tree_attention_bias
 
 TOL = 1e-4
@@ -16,7 +16,8 @@ def cache_rows(runner, sid, start, stop):
     slots = runner.bm.slots(sid, np.arange(start, stop))
     out = []
     for kc, vc in runner.teacher.caches():
-        flat_k, flat_v = kc.asnumpy(), vc.asnumpy()      # [(NB + 1) * B, n_kv, hd], indexed by slot
+        n_kv = runner.teacher.cfg.num_kv_heads
+        flat_k, flat_v = slot_view(kc.asnumpy(), n_kv), slot_view(vc.asnumpy(), n_kv)   # [slots, n_kv, hd]
         out.append(np.stack([flat_k[slots], flat_v[slots]]))
     return np.stack(out)
 

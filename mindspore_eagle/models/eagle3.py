@@ -28,8 +28,8 @@ import numpy as np
 import mindspore as ms
 from mindspore import nn, ops, Parameter, Tensor
 
-from ..kv import PortableKVOps, block_offsets, make_cache
-from .pangu import RMSNorm, apply_rope, paged_attention, rope_tables
+from ..kv import PortableKVOps, cache_index_constants, make_cache
+from .pangu import RMSNorm, apply_rope, paged_attention, rope_swap_index, rope_tables
 
 
 class DrafterCheckpointError(ValueError):
@@ -223,9 +223,10 @@ class Eagle3Drafter(nn.Cell):
         self.d2t = Parameter(Tensor(np.zeros(cfg.draft_vocab_size, np.int32)), name="d2t", requires_grad=False)
         self.key_cache = make_cache(num_blocks, block_size, self.nkv, hd, ms.float32, "draft_key_cache")
         self.value_cache = make_cache(num_blocks, block_size, self.nkv, hd, ms.float32, "draft_value_cache")
-        self.offsets = block_offsets(block_size)
+        self.offsets, self.head_base = cache_index_constants(num_blocks, block_size, self.nkv)
         cos, sin = rope_tables(hd, max_seq_len, cfg.rope_theta)
         self.cos, self.sin = Tensor(cos), Tensor(sin)
+        self.swap = rope_swap_index(hd)
         self.matmul_t = ops.MatMul(transpose_b=True)
         self.scale = 1.0 / float(np.sqrt(hd))
         self.ffn = F
@@ -241,13 +242,15 @@ class Eagle3Drafter(nn.Cell):
         nq, nk = self.nh * self.hd, self.nkv * self.hd
         cos = ops.gather(self.cos, positions, 0).expand_dims(1)
         sin = ops.gather(self.sin, positions, 0).expand_dims(1)
-        q = apply_rope(qkv[:, :nq].reshape(k_len, self.nh, self.hd), cos, sin)
-        k = apply_rope(qkv[:, nq:nq + nk].reshape(k_len, self.nkv, self.hd), cos, sin)
-        v = qkv[:, nq + nk:].reshape(k_len, self.nkv, self.hd)
-        ctx = paged_attention(q, k, v, self.key_cache, self.value_cache, slots, block_table, self.offsets, mask)
+        qk, v = ops.split(qkv, (nq + nk, nk), -1)
+        qk = apply_rope(qk.reshape(k_len, self.nh + self.nkv, self.hd), cos, sin, self.swap)
+        q, k = ops.split(qk, (self.nh, self.nkv), 1)
+        v = v.reshape(k_len, self.nkv, self.hd)
+        write_idx, read_idx = PortableKVOps.indices(slots, block_table, self.offsets, self.head_base)
+        ctx = paged_attention(q, k, v, self.key_cache, self.value_cache, write_idx, read_idx, mask)
         h = h + self.matmul_t(ctx, self.wo)
-        gu = self.matmul_t(self.post_attention_layernorm(h), self.w_gate_up)
-        h_out = h + self.matmul_t(ops.silu(gu[:, :self.ffn]) * gu[:, self.ffn:], self.w_down)
+        gate, up = ops.split(self.matmul_t(self.post_attention_layernorm(h), self.w_gate_up), self.ffn, -1)
+        h_out = h + self.matmul_t(ops.silu(gate) * up, self.w_down)
         logits = self.matmul_t(self.norm(h_out), self.lm_head)
         logp = ops.log_softmax(logits, -1)
         top_logp, top_idx = ops.topk(logp, self.top_k)
@@ -266,11 +269,12 @@ class Eagle3Drafter(nn.Cell):
         q = self.matmul_t(x, self.wqkv[:nq])
         cos = ops.gather(self.cos, positions, 0).expand_dims(1)
         sin = ops.gather(self.sin, positions, 0).expand_dims(1)
-        q = apply_rope(q.reshape(k_len, self.nh, self.hd), cos, sin)
-        keys = PortableKVOps.read(self.key_cache, block_table, self.offsets)
+        q = apply_rope(q.reshape(k_len, self.nh, self.hd), cos, sin, self.swap)
+        _, read_idx = PortableKVOps.indices(positions, block_table, self.offsets, self.head_base)
+        keys = PortableKVOps.read(self.key_cache, read_idx)                       # [n_kv, S, hd]
         q = q.reshape(k_len, self.nkv, self.group, self.hd).transpose(1, 2, 0, 3).reshape(
             self.nkv, self.group * k_len, self.hd)
-        scores = ops.bmm(q, keys.transpose(1, 2, 0)) * self.scale
+        scores = ops.bmm(q, keys.transpose(0, 2, 1)) * self.scale
         scores = scores.reshape(self.nkv, self.group, k_len, -1) + mask
         return ops.softmax(scores, -1).mean((0, 1))
 

@@ -28,7 +28,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import nn, ops, Parameter, Tensor
 
-from ..kv import PortableKVOps, block_offsets, make_cache
+from ..kv import PortableKVOps, cache_index_constants, make_cache
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -36,11 +36,16 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def rope_tables(head_dim: int, max_pos: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """NeoX RoPE cos/sin tables, float32 [max_pos, head_dim], computed in float64 (HF ``rotate_half`` form)."""
+    """NeoX RoPE tables float32 [max_pos, head_dim]: ``cos`` and ``sin_signed`` (computed in float64).
+
+    ``sin_signed`` carries the sign of HF's ``rotate_half`` (-sin on the first half, +sin on the second), so that
+    ``x * cos + swap_halves(x) * sin_signed`` equals HF's ``x * cos + rotate_half(x) * sin`` (see apply_rope).
+    """
     inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     ang = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]
     ang = np.concatenate([ang, ang], axis=1)
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    sign = np.concatenate([-np.ones(head_dim // 2), np.ones(head_dim // 2)])
+    return np.cos(ang).astype(np.float32), (np.sin(ang) * sign).astype(np.float32)
 
 
 class RMSNorm(nn.Cell):
@@ -56,34 +61,49 @@ class RMSNorm(nn.Cell):
         return x * ops.rsqrt(var + self.eps) * self.weight
 
 
-def apply_rope(x, cos, sin):
-    """x [k, heads, hd]; cos/sin [k, 1, hd] -> rotated x (rotate_half convention)."""
-    half = x.shape[-1] // 2
-    rot = ops.concat((-x[..., half:], x[..., :half]), -1)
-    return x * cos + rot * sin
+def rope_swap_index(head_dim: int) -> Tensor:
+    """int32 [hd]: the permutation that swaps the two halves of a head (the gather inside apply_rope)."""
+    half = head_dim // 2
+    return Tensor(np.concatenate([np.arange(half, head_dim), np.arange(half)]).astype(np.int32))
 
 
-def paged_attention(q, k, v, key_cache, value_cache, slots, block_table, offsets, mask):
+def apply_rope(x, cos, sin_signed, swap):
+    """x [..., hd]; cos / sin_signed broadcastable to x (rope_tables); swap = rope_swap_index(hd) -> rotated x.
+
+    One gather instead of slice / slice / neg / concat: the same values, three fewer graph ops per call.
+    """
+    return x * cos + ops.gather(x, swap, x.ndim - 1) * sin_signed
+
+
+def paged_attention(q, k, v, key_cache, value_cache, write_idx, read_idx, mask):
     """Write k/v into the paged caches, then attend from q over the sequence's slots.
 
-    q [k, nh, hd], k/v [k, n_kv, hd] (RoPE applied), caches [(NB+1)*B, n_kv, hd], slots [k] i32,
-    block_table [S/B] i32, offsets = arange(B) i32 [B], mask [k, S] f32 additive -> context [k, nh * hd] f32. GQA: each KV head serves
-    nh / n_kv query heads through one batched matmul. This is the portable stand-in for Ascend's
-    ReshapeAndCache + PagedAttention pair (pangu_mindformers.md §2.3).
+    q [k, nh, hd], k/v [k, n_kv, hd] (RoPE applied), caches [n_kv * slots, hd], write_idx [k * n_kv] i32 and
+    read_idx [n_kv, S] i32 (:meth:`PortableKVOps.indices`), mask [k, S] f32 additive -> context [k, nh * hd] f32.
+    GQA: each KV head serves nh / n_kv query heads through one batched matmul. This is the portable stand-in for
+    Ascend's ReshapeAndCache + PagedAttention pair (pangu_mindformers.md §2.3).
     """
     k_len, nh, hd = q.shape
     nkv = k.shape[1]
     group = nh // nkv
-    k_out = PortableKVOps.write(key_cache, slots, k)
-    v_out = PortableKVOps.write(value_cache, slots, v)
-    keys = PortableKVOps.read(ops.depend(key_cache, k_out), block_table, offsets)        # [S, n_kv, hd]
-    vals = PortableKVOps.read(ops.depend(value_cache, v_out), block_table, offsets)
-    q = q.reshape(k_len, nkv, group, hd).transpose(1, 2, 0, 3).reshape(nkv, group * k_len, hd)
-    scores = ops.bmm(q, keys.transpose(1, 2, 0)) * (1.0 / float(np.sqrt(hd)))  # [n_kv, g*k, S]
+    k_out = PortableKVOps.write(key_cache, write_idx, k)
+    v_out = PortableKVOps.write(value_cache, write_idx, v)
+    keys = PortableKVOps.read(ops.depend(key_cache, k_out), read_idx)        # [n_kv, S, hd]
+    vals = PortableKVOps.read(ops.depend(value_cache, v_out), read_idx)
+    if k_len == 1:                                                           # decode: no transpose needed
+        q = q.reshape(nkv, group, hd)
+    else:
+        q = q.reshape(k_len, nkv, group, hd).transpose(1, 2, 0, 3).reshape(nkv, group * k_len, hd)
+    scores = _BMM_T(q, keys) * (1.0 / float(np.sqrt(hd)))                   # [n_kv, g*k, S]
     scores = scores.reshape(nkv, group, k_len, -1) + mask
     probs = ops.softmax(scores, -1).reshape(nkv, group * k_len, -1)
-    ctx = ops.bmm(probs, vals.transpose(1, 0, 2))                                # [n_kv, g*k, hd]
+    ctx = ops.bmm(probs, vals)                                               # [n_kv, g*k, hd]
+    if k_len == 1:
+        return ctx.reshape(1, nh * hd)
     return ctx.reshape(nkv, group, k_len, hd).transpose(2, 0, 1, 3).reshape(k_len, nh * hd)
+
+
+_BMM_T = ops.BatchMatMul(transpose_b=True)
 
 
 class Attention(nn.Cell):
@@ -99,20 +119,21 @@ class Attention(nn.Cell):
         self.bo = Parameter(Tensor(np.zeros(cfg.hidden_size, np.float32)), name="bo") if cfg.o_bias else None
         self.key_cache = make_cache(num_blocks, block_size, self.nkv, self.hd, ms.float32, f"key_cache_{layer}")
         self.value_cache = make_cache(num_blocks, block_size, self.nkv, self.hd, ms.float32, f"value_cache_{layer}")
-        self.offsets = block_offsets(block_size)
+        self.qk_v = ((self.nh + self.nkv) * self.hd, self.nkv * self.hd)
+        self.q_k = (self.nh, self.nkv)
+        self.swap = rope_swap_index(self.hd)
         self.matmul_t = ops.MatMul(transpose_b=True)
 
-    def construct(self, x, cos, sin, slots, block_table, mask):
+    def construct(self, x, cos, sin, write_idx, read_idx, mask):
         k_len = x.shape[0]
         qkv = self.matmul_t(x, self.wqkv)
         if self.bqkv is not None:
             qkv = qkv + self.bqkv
-        q = qkv[:, : self.nh * self.hd].reshape(k_len, self.nh, self.hd)
-        k = qkv[:, self.nh * self.hd: (self.nh + self.nkv) * self.hd].reshape(k_len, self.nkv, self.hd)
-        v = qkv[:, (self.nh + self.nkv) * self.hd:].reshape(k_len, self.nkv, self.hd)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        ctx = paged_attention(q, k, v, self.key_cache, self.value_cache, slots, block_table, self.offsets, mask)
+        qk, v = ops.split(qkv, self.qk_v, -1)
+        qk = apply_rope(qk.reshape(k_len, self.nh + self.nkv, self.hd), cos, sin, self.swap)   # q and k together
+        q, k = ops.split(qk, self.q_k, 1)
+        ctx = paged_attention(q, k, v.reshape(k_len, self.nkv, self.hd), self.key_cache, self.value_cache,
+                              write_idx, read_idx, mask)
         out = self.matmul_t(ctx, self.wo)
         if self.bo is not None:
             out = out + self.bo
@@ -130,8 +151,8 @@ class MLP(nn.Cell):
         self.matmul_t = ops.MatMul(transpose_b=True)
 
     def construct(self, x):
-        gu = self.matmul_t(x, self.w_gate_up)
-        h = ops.silu(gu[:, : self.ffn]) * gu[:, self.ffn:]
+        gate, up = ops.split(self.matmul_t(x, self.w_gate_up), self.ffn, -1)
+        h = ops.silu(gate) * up
         return self.matmul_t(h, self.w_down)
 
 
@@ -143,8 +164,8 @@ class DecoderLayer(nn.Cell):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def construct(self, x, cos, sin, slots, block_table, mask):
-        x = x + self.attn(self.input_layernorm(x), cos, sin, slots, block_table, mask)
+    def construct(self, x, cos, sin, write_idx, read_idx, mask):
+        x = x + self.attn(self.input_layernorm(x), cos, sin, write_idx, read_idx, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -169,6 +190,7 @@ class PanguTeacher(nn.Cell):
         cos, sin = rope_tables(cfg.head_dim, max_seq_len, cfg.rope_theta)
         self.cos, self.sin = Tensor(cos), Tensor(sin)
         self.aux_layers = tuple(int(i) for i in cfg.aux_layers)
+        self.offsets, self.head_base = cache_index_constants(num_blocks, block_size, cfg.num_kv_heads)
         self.matmul_t = ops.MatMul(transpose_b=True)
 
     def head_weight(self):
@@ -183,10 +205,11 @@ class PanguTeacher(nn.Cell):
         x = ops.gather(self.embed, tokens, 0)
         cos = ops.gather(self.cos, positions, 0).expand_dims(1)
         sin = ops.gather(self.sin, positions, 0).expand_dims(1)
+        write_idx, read_idx = PortableKVOps.indices(slots, block_table, self.offsets, self.head_base)
         inputs = ()                                    # residual stream entering each layer
         for layer in self.layers:
             inputs = inputs + (x,)
-            x = layer(x, cos, sin, slots, block_table, mask)
+            x = layer(x, cos, sin, write_idx, read_idx, mask)
         a0, a1, a2 = self.aux_layers
         aux = ops.concat((inputs[a0], inputs[a1], inputs[a2]), -1)
         return self.norm(ops.gather(x, out_rows, 0)), aux
@@ -239,20 +262,26 @@ class PanguTeacher(nn.Cell):
 
 
 class KVCompactor(nn.Cell):
-    """Move K/V rows inside paged caches: gather every source slot into a temporary, then scatter.
+    """Move K/V slots inside paged caches: gather every source row into a temporary, then scatter.
 
-    construct(src [P] i32, dst [P] i32) slots -> a dummy scalar (the caches update in place).
-    Gathering first makes overlapping source / destination ranges safe (kv commit, eagle3.md §3).
+    construct(src [P] i32, dst [P] i32) slots -> a dummy scalar (the caches update in place). Each slot is moved
+    for every KV head (rows slot + head_base). Gathering first makes overlapping source / destination ranges
+    safe (kv commit, eagle3.md §3).
+
+    Args:
+        caches: [(key_cache, value_cache)] per layer; head_base: int32 [n_kv] (``kv.cache_index_constants``).
     """
 
-    def __init__(self, caches: list):
+    def __init__(self, caches: list, head_base):
         super().__init__()
-        self.caches = nn.CellList()
         self.params = ms.ParameterTuple([p for pair in caches for p in pair])
+        self.head_base = head_base
 
     def construct(self, src, dst):
+        src_rows = (src.reshape(-1, 1) + self.head_base.reshape(1, -1)).reshape(-1)
+        dst_rows = (dst.reshape(-1, 1) + self.head_base.reshape(1, -1)).reshape(-1)
         outs = ()
         for p in self.params:
-            tmp = ops.gather(p, src, 0)
-            outs = outs + (PortableKVOps.write(p, dst, tmp),)
-        return outs[0][0, 0, 0]
+            tmp = ops.gather(p, src_rows, 0)
+            outs = outs + (PortableKVOps.write(p, dst_rows, tmp),)
+        return outs[0][0, 0]

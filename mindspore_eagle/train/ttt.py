@@ -35,7 +35,7 @@ import mindspore as ms
 from mindspore import nn, ops, Parameter, Tensor
 
 from ..models.eagle3 import DrafterConfig
-from ..models.pangu import RMSNorm, apply_rope, rope_tables
+from ..models.pangu import RMSNorm, apply_rope, rope_swap_index, rope_tables
 
 NEG = -1e9
 LOSS_DECAY = 0.8
@@ -158,6 +158,7 @@ class TTTDrafter(nn.Cell):
         self.lm_head = Parameter(z(cfg.draft_vocab_size, H), name="lm_head")
         cos, sin = rope_tables(hd, T + S, cfg.rope_theta)
         self.cos, self.sin = Tensor(cos[:, None, :]), Tensor(sin[:, None, :])
+        self.swap = rope_swap_index(hd)
         self.mask0 = Tensor(causal_bias(T))
         self.matmul_t = ops.MatMul(transpose_b=True)
         self.scale = 1.0 / math.sqrt(hd)
@@ -171,8 +172,8 @@ class TTTDrafter(nn.Cell):
         qkv = self.matmul_t(x, self.wqkv)
         nq, nk = self.nh * self.hd, self.nkv * self.hd
         cos, sin = self.cos[s:s + T], self.sin[s:s + T]
-        q = apply_rope(qkv[:, :nq].reshape(T, self.nh, self.hd), cos, sin)
-        k = apply_rope(qkv[:, nq:nq + nk].reshape(T, self.nkv, self.hd), cos, sin)
+        q = apply_rope(qkv[:, :nq].reshape(T, self.nh, self.hd), cos, sin, self.swap)
+        k = apply_rope(qkv[:, nq:nq + nk].reshape(T, self.nkv, self.hd), cos, sin, self.swap)
         v = qkv[:, nq + nk:].reshape(T, self.nkv, self.hd)
         return q, k, v
 
