@@ -145,6 +145,54 @@ class TargetRunner:
         self.bm.advance(sid, 1)
         return out[0], aux
 
+    def decode_batch(self, sids, tokens, rows: int, width_step: int = 512) -> np.ndarray:
+        """Append one token to each of several sequences in a single forward (batched greedy generation).
+
+        The sequences' used blocks are concatenated into one block table and a block-diagonal additive mask
+        lets row i see only its own sequence (positions 0..len_i), so the unchanged teacher Cell serves a batch
+        the way it serves a tree. Shapes are fixed per (rows, width): the batch is padded to ``rows`` rows (pad
+        rows write to the pad block and see column 0) and the width to a multiple of ``width_step`` slots.
+
+        Args:
+            sids: n <= rows live sequence ids; tokens: int [n], the token appended to each.
+        Returns:
+            logits float32 [n, V] of the appended tokens.
+        Raises:
+            ValueError: more sequences than rows, or len(tokens) != len(sids).
+            CacheExhaustedError: a sequence would not fit (raised before any write).
+        """
+        n = len(sids)
+        if not 0 < n <= rows or len(tokens) != n:
+            raise ValueError(f"decode_batch: need 1..{rows} sequences with one token each, got {n} / {len(tokens)}")
+        for sid in sids:
+            self.bm.reserve(sid, 1)
+        lengths = [self.bm.length(sid) for sid in sids]
+        tables, spans, off = [], [], 0
+        for sid, p in zip(sids, lengths):
+            nb = p // self.B + 1                          # blocks holding positions 0..p
+            tables.append(self.bm.block_table(sid)[:nb])
+            spans.append((off, p + 1))
+            off += nb * self.B
+        width = -(-off // width_step) * width_step
+        table = np.full(width // self.B, self.bm.pad_block, np.int32)
+        table[: off // self.B] = np.concatenate(tables)
+        mask = np.full((rows, width), NEG_BIAS, np.float32)
+        for i, (o, m) in enumerate(spans):
+            mask[i, o:o + m] = 0.0
+        mask[n:, 0] = 0.0
+        slots = self.bm.pad_slots(rows)
+        positions = np.zeros(rows, np.int64)
+        toks = np.zeros(rows, np.int64)
+        for i, sid in enumerate(sids):
+            slots[i] = self.bm.append(sid, 1, 1)[0]
+            positions[i], toks[i] = lengths[i], tokens[i]
+        args = (ms.Tensor(toks.astype(np.int32)), ms.Tensor(positions.astype(np.int32)), ms.Tensor(slots),
+                ms.Tensor(table), ms.Tensor(mask), ms.Tensor(np.arange(n, dtype=np.int32)))
+        out, _ = self._fwd(*args)
+        for sid in sids:
+            self.bm.advance(sid, 1)
+        return out.asnumpy()
+
     def verify(self, sid: int, tt: TreeTensors, mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """One forward over the tensorized tree placed after the committed prefix (opens a branch).
 

@@ -139,12 +139,14 @@ def main(argv=None):
             for k in ks:
                 tg.bm.reserve(sid, k)
                 slots = tg.bm.slots(sid, np.arange(base, base + k))
-                mask = np.full((k, tg.S), NEG_BIAS, np.float32)
+                w = tg.width(base + k)                    # the attention width bucket verify uses
+                mask = np.full((k, w), NEG_BIAS, np.float32)
                 mask[:, :base] = 0
                 mask[:, base:base + k] = np.where(np.tril(np.ones((k, k), bool)), 0, NEG_BIAS)
                 args_ = (ms.Tensor(rng.integers(100, 20000, size=k).astype(np.int32)),
                          ms.Tensor((base + np.arange(k)).astype(np.int32)), ms.Tensor(slots.astype(np.int32)),
-                         ms.Tensor(tg.bm.block_table(sid)), ms.Tensor(mask), ms.Tensor(np.arange(k, dtype=np.int32)))
+                         ms.Tensor(tg.bm.block_table(sid)[: w // tg.B]), ms.Tensor(mask),
+                         ms.Tensor(np.arange(k, dtype=np.int32)))
                 rows[k] = median_ms(lambda: tg._fwd(*args_)[0].asnumpy(), args.repeat)
                 tg.bm.rollback(sid)
             npt = NumpyTeacher(loaded.teacher_cfg, loaded.teacher_tensors)
@@ -155,6 +157,72 @@ def main(argv=None):
                 print(f"{k:>4} {rows[k]:>19.1f} {rows[k] / rows[ks[0]]:>7.2f} {nms:>9.1f} {rows[k] / nms:>9.2f}")
         tg.free(sid)
     print(f"eager / fused decode: {results['eager'] / results['fused']:.2f}x")
+    drafter_cost(loaded, ctx, results["fused"], args.repeat)
+    cfg = load_config(None, [f"model.teacher={args.teacher}"])
+    llamacpp_cost(cfg, loaded, ctx, ks, results["fused"], args.repeat)
+
+
+def drafter_cost(loaded, ctx, decode_ms, repeat):
+    """Drafter cost of one round with the config's budget (fused): context pass of one pair + build_tree."""
+    from mindspore_eagle.config import load_config
+    from mindspore_eagle.pipeline import build_engine, load_models
+
+    cfg = load_config(None, [])
+    dl = load_models(cfg)
+    eng = build_engine(cfg, dl)
+    dr, sp = eng.drafter, cfg.speculative
+    rng = np.random.default_rng(1)
+    aux = rng.standard_normal((len(ctx), 3 * dl.teacher_cfg.hidden_size)).astype(np.float32)
+    sid = dr.new_seq()
+    first = dr.extend(sid, aux, ctx)
+    one = lambda: dr.extend(sid, aux[:1], ctx[:1])        # a 1-pair context pass (grows the context by one)
+    ext_ms = median_ms(one, repeat)
+    tree_ms = median_ms(lambda: dr.build_tree(sid, int(ctx[-1]), first, sp.M, sp.D_max), repeat)
+    steps = max(1, sp.D_max - 1)
+    print(f"[drafter] 1-pair context pass {ext_ms:.1f} ms; build_tree M={sp.M} D_max={sp.D_max} "
+          f"top_k={sp.top_k}: {tree_ms:.1f} ms = {tree_ms / steps:.1f} ms per expansion step "
+          f"({tree_ms / steps / decode_ms:.2f} of a teacher decode); draft per round "
+          f"{(ext_ms + tree_ms) / decode_ms:.2f} decodes")
+    dr.free(sid)
+
+
+def llamacpp_cost(cfg, loaded, ctx, ks, decode_ms, repeat):
+    """llama.cpp on the same weights (F32 GGUF, same threads): decode ms/token and an eval of k tokens."""
+    import tempfile
+
+    from mindspore_eagle.bench import peer
+
+    if not peer.available():
+        print("[llama.cpp] llama_cpp (llama-cpp-python) not importable: peer skipped")
+        return
+    threads = int(os.environ.get("MSEAGLE_THREADS", 0)) or min(os.cpu_count() or 1, 8)
+    out = os.path.join(tempfile.gettempdir(), "mseagle_bench_forward")
+    os.makedirs(out, exist_ok=True)
+    llm = peer.make_peer(cfg, loaded, out, threads).llm
+    prefix = [int(t) for t in ctx]
+
+    def decode_run(n=32):
+        llm.reset()
+        llm.eval(prefix)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            llm.eval([42])
+        return (time.perf_counter() - t0) * 1e3 / n
+
+    dec = float(np.median([decode_run() for _ in range(3)]))
+    print(f"[llama.cpp F32, {threads} threads] decode {dec:.1f} ms/token ({1e3 / dec:.1f} tok/s); "
+          f"ours / llama.cpp = {decode_ms / dec:.2f}x")
+    print(f"{'k':>4} {'llama.cpp eval ms':>18} {'x(k=1)':>7}")
+    base = None
+    for k in ks:
+        def one_eval():
+            llm.n_tokens = len(prefix)               # drop the previous k tokens, keep the cached prefix
+            llm.eval([42] * k)
+        llm.reset()
+        llm.eval(prefix)
+        ms_k = median_ms(one_eval, repeat)
+        base = base or ms_k
+        print(f"{k:>4} {ms_k:>18.1f} {ms_k / base:>7.2f}")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--intermediate", type=int, default=None, help="drafter MLP width (default: teacher's)")
     p.add_argument("--regenerate", type=int, default=0, help="answer the first N prompts with the teacher itself")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature for --regenerate")
+    p.add_argument("--regen-batch", type=int, default=16,
+                   help="sequences decoded together by --regenerate (0 = one at a time)")
     p.add_argument("--resume", action="store_true", help="continue from <out>/resume")
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--stage", choices=("all", "features", "train"), default="all")
@@ -60,12 +62,29 @@ def prepare_features(args, cfg, tensors, tok) -> str:
 
         t0 = time.time()
         convs = sharegpt_conversations(int(args.samples * 1.5) + 200)
+        regen_runner, rbar = None, None
         if args.regenerate:
-            runner, _ = build_runner(cfg, tensors, args.max_len)
+            if args.regen_batch:
+                from .regen import build_batch_runner
+
+                regen_runner, _ = build_batch_runner(cfg, tensors, args.max_len, args.regen_batch)
+                rbar = tqdm(total=args.regenerate, desc="regenerate", unit="reply")
+            else:
+                regen_runner = runner = build_runner(cfg, tensors, args.max_len)[0]
+
+        def regen_progress(done, total, new_tokens):
+            rbar.n = done
+            rbar.set_postfix(new_tokens=new_tokens)
+            rbar.refresh()
+
         bar = tqdm(total=args.samples, desc="tokenise", unit="conv")
         samples, st = build_samples(tok, convs, args.samples, args.max_len, regenerate=args.regenerate,
-                                    runner=runner, temperature=args.temperature,
-                                    progress=lambda k, r: bar.update(1))
+                                    runner=regen_runner, temperature=args.temperature,
+                                    progress=lambda k, r: bar.update(1), regen_batch=args.regen_batch,
+                                    regen_progress=regen_progress if rbar is not None else None)
+        if rbar is not None:
+            rbar.close()
+        regen_runner = None
         bar.close()
         stats = st.as_dict()
         stats["seconds"] = round(time.time() - t0, 1)

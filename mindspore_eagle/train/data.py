@@ -166,7 +166,7 @@ def regenerate_reply(runner, tok, user: str, max_new: int, temperature: float = 
 
 def build_samples(tok, conversations: list, n_samples: int, max_len: int, min_assistant: int = 16,
                   regenerate: int = 0, runner=None, temperature: float = 0.0, eval_keys: set | None = None,
-                  progress=None) -> tuple[list, DataStats]:
+                  progress=None, regen_batch: int = 0, regen_progress=None) -> tuple[list, DataStats]:
     """Tokenise conversations into training samples (ids and mask truncated to ``max_len``).
 
     Args:
@@ -174,6 +174,9 @@ def build_samples(tok, conversations: list, n_samples: int, max_len: int, min_as
         n_samples: stop after this many kept samples. max_len: truncation length.
         min_assistant: drop samples with fewer loss-masked tokens (after truncation).
         regenerate: the first ``regenerate`` kept samples get a teacher-written reply (needs ``runner``).
+        regen_batch: 0 = one sequence at a time (:func:`regenerate_reply`); B >= 1 = the first ``regenerate``
+            non-evaluation prompts are answered up front by :func:`train.regen.regenerate_replies` with B rows
+            per call (``runner`` from ``train.regen.build_batch_runner``); regen_progress is its callback.
         eval_keys: normalised eval prompts (default :func:`eval_prompt_keys`).
         progress: optional callable(kept, read) for progress display.
     Returns:
@@ -186,6 +189,19 @@ def build_samples(tok, conversations: list, n_samples: int, max_len: int, min_as
     keys = eval_prompt_keys() if eval_keys is None else eval_keys
     stats, samples = DataStats(), []
     rng = np.random.default_rng(0)
+    batched = {}
+    if regenerate and regen_batch:
+        from .regen import regenerate_replies
+
+        firsts = []
+        for conv in conversations:
+            first = next(c for c in conv if c["role"] == "user")["content"]
+            if not is_eval_prompt(first, keys) and first not in firsts:
+                firsts.append(first)
+                if len(firsts) >= regenerate:
+                    break
+        batched = dict(zip(firsts, regenerate_replies(runner, tok, firsts, max_len, batch=regen_batch,
+                                                      temperature=temperature, rng=rng, progress=regen_progress)))
     for conv in conversations:
         if len(samples) >= n_samples:
             break
@@ -196,8 +212,11 @@ def build_samples(tok, conversations: list, n_samples: int, max_len: int, min_as
             if len(stats.excluded_examples) < 5:
                 stats.excluded_examples.append(first[:80])
             continue
-        if stats.regenerated < regenerate:
-            reply = regenerate_reply(runner, tok, first, max_new=max_len, temperature=temperature, rng=rng)
+        if stats.regenerated < regenerate and (not regen_batch or first in batched):
+            if regen_batch:
+                reply = batched[first] or ""
+            else:
+                reply = regenerate_reply(runner, tok, first, max_new=max_len, temperature=temperature, rng=rng)
             if not reply.strip():
                 continue
             conv = [{"role": "user", "content": first}, {"role": "assistant", "content": reply}]
