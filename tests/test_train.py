@@ -219,6 +219,26 @@ def trained(tiny, tiny_features, tmp_path_factory):
     return out, train(_tc(out, tiny_features), cfg, tensors)
 
 
+def test_init_from_fine_tunes_the_given_drafter(tiny, tiny_features, trained, tmp_path):
+    """--init-from starts from the given drafter's weights and keeps its draft vocabulary (a vd mismatch is an
+    error); with a vanishing learning rate the export equals the source up to fp16 storage."""
+    from mindspore_eagle.models.eagle3 import load_drafter
+    from mindspore_eagle.train.trainer import train
+
+    cfg, tensors, _ = tiny
+    src, _ = trained
+    _, t0 = load_drafter(str(src))
+    out = tmp_path / "ft"
+    train(_tc(out, tiny_features, steps=2, lr=1e-12, warmup=1, init_from=str(src)), cfg, tensors)
+    _, t1 = load_drafter(str(out))
+    np.testing.assert_array_equal(t1["t2d"], t0["t2d"])
+    np.testing.assert_array_equal(t1["d2t"], t0["d2t"])
+    for k in ("fc.weight", "lm_head.weight", "midlayer.self_attn.q_proj.weight", "midlayer.mlp.down_proj.weight"):
+        np.testing.assert_allclose(t1[k], t0[k], atol=1e-3, rtol=1e-3, err_msg=k)
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        train(_tc(tmp_path / "bad", tiny_features, steps=2, vd=64, init_from=str(src)), cfg, tensors)
+
+
 def test_regenerate_reply_uses_teacher_greedy_decode(tiny, ms_runtime):
     from mindspore_eagle.train.data import build_samples, regenerate_reply
     from mindspore_eagle.train.features import build_runner

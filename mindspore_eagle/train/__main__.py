@@ -31,6 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--regen-batch", type=int, default=16,
                    help="sequences decoded together by --regenerate (0 = one at a time)")
     p.add_argument("--resume", action="store_true", help="continue from <out>/resume")
+    p.add_argument("--init-from", default=None,
+                   help="fine-tune this SpecForge drafter directory (keeps its draft vocabulary; --vd must match)")
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--stage", choices=("all", "features", "train"), default="all")
     p.add_argument("--seed", type=int, default=0)
@@ -133,6 +135,7 @@ def main(argv=None) -> int:
     tc = TrainConfig(out=args.out, features_dir=fdir, vd=args.vd, ttt_length=args.ttt_length, steps=args.steps,
                      lr=args.lr, warmup=args.warmup, schedule=args.schedule, max_len=args.max_len,
                      intermediate=args.intermediate, seed=args.seed, checkpoint_every=args.checkpoint_every,
+                     init_from=args.init_from,
                      command=" ".join(["python -m mindspore_eagle.train"] + list(sys.argv[1:] if argv is None
                                                                                   else argv)))
     train(tc, cfg, tensors, resume=args.resume)

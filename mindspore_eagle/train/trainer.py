@@ -33,7 +33,8 @@ from .vocab import build_vocab
 class TrainConfig:
     """Options of :func:`train` (CLI names in ``__main__``). ``warmup`` None = 3 % of steps; ``intermediate``
     None = the teacher's FFN width; ``n_eval`` held-out samples; ``max_samples`` caps the samples used;
-    ``stop_at`` ends the loop early (as if killed there; the schedule still spans ``steps``)."""
+    ``stop_at`` ends the loop early (as if killed there; the schedule still spans ``steps``); ``init_from`` a
+    SpecForge drafter directory to fine-tune (its weights and its draft vocabulary; ``vd`` must match)."""
     out: str
     features_dir: str
     vd: int = 8192
@@ -51,6 +52,7 @@ class TrainConfig:
     stop_at: int | None = None
     command: str = ""
     progress: bool = True
+    init_from: str | None = None
 
 
 def drafter_config(cfg, vd: int, intermediate: int | None = None) -> DrafterConfig:
@@ -133,8 +135,17 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False) -> dict:
         raise ValueError(f"need at least 2 samples with features, have {n_total}")
     n_eval = min(tc.n_eval, n_total // 4)
     n_train = n_total - n_eval
+    init = None
     if state is not None:
         used = state["vocab_used"]
+    elif tc.init_from:
+        from ..models.eagle3 import load_drafter
+
+        icfg, init = load_drafter(tc.init_from)
+        if icfg.draft_vocab_size != tc.vd:
+            raise ValueError(f"--init-from {tc.init_from}: draft_vocab_size {icfg.draft_vocab_size} != --vd {tc.vd}")
+        used = np.nonzero(init["t2d"])[0]
+        print(f"[init] weights and draft vocabulary from {tc.init_from}", flush=True)
     else:
         data_pairs = [(fs[i]["input_ids"], fs[i]["loss_mask"]) for i in range(n_train)]
         teach_pairs = [(fs[i]["argmax"][:-1], fs[i]["loss_mask"][1:]) for i in range(n_train)]
@@ -156,7 +167,7 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False) -> dict:
     dcfg = drafter_config(cfg, tc.vd, tc.intermediate)
     head = head_weight(cfg, tensors)
     net = TTTDrafter(dcfg, tensors["model.embed_tokens.weight"], head[used], vocab["d2t"], T, S)
-    net.load_tensors(init_drafter_tensors(dcfg, tc.seed, used))
+    net.load_tensors(init if init is not None else init_drafter_tensors(dcfg, tc.seed, used))
     ts = TrainStep(net)
     start = 0
     if state is not None:
