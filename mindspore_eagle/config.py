@@ -118,7 +118,7 @@ class CacheConfig:
     """Paged KV cache: block_size tokens per block, num_blocks in the pool, max_seq_len slots per sequence
     (prompt + generated; a multiple of block_size). MindFormers names (block_size, num_blocks, seq_length)."""
     block_size: int = 16
-    num_blocks: int = 64      # one sequence of max_seq_len; every block is copied by a CPU cache write, keep it tight
+    num_blocks: int = 64      # one sequence of max_seq_len (writes are in place: a larger pool costs memory only)
     max_seq_len: int = 1024
     prefill_chunk: int = 128
 
