@@ -28,6 +28,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "hypothesis"],
+        "peer": ["llama-cpp-python==0.3.36"],     # optional llama.cpp side-by-side peer (bench --peer-llamacpp)
     },
     entry_points={"console_scripts": ["mindspore-eagle=mindspore_eagle.cli:main"]},
 )
