@@ -131,10 +131,18 @@ class Streamer:
 
 
 def turn_summary(g, mode: str, speculative: bool) -> str:
-    """One line: new tokens, tok/s (wall, prefill included), mean accept length L_k (bonus counted), compiles."""
+    """One line: new tokens, tok/s (wall, prefill included), mean accept length L_k (bonus counted), compiles.
+
+    When graphs compiled during the turn, tok/s is also given without the compiling calls (first runs).
+    """
     t = g.turn
     how = "speculative" if speculative else "teacher-only"
-    return (f"[{t.new_tokens} new tokens, {t.tok_per_s:.2f} tok/s, mean L_k {t.mean_accept_len:.2f} "
+    rate = f"{t.tok_per_s:.2f} tok/s"
+    if t.compile_count:
+        run_s = (t.prefill_ms + t.decode_ms - t.compile_ms) / 1e3
+        rate += (f" ({t.new_tokens / run_s:.2f} tok/s without the {t.compile_ms / 1e3:.1f} s of compiling calls)"
+                 if run_s > 0 else "")
+    return (f"[{t.new_tokens} new tokens, {rate}, mean L_k {t.mean_accept_len:.2f} "
             f"over {len(g.steps)} steps, {t.compile_count} compiles, {mode}, {how}, stop: {g.stop_reason}]")
 
 

@@ -52,6 +52,10 @@ class DrafterRunner:
     def compiles(self) -> int:
         return self._fuse.compiles + self._step.compiles
 
+    @property
+    def compile_ms(self) -> float:
+        return self._fuse.compile_ms + self._step.compile_ms
+
     def new_seq(self) -> int:
         return self.bm.new_seq()
 

@@ -108,6 +108,10 @@ class Engine:
     def compiles(self) -> int:
         return self.target.compiles + (self.drafter.compiles if self.drafter else 0)
 
+    @property
+    def compile_ms(self) -> float:
+        return self.target.compile_ms + (self.drafter.compile_ms if self.drafter else 0.0)
+
     # ------------------------------------------------------------------ public API
     def encode_chat(self, messages) -> list:
         """Chat-templated prompt ids for ``messages`` (a str is one user message)."""
@@ -155,7 +159,7 @@ class Engine:
                                   + f" = {room} exceeds cache.max_seq_len={self.target.S}")
         rng = np.random.default_rng(gen.seed)
         emitter = _Emitter(self.tokenizer, self.eos, gen, on_token)
-        compiles0 = self.compiles
+        compiles0, compile_ms0 = self.compiles, self.compile_ms
         sid = self.target.new_seq()
         try:
             t0 = time.perf_counter()
@@ -178,7 +182,7 @@ class Engine:
         n_new = len(emitter.ids)
         turn = TurnTrace(turn_id=turn_id, prompt_tokens=len(ids), new_tokens=n_new, prefill_ms=prefill_ms,
                          decode_ms=decode_ms, tok_per_s=n_new / max(1e-9, (prefill_ms + decode_ms) / 1e3),
-                         compile_count=self.compiles - compiles0,
+                         compile_count=self.compiles - compiles0, compile_ms=self.compile_ms - compile_ms0,
                          mean_accept_len=float(np.mean([s.accept_len for s in steps])) if steps else 1.0)
         self.trace.write(turn)
         return Generation(emitter.ids, emitter.text(), emitter.reason, len(ids), steps, turn)

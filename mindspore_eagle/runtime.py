@@ -13,6 +13,7 @@ Execution modes (one process can hold both, so fused and eager can be compared t
 from __future__ import annotations
 
 import os
+import time
 import warnings
 
 _CONFIGURED = False
@@ -62,6 +63,7 @@ class CompiledFn:
     Attributes:
         compiles: number of distinct (shape, dtype) input signatures seen in fused mode; each one is one
             graph compilation (8-17 s on a 2-core CPU for the 135M teacher, feasibility.md §3.3).
+        compile_ms: wall ms of the calls that compiled a new graph (compilation plus that one execution).
     """
 
     def __init__(self, fn, mode: str):
@@ -70,6 +72,7 @@ class CompiledFn:
         self.mode = check_mode(mode)
         self._fn = ms.jit(fn) if mode == "fused" else fn
         self._seen: set = set()
+        self.compile_ms = 0.0
 
     @property
     def compiles(self) -> int:
@@ -77,5 +80,11 @@ class CompiledFn:
 
     def __call__(self, *args):
         if self.mode == "fused":
-            self._seen.add(tuple((tuple(a.shape), str(a.dtype)) for a in args))
+            sig = tuple((tuple(a.shape), str(a.dtype)) for a in args)
+            if sig not in self._seen:
+                self._seen.add(sig)
+                t0 = time.perf_counter()
+                out = self._fn(*args)
+                self.compile_ms += (time.perf_counter() - t0) * 1e3
+                return out
         return self._fn(*args)

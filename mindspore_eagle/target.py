@@ -74,6 +74,11 @@ class TargetRunner:
         """Distinct graphs compiled so far (fused mode; 0 in eager)."""
         return self._fwd.compiles + self._hidden.compiles + self._compact.compiles
 
+    @property
+    def compile_ms(self) -> float:
+        """Wall ms spent in calls that compiled a graph (fused mode)."""
+        return self._fwd.compile_ms + self._hidden.compile_ms + self._compact.compile_ms
+
     # ------------------------------------------------------------------ sequences
     def new_seq(self) -> int:
         return self.bm.new_seq()

@@ -80,6 +80,7 @@ class TurnTrace(_Record):
     decode_ms: float = 0.0  # decode loop wall time (excludes prefill)
     tok_per_s: float = 0.0  # new_tokens / decode seconds
     compile_count: int = 0  # graph compilations during the turn
+    compile_ms: float = 0.0  # wall ms of the calls that compiled them (inside prefill_ms / decode_ms)
     mean_accept_len: float = 0.0  # mean L_k over the turn's steps (1.0 for teacher-only decoding)
 
 
