@@ -186,6 +186,28 @@ def load_drafter(path: str) -> tuple[DrafterConfig, dict]:
     return cfg, out
 
 
+def load_fused_weights(cell, t: dict) -> None:
+    """Set a drafter Cell's fused Parameters from SpecForge-keyed tensors (any float dtype -> float32).
+
+    The one place that knows the fused layout shared by :class:`Eagle3Drafter` (inference) and
+    ``train.ttt.TTTDrafter`` (training): ``wqkv`` = concat(q, k, v) rows, ``w_gate_up`` = concat(gate, up) rows,
+    HF [out, in] layout; ``cell`` needs Parameters fc, wqkv, wo, w_gate_up, w_down, lm_head and RMSNorm Cells
+    hidden_norm, input_layernorm, post_attention_layernorm, norm. Raises KeyError naming a missing tensor.
+    """
+    f32 = lambda name: np.asarray(t[name], np.float32)
+    p = "midlayer."
+    cell.fc.set_data(Tensor(f32("fc.weight")))
+    cell.wqkv.set_data(Tensor(np.concatenate([f32(p + "self_attn.q_proj.weight"), f32(p + "self_attn.k_proj.weight"),
+                                              f32(p + "self_attn.v_proj.weight")], 0)))
+    cell.wo.set_data(Tensor(f32(p + "self_attn.o_proj.weight")))
+    cell.w_gate_up.set_data(Tensor(np.concatenate([f32(p + "mlp.gate_proj.weight"), f32(p + "mlp.up_proj.weight")], 0)))
+    cell.w_down.set_data(Tensor(f32(p + "mlp.down_proj.weight")))
+    for name in ("hidden_norm", "input_layernorm", "post_attention_layernorm"):
+        getattr(cell, name).weight.set_data(Tensor(f32(p + name + ".weight")))
+    cell.norm.weight.set_data(Tensor(f32("norm.weight")))
+    cell.lm_head.set_data(Tensor(f32("lm_head.weight")))
+
+
 class Eagle3Drafter(nn.Cell):
     """The drafter network with its own paged KV cache (accepted context + per-round tree scratch).
 
@@ -280,17 +302,5 @@ class Eagle3Drafter(nn.Cell):
 
     def load_tensors(self, t: dict) -> None:
         """Copy SpecForge-keyed float32 tensors into the fused Parameters (shapes checked by load_drafter)."""
-        p = "midlayer."
-        self.fc.set_data(Tensor(t["fc.weight"]))
-        self.wqkv.set_data(Tensor(np.concatenate([t[p + "self_attn.q_proj.weight"], t[p + "self_attn.k_proj.weight"],
-                                                  t[p + "self_attn.v_proj.weight"]], 0)))
-        self.wo.set_data(Tensor(t[p + "self_attn.o_proj.weight"]))
-        self.w_gate_up.set_data(Tensor(np.concatenate([t[p + "mlp.gate_proj.weight"],
-                                                       t[p + "mlp.up_proj.weight"]], 0)))
-        self.w_down.set_data(Tensor(t[p + "mlp.down_proj.weight"]))
-        self.hidden_norm.weight.set_data(Tensor(t[p + "hidden_norm.weight"]))
-        self.input_layernorm.weight.set_data(Tensor(t[p + "input_layernorm.weight"]))
-        self.post_attention_layernorm.weight.set_data(Tensor(t[p + "post_attention_layernorm.weight"]))
-        self.norm.weight.set_data(Tensor(t["norm.weight"]))
-        self.lm_head.set_data(Tensor(t["lm_head.weight"]))
+        load_fused_weights(self, t)
         self.d2t.set_data(Tensor(np.asarray(t["d2t"]).astype(np.int32)))

@@ -34,7 +34,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import nn, ops, Parameter, Tensor
 
-from ..models.eagle3 import DrafterConfig
+from ..models.eagle3 import DrafterConfig, load_fused_weights
 from ..models.pangu import RMSNorm, apply_rope, rope_swap_index, rope_tables
 
 NEG = -1e9
@@ -238,18 +238,7 @@ class TTTDrafter(nn.Cell):
 
     def load_tensors(self, t: dict) -> None:
         """Copy SpecForge-keyed float tensors (as from init_drafter_tensors / load_drafter) into the Parameters."""
-        p = "midlayer."
-        self.fc.set_data(Tensor(np.asarray(t["fc.weight"], np.float32)))
-        self.wqkv.set_data(Tensor(np.concatenate([t[p + "self_attn.q_proj.weight"], t[p + "self_attn.k_proj.weight"],
-                                                  t[p + "self_attn.v_proj.weight"]], 0).astype(np.float32)))
-        self.wo.set_data(Tensor(np.asarray(t[p + "self_attn.o_proj.weight"], np.float32)))
-        self.w_gate_up.set_data(Tensor(np.concatenate([t[p + "mlp.gate_proj.weight"],
-                                                       t[p + "mlp.up_proj.weight"]], 0).astype(np.float32)))
-        self.w_down.set_data(Tensor(np.asarray(t[p + "mlp.down_proj.weight"], np.float32)))
-        for name in ("hidden_norm", "input_layernorm", "post_attention_layernorm"):
-            getattr(self, name).weight.set_data(Tensor(np.asarray(t[p + name + ".weight"], np.float32)))
-        self.norm.weight.set_data(Tensor(np.asarray(t["norm.weight"], np.float32)))
-        self.lm_head.set_data(Tensor(np.asarray(t["lm_head.weight"], np.float32)))
+        load_fused_weights(self, t)
 
     def export_tensors(self) -> dict:
         """SpecForge-keyed float32 numpy tensors of the trained Parameters (no embedding, no d2t/t2d)."""
