@@ -258,9 +258,18 @@ class PortableKVOps:
         ``offsets`` / ``head_base`` come from :func:`cache_index_constants`. All values are >= 0 by construction
         (padding uses the pad block, never -1).
         """
-        write = (slots.reshape(-1, 1) + head_base.reshape(1, -1)).reshape(-1)
+        return PortableKVOps.write_rows(slots, head_base), PortableKVOps.read_rows(block_table, offsets, head_base)
+
+    @staticmethod
+    def write_rows(slots, head_base):
+        """Cache rows of ``slots`` int32 [k] for every KV head -> int32 [k * n_kv] (slot-major)."""
+        return (slots.reshape(-1, 1) + head_base.reshape(1, -1)).reshape(-1)
+
+    @staticmethod
+    def read_rows(block_table, offsets, head_base):
+        """Cache rows of a block table int32 [S/B] for every KV head -> int32 [n_kv, S]."""
         ctx = (block_table.reshape(-1, 1) * offsets.shape[0] + offsets.reshape(1, -1)).reshape(1, -1)
-        return write, head_base.reshape(-1, 1) + ctx
+        return head_base.reshape(-1, 1) + ctx
 
     @staticmethod
     def write(cache, write_idx, kv):

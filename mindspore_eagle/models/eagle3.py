@@ -292,7 +292,7 @@ class Eagle3Drafter(nn.Cell):
         cos = ops.gather(self.cos, positions, 0).expand_dims(1)
         sin = ops.gather(self.sin, positions, 0).expand_dims(1)
         q = apply_rope(q.reshape(k_len, self.nh, self.hd), cos, sin, self.swap)
-        _, read_idx = PortableKVOps.indices(positions, block_table, self.offsets, self.head_base)
+        read_idx = PortableKVOps.read_rows(block_table, self.offsets, self.head_base)
         keys = PortableKVOps.read(self.key_cache, read_idx)                       # [n_kv, S, hd]
         q = q.reshape(k_len, self.nkv, self.group, self.hd).transpose(1, 2, 0, 3).reshape(
             self.nkv, self.group * k_len, self.hd)

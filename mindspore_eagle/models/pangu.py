@@ -278,8 +278,8 @@ class KVCompactor(nn.Cell):
         self.head_base = head_base
 
     def construct(self, src, dst):
-        src_rows = (src.reshape(-1, 1) + self.head_base.reshape(1, -1)).reshape(-1)
-        dst_rows = (dst.reshape(-1, 1) + self.head_base.reshape(1, -1)).reshape(-1)
+        src_rows = PortableKVOps.write_rows(src, self.head_base)
+        dst_rows = PortableKVOps.write_rows(dst, self.head_base)
         outs = ()
         for p in self.params:
             tmp = ops.gather(p, src_rows, 0)

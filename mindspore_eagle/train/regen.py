@@ -74,14 +74,14 @@ def regenerate_replies(runner, tok, prompts: list, max_len: int, batch: int = 16
             for a in active:
                 if a["next"] in eos or len(a["out"]) >= a["budget"]:
                     finish(a)
-                else:
-                    a["out"].append(a["next"])
-                    new_tokens += 1
-                    live.append(a)
-            active = [a for a in live if len(a["out"]) < a["budget"]]
-            for a in live:
+                    continue
+                a["out"].append(a["next"])
+                new_tokens += 1
                 if len(a["out"]) >= a["budget"]:
                     finish(a)
+                else:
+                    live.append(a)
+            active = live
             if not active:
                 continue
             logits = runner.decode_batch([a["sid"] for a in active], [a["next"] for a in active], rows=batch)
