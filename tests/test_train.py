@@ -272,6 +272,24 @@ def test_batched_regeneration_equals_one_sequence_greedy(tiny, ms_runtime):
         assert reply == regenerate_reply(single, tok, text, max_new=max_len - n), text
     with pytest.raises(ValueError, match="batch"):
         regenerate_replies(batch_runner, tok, prompts, max_len, batch=0)
+    for method, fail_at in (("decode_batch", 1), ("decode_batch", 12), ("prefill", 3), ("progress", 1)):
+        calls, real = [], getattr(batch_runner, method, None)   # an error mid-run: every row freed exactly once
+
+        def flaky(*a, **k):
+            calls.append(1)
+            if len(calls) == fail_at:
+                raise RuntimeError("injected")
+            return real(*a, **k) if real is not None else None
+        if method != "progress":
+            setattr(batch_runner, method, flaky)
+        try:
+            with pytest.raises(RuntimeError, match="injected"):
+                regenerate_replies(batch_runner, tok, prompts, max_len, batch=2, min_reply=4,
+                                   progress=flaky if method == "progress" else None)
+        finally:
+            if method != "progress":
+                setattr(batch_runner, method, real)
+        assert batch_runner.bm.free_blocks() == free0, (method, fail_at)
     samples, st = build_samples(tok, _conversations(6), 4, max_len, min_assistant=1, regenerate=3,
                                 runner=batch_runner, eval_keys=set(), regen_batch=2)
     assert 1 <= st.regenerated <= 3 and len(samples) == 4     # empty replies (EOS first) are skipped

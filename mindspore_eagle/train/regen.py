@@ -51,12 +51,13 @@ def regenerate_replies(runner, tok, prompts: list, max_len: int, batch: int = 16
         if len(ids) + min_reply <= max_len:
             queue.append((i, ids))
     queue.reverse()
-    active: list[dict] = []       # {"i", "sid", "budget", "out", "next"}
+    active: list[dict] = []       # {"i", "sid", "budget", "out", "freed", "next"}
     done, new_tokens = len(prompts) - len(queue), 0
 
     def finish(a):
         nonlocal done
         runner.free(a["sid"])
+        a["freed"] = True
         out[a["i"]] = tok.decode(a["out"], skip_special_tokens=True)
         done += 1
         if progress is not None:
@@ -66,10 +67,10 @@ def regenerate_replies(runner, tok, prompts: list, max_len: int, batch: int = 16
         while queue or active:
             while queue and len(active) < batch:
                 i, ids = queue.pop()
-                sid = runner.new_seq()
-                logits, _ = runner.prefill(sid, ids)
-                active.append({"i": i, "sid": sid, "budget": max_len - len(ids), "out": [],
-                               "next": _pick(logits, temperature, rng)})
+                a = {"i": i, "sid": runner.new_seq(), "budget": max_len - len(ids), "out": [], "freed": False}
+                active.append(a)            # before prefill: an error there still frees its blocks
+                logits, _ = runner.prefill(a["sid"], ids)
+                a["next"] = _pick(logits, temperature, rng)
             live = []
             for a in active:
                 if a["next"] in eos or len(a["out"]) >= a["budget"]:
@@ -87,9 +88,10 @@ def regenerate_replies(runner, tok, prompts: list, max_len: int, batch: int = 16
             logits = runner.decode_batch([a["sid"] for a in active], [a["next"] for a in active], rows=batch)
             for a, row in zip(active, logits):
                 a["next"] = _pick(row, temperature, rng)
-    finally:
+    finally:                            # on an error mid-pass, free each row exactly once
         for a in active:
-            runner.free(a["sid"])
+            if not a["freed"]:
+                runner.free(a["sid"])
     if progress is not None:
         progress(done, len(prompts), new_tokens)
     return out
