@@ -269,7 +269,8 @@ class Eagle3Drafter(nn.Cell):
         q, k = ops.split(qk, (self.nh, self.nkv), 1)
         v = v.reshape(k_len, self.nkv, self.hd)
         write_idx, read_idx = PortableKVOps.indices(slots, block_table, self.offsets, self.head_base)
-        ctx = paged_attention(q, k, v, self.key_cache, self.value_cache, write_idx, read_idx, mask)
+        ctx = paged_attention(q, k, v, self.key_cache, self.value_cache, write_idx, read_idx, mask,
+                              self.scale)
         h = h + self.matmul_t(ctx, self.wo)
         gate, up = ops.split(self.matmul_t(self.post_attention_layernorm(h), self.w_gate_up), self.ffn, -1)
         h_out = h + self.matmul_t(ops.silu(gate) * up, self.w_down)

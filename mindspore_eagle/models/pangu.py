@@ -20,7 +20,11 @@ decides what each query sees, so the same code handles a causal prefill, a decod
 
 Weights are fused at load time (q/k/v into one [ (nh + 2 n_kv) hd, H ] matrix, gate/up into one [2F, H]) and
 kept in HF layout [out, in] with ``transpose_b`` matmuls: on the 2-core CPU that layout is 1.5x faster at k = 8
-than pre-transposed weights (feasibility.md §5).
+than pre-transposed weights (feasibility.md §5). Three per-layer elementwise ops are folded into those matrices
+at load, since each graph op costs ~10 us of launch overhead on the CPU (docs/results.md, profile): the
+input / post-attention RMSNorm weights g scale the input columns of ``wqkv`` / ``w_gate_up``
+(norm(x) * g @ W.T == norm(x) @ (W * g).T), and the attention scale 1/sqrt(hd) scales the q rows of ``wqkv`` and
+``bqkv`` (RoPE is linear, so scaling q before it is exact up to float rounding).
 """
 from __future__ import annotations
 
@@ -49,16 +53,51 @@ def rope_tables(head_dim: int, max_pos: int, theta: float) -> tuple[np.ndarray, 
 
 
 class RMSNorm(nn.Cell):
-    """y = x / sqrt(mean(x^2) + eps) * w, in float32 (``ops.rms_norm`` is Ascend-only)."""
+    """y = x / sqrt(mean(x^2) + eps) * w, in float32 (``ops.rms_norm`` is Ascend-only).
 
-    def __init__(self, dim: int, eps: float):
+    x [..., dim] f32 -> same shape. ``weighted=False`` drops ``* w`` (no Parameter): for norms whose weight is
+    folded into the next matmul (see the module docstring).
+    """
+
+    def __init__(self, dim: int, eps: float, weighted: bool = True):
         super().__init__()
-        self.weight = Parameter(Tensor(np.ones(dim, np.float32)), name="weight")
+        self.weight = Parameter(Tensor(np.ones(dim, np.float32)), name="weight") if weighted else None
         self.eps = eps
 
     def construct(self, x):
         var = ops.mean(x * x, -1, keep_dims=True)
-        return x * ops.rsqrt(var + self.eps) * self.weight
+        y = x * ops.rsqrt(var + self.eps)
+        if self.weight is None:
+            return y
+        return y * self.weight
+
+
+WEIGHT_LEFT_ROWS = (8, 32)
+"""Row counts k (inclusive range) for which :func:`linear` puts the weight on the left (see there)."""
+
+_MM = ops.MatMul()
+_MM_T = ops.MatMul(transpose_b=True)
+
+
+def linear(x, w):
+    """x [k, K] f32 @ w.T for a weight w [N, K] f32 in HF [out, in] layout -> [k, N] f32.
+
+    Two formulations of the same product, chosen by the static row count k (each jitted shape bucket gets one):
+    ``(w @ x.T).T``, the weight as the left operand, for k in WEIGHT_LEFT_ROWS (tree verification, batched
+    regeneration); ``MatMul(transpose_b)(x, w)`` otherwise (the CPU kernel's fast matrix-vector path at k = 1, and
+    the faster GEMM for prefill chunks). The teacher's whole matmul stack (30 layers + the 49k-row head), graph
+    mode, 2-core CPU, MindSpore 2.9.0, ms per call:
+
+        k              1    2    4    8   16   32   64  128  256
+        x @ w.T       30   31   47   54   65   73  101  156  256
+        (w @ x.T).T   48   43   47   46   49   61  104  213  496
+
+    (docs/results.md, "Session 3"; both forms give the same values up to float rounding.)
+    """
+    lo, hi = WEIGHT_LEFT_ROWS
+    if lo <= x.shape[0] <= hi:
+        return _MM(w, x.T).T
+    return _MM_T(x, w)
 
 
 def rope_swap_index(head_dim: int) -> Tensor:
@@ -75,11 +114,13 @@ def apply_rope(x, cos, sin_signed, swap):
     return x * cos + ops.gather(x, swap, x.ndim - 1) * sin_signed
 
 
-def paged_attention(q, k, v, key_cache, value_cache, write_idx, read_idx, mask):
+def paged_attention(q, k, v, key_cache, value_cache, write_idx, read_idx, mask, scale=None):
     """Write k/v into the paged caches, then attend from q over the sequence's slots.
 
-    q [k, nh, hd], k/v [k, n_kv, hd] (RoPE applied), caches [n_kv * slots, hd], write_idx [k * n_kv] i32 and
-    read_idx [n_kv, S] i32 (:meth:`PortableKVOps.indices`), mask [k, S] f32 additive -> context [k, nh * hd] f32.
+    q [k, nh, hd] (RoPE applied), k/v [k, n_kv, hd] (RoPE on k), caches [n_kv * slots, hd], write_idx
+    [k * n_kv] i32 and read_idx [n_kv, S] i32 (:meth:`PortableKVOps.indices`), mask [k, S] f32 additive,
+    scale: the score factor 1/sqrt(hd), or None when q already carries it (the teacher folds it into its q
+    weights) -> context [k, nh * hd] f32.
     GQA: each KV head serves nh / n_kv query heads through one batched matmul. This is the portable stand-in for
     Ascend's ReshapeAndCache + PagedAttention pair (pangu_mindformers.md §2.3).
     """
@@ -94,7 +135,9 @@ def paged_attention(q, k, v, key_cache, value_cache, write_idx, read_idx, mask):
         q = q.reshape(nkv, group, hd)
     else:
         q = q.reshape(k_len, nkv, group, hd).transpose(1, 2, 0, 3).reshape(nkv, group * k_len, hd)
-    scores = _BMM_T(q, keys) * (1.0 / float(np.sqrt(hd)))                   # [n_kv, g*k, S]
+    scores = _BMM_T(q, keys)                                                 # [n_kv, g*k, S]
+    if scale is not None:
+        scores = scores * scale
     scores = scores.reshape(nkv, group, k_len, -1) + mask
     probs = ops.softmax(scores, -1).reshape(nkv, group * k_len, -1)
     ctx = ops.bmm(probs, vals)                                               # [n_kv, g*k, hd]
@@ -122,11 +165,10 @@ class Attention(nn.Cell):
         self.qk_v = ((self.nh + self.nkv) * self.hd, self.nkv * self.hd)
         self.q_k = (self.nh, self.nkv)
         self.swap = rope_swap_index(self.hd)
-        self.matmul_t = ops.MatMul(transpose_b=True)
 
     def construct(self, x, cos, sin, write_idx, read_idx, mask):
         k_len = x.shape[0]
-        qkv = self.matmul_t(x, self.wqkv)
+        qkv = linear(x, self.wqkv)
         if self.bqkv is not None:
             qkv = qkv + self.bqkv
         qk, v = ops.split(qkv, self.qk_v, -1)
@@ -134,7 +176,7 @@ class Attention(nn.Cell):
         q, k = ops.split(qk, self.q_k, 1)
         ctx = paged_attention(q, k, v.reshape(k_len, self.nkv, self.hd), self.key_cache, self.value_cache,
                               write_idx, read_idx, mask)
-        out = self.matmul_t(ctx, self.wo)
+        out = linear(ctx, self.wo)
         if self.bo is not None:
             out = out + self.bo
         return out
@@ -148,20 +190,21 @@ class MLP(nn.Cell):
         self.ffn = cfg.intermediate_size
         self.w_gate_up = Parameter(Tensor(np.zeros((2 * self.ffn, cfg.hidden_size), np.float32)), name="w_gate_up")
         self.w_down = Parameter(Tensor(np.zeros((cfg.hidden_size, self.ffn), np.float32)), name="w_down")
-        self.matmul_t = ops.MatMul(transpose_b=True)
 
     def construct(self, x):
-        gate, up = ops.split(self.matmul_t(x, self.w_gate_up), self.ffn, -1)
+        gate, up = ops.split(linear(x, self.w_gate_up), self.ffn, -1)
         h = ops.silu(gate) * up
-        return self.matmul_t(h, self.w_down)
+        return linear(h, self.w_down)
 
 
 class DecoderLayer(nn.Cell):
+    """Pre-norm block; both norm weights live folded in the next matmul (``load_hf_weights``)."""
+
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, layer: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weighted=False)
         self.attn = Attention(cfg, num_blocks, block_size, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weighted=False)
         self.mlp = MLP(cfg)
 
     def construct(self, x, cos, sin, write_idx, read_idx, mask):
@@ -191,14 +234,13 @@ class PanguTeacher(nn.Cell):
         self.cos, self.sin = Tensor(cos), Tensor(sin)
         self.aux_layers = tuple(int(i) for i in cfg.aux_layers)
         self.offsets, self.head_base = cache_index_constants(num_blocks, block_size, cfg.num_kv_heads)
-        self.matmul_t = ops.MatMul(transpose_b=True)
 
     def head_weight(self):
         return self.embed if self.lm_head is None else self.lm_head
 
     def construct(self, tokens, positions, slots, block_table, mask, out_rows):
         h, aux = self.hidden(tokens, positions, slots, block_table, mask, out_rows)
-        return self.matmul_t(h, self.head_weight()), aux
+        return linear(h, self.head_weight()), aux
 
     def hidden(self, tokens, positions, slots, block_table, mask, out_rows):
         """Like ``construct`` but returns the final-normed hidden rows [m, H] instead of logits [m, V]."""
@@ -216,7 +258,8 @@ class PanguTeacher(nn.Cell):
 
     # ------------------------------------------------------------------ weights
     def load_hf_weights(self, tensors: dict[str, np.ndarray]) -> None:
-        """Copy HF-named float32 numpy tensors into the fused Parameters.
+        """Copy HF-named float32 numpy tensors into the fused Parameters, folding the per-layer norm weights and
+        the attention scale into ``wqkv`` / ``bqkv`` / ``w_gate_up`` (module docstring).
 
         Raises:
             ValueError: a tensor is missing or its shape differs from the config (names the tensor, both shapes).
@@ -237,24 +280,25 @@ class PanguTeacher(nn.Cell):
         self.norm.weight.set_data(Tensor(get("model.norm.weight", (H,))))
         if self.lm_head is not None:
             self.lm_head.set_data(Tensor(get("lm_head.weight", (cfg.vocab_size, H))))
+        scale = np.float32(1.0 / np.sqrt(hd))           # softmax(q k^T / sqrt(hd)): folded into q
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = layer.attn
-            a.wqkv.set_data(Tensor(np.concatenate([get(p + "self_attn.q_proj.weight", (qo, H)),
+            g_in = get(p + "input_layernorm.weight", (H,))
+            g_post = get(p + "post_attention_layernorm.weight", (H,))
+            a.wqkv.set_data(Tensor(np.concatenate([get(p + "self_attn.q_proj.weight", (qo, H)) * scale,
                                                    get(p + "self_attn.k_proj.weight", (kvo, H)),
-                                                   get(p + "self_attn.v_proj.weight", (kvo, H))], 0)))
+                                                   get(p + "self_attn.v_proj.weight", (kvo, H))], 0) * g_in))
             if a.bqkv is not None:
-                a.bqkv.set_data(Tensor(np.concatenate([get(p + "self_attn.q_proj.bias", (qo,)),
+                a.bqkv.set_data(Tensor(np.concatenate([get(p + "self_attn.q_proj.bias", (qo,)) * scale,
                                                        get(p + "self_attn.k_proj.bias", (kvo,)),
                                                        get(p + "self_attn.v_proj.bias", (kvo,))], 0)))
             a.wo.set_data(Tensor(get(p + "self_attn.o_proj.weight", (H, qo))))
             if a.bo is not None:
                 a.bo.set_data(Tensor(get(p + "self_attn.o_proj.bias", (H,))))
             layer.mlp.w_gate_up.set_data(Tensor(np.concatenate([get(p + "mlp.gate_proj.weight", (F, H)),
-                                                                get(p + "mlp.up_proj.weight", (F, H))], 0)))
+                                                                get(p + "mlp.up_proj.weight", (F, H))], 0) * g_post))
             layer.mlp.w_down.set_data(Tensor(get(p + "mlp.down_proj.weight", (H, F))))
-            layer.input_layernorm.weight.set_data(Tensor(get(p + "input_layernorm.weight", (H,))))
-            layer.post_attention_layernorm.weight.set_data(Tensor(get(p + "post_attention_layernorm.weight", (H,))))
 
     def caches(self) -> list:
         """[(key_cache, value_cache)] per layer: the Parameters the cache manager compacts on commit."""
