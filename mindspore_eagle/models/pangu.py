@@ -192,9 +192,12 @@ class MLP(nn.Cell):
         self.w_down = Parameter(Tensor(np.zeros((cfg.hidden_size, self.ffn), np.float32)), name="w_down")
 
     def construct(self, x):
-        gate, up = ops.split(linear(x, self.w_gate_up), self.ffn, -1)
-        h = ops.silu(gate) * up
-        return linear(h, self.w_down)
+        lo, hi = WEIGHT_LEFT_ROWS
+        if lo <= x.shape[0] <= hi:            # weight-left (see linear): stay transposed between the two matmuls
+            gate, up = ops.split(_MM(self.w_gate_up, x.T), self.ffn, 0)                 # [F, k] each
+            return _MM(self.w_down, ops.silu(gate) * up).T
+        gate, up = ops.split(_MM_T(x, self.w_gate_up), self.ffn, -1)
+        return _MM_T(ops.silu(gate) * up, self.w_down)
 
 
 class DecoderLayer(nn.Cell):
