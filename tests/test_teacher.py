@@ -35,17 +35,22 @@ def test_prefill_and_decode_match_numpy(ms_runtime, tiny, mode):
     assert r.bm.free_blocks() == r.bm.num_blocks                       # pool accounting back to start
 
 
-@pytest.mark.parametrize("mode", ["eager", "fused"])
-def test_query_block_with_arbitrary_mask(ms_runtime, tiny, mode):
-    """k query tokens after a prefix, each seeing the prefix plus an arbitrary subset of earlier block tokens."""
+@pytest.mark.parametrize("mode,k", [("eager", 6), ("fused", 6), ("fused", 12), ("eager", 12), ("fused", 40)])
+def test_query_block_with_arbitrary_mask(ms_runtime, tiny, mode, k):
+    """k query tokens after a prefix, each seeing the prefix plus an arbitrary subset of earlier block tokens.
+
+    k = 6 and 40 take the usual matmul form, k = 12 the weight-left one (pangu.WEIGHT_LEFT_ROWS)."""
+    from mindspore_eagle.models.pangu import WEIGHT_LEFT_ROWS
+
+    assert (WEIGHT_LEFT_ROWS[0] <= k <= WEIGHT_LEFT_ROWS[1]) == (k == 12)
     cfg, tensors, _ = tiny
     r = make_target(cfg, tensors, mode)
     rng = np.random.default_rng(1)
     prefix = rng.integers(3, cfg.vocab_size, size=9)
-    block = rng.integers(3, cfg.vocab_size, size=6)
+    block = rng.integers(3, cfg.vocab_size, size=k)
     sid = r.new_seq()
     r.prefill(sid, prefix)
-    P, k = len(prefix), len(block)
+    P = len(prefix)
     sub = np.tril(rng.random((k, k)) < 0.5, -1) | np.eye(k, dtype=bool)   # arbitrary, self always visible
     positions = P + rng.integers(0, 4, size=k)                             # arbitrary RoPE positions
     slots = r.bm.append(sid, k, k)
