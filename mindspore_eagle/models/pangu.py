@@ -94,10 +94,14 @@ def linear(x, w):
 
     (docs/results.md, "Session 3"; both forms give the same values up to float rounding.)
     """
-    lo, hi = WEIGHT_LEFT_ROWS
-    if lo <= x.shape[0] <= hi:
+    if _weight_left(x.shape[0]):
         return _MM(w, x.T).T
     return _MM_T(x, w)
+
+
+def _weight_left(k: int) -> bool:
+    """True when k query rows (static) take the weight-left form (WEIGHT_LEFT_ROWS)."""
+    return WEIGHT_LEFT_ROWS[0] <= k <= WEIGHT_LEFT_ROWS[1]
 
 
 def rope_swap_index(head_dim: int) -> Tensor:
@@ -192,8 +196,7 @@ class MLP(nn.Cell):
         self.w_down = Parameter(Tensor(np.zeros((cfg.hidden_size, self.ffn), np.float32)), name="w_down")
 
     def construct(self, x):
-        lo, hi = WEIGHT_LEFT_ROWS
-        if lo <= x.shape[0] <= hi:            # weight-left (see linear): stay transposed between the two matmuls
+        if _weight_left(x.shape[0]):          # weight-left (see linear): stay transposed between the two matmuls
             gate, up = ops.split(_MM(self.w_gate_up, x.T), self.ffn, 0)                 # [F, k] each
             return _MM(self.w_down, ops.silu(gate) * up).T
         gate, up = ops.split(_MM_T(x, self.w_gate_up), self.ffn, -1)
