@@ -71,12 +71,15 @@ class ModelSection:
 class SpeculativeConfig:
     """Tree budget and execution. M: tokens verified per step, root included; D_max: max draft depth
     (root depth 0); top_k: children per expanded node and frontier width; window: drafter attends to the
-    last W context tokens (0 = all); mode: fused (jit) | eager (PyNative + invariant checks each step)."""
+    last W context tokens (0 = all); mode: fused (jit) | eager (PyNative + invariant checks each step);
+    policy: fixed (every step drafts D_max deep and verifies M tokens) | adaptive (M, D_max are ceilings: each
+    step picks plain decoding or a compiled budget 2, 4, ..., M by expected tokens per ms, policy.py)."""
     M: int = 16
     D_max: int = 5
     top_k: int = 4
     window: int = 0
     mode: str = "fused"
+    policy: str = "fixed"
     validate_tree: bool = False
     trace: str = ""
 
@@ -89,6 +92,8 @@ class SpeculativeConfig:
         _check_int("speculative.window", self.window, 0)
         if self.mode not in ("fused", "eager"):
             raise ConfigError(f"speculative.mode = {self.mode!r}: must be 'fused' or 'eager'")
+        if self.policy not in ("fixed", "adaptive"):
+            raise ConfigError(f"speculative.policy = {self.policy!r}: must be 'fixed' or 'adaptive'")
         if not isinstance(self.validate_tree, bool):
             raise ConfigError("speculative.validate_tree must be true or false")
 

@@ -111,9 +111,13 @@ class DrafterRunner:
         return top_logp.asnumpy()[row], top_ids.asnumpy()[row].astype(np.int64), h_out[row:row + 1]
 
     # ------------------------------------------------------------------ tree expansion
-    def build_tree(self, sid: int, root: int, first, M: int, D: int) -> DraftTree:
+    def build_tree(self, sid: int, root: int, first, M: int, D: int, grow=None) -> DraftTree:
         """Expand the dynamic draft tree from the context pass output ``first`` = extend(...)'s result.
 
+        Args:
+            grow: optional ``grow(tree, frontier_scores, depth) -> bool`` asked before each expansion step with
+                the tree drafted so far (best M - 1 candidates), the cumulative log-probs float32 [K] of the
+                frontier and its depth; False stops the expansion there (the speculation policy's early exit).
         Returns a DraftTree with at most M nodes (root + best M - 1 candidates), parents before children,
         depth <= D. Every drafter write goes to a scratch branch that is rolled back before returning.
         """
@@ -132,6 +136,9 @@ class DrafterRunner:
             self.bm.branch(sid, K * steps)
         lo, hi = self._visible_ctx(n_ctx)
         for i in range(1, steps + 1):
+            if grow is not None and not grow(select_tree(root, np.concatenate(scores), np.concatenate(tokens),
+                                                         np.concatenate(parents), M), frontier_scores, i):
+                break
             positions = np.full(K, n_ctx + i - 1, np.int64)
             slots = self.bm.slots(sid, n_ctx + (i - 1) * K + np.arange(K))
             mask = np.full((K, self._width(n_ctx + K * steps)), NEG_BIAS, np.float32)

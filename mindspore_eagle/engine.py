@@ -3,8 +3,10 @@
 Legend: M = tree budget, D = D_max, K = top_k, V = vocab, n = committed tokens, L_k = accepted length of step k
 (accepted drafts + bonus).
 
-One speculative round (docs/architecture.md):
-    draft      drafter.extend(new context pairs) ; drafter.build_tree(root)        -> DraftTree
+One speculative round (docs/architecture.md); the policy (policy.py) answers the three questions marked [P]:
+    [P]        run the drafter this step? (else: one plain teacher decode, its pair kept for the drafter)
+    draft      drafter.extend(new context pairs) ; drafter.build_tree(root, [P] grow?) -> DraftTree
+    [P]        budget m: the best m - 1 nodes (policy.top_nodes), or plain decoding (m = 1)
     tensorize  tree.tensorize(DraftTree, M, D) [+ validate_tree in eager / when asked] -> TreeTensors
     mask       target.verify_mask(tt) = tree.tree_attention_bias(tt, n, w)          -> [M, w] additive bias
     verify     target.verify(tt, mask)                                              -> logits [M, V], aux [M, 3H]
@@ -26,8 +28,9 @@ import numpy as np
 
 from .config import GenerationConfig, SpeculativeConfig
 from .kv import CacheExhaustedError
+from .policy import AdaptivePolicy, Choice, CostTable, FixedPolicy, compiled_budgets, top_nodes
 from .trace import StepTrace, Timer, TraceWriter, TurnTrace
-from .tree import tensorize, validate_tree
+from .tree import chain_tree, tensorize, validate_tree
 from .verify import accept_greedy, accept_sampling, warp_probs
 
 
@@ -93,16 +96,99 @@ class Engine:
     Args:
         target: TargetRunner of the teacher. tokenizer: Tokenizer (chat template, decode).
         eos_ids: token ids that end a turn. drafter: DrafterRunner, or None for teacher-only only.
-        spec: SpeculativeConfig (M, D_max, top_k, validate_tree). trace: TraceWriter or None.
+        spec: SpeculativeConfig (M, D_max, top_k, policy, validate_tree). trace: TraceWriter or None.
+        costs: CostTable for the adaptive policy (measured on first use when None; tests inject one).
     """
 
     def __init__(self, target, tokenizer, eos_ids, drafter=None, spec: SpeculativeConfig | None = None,
-                 trace: TraceWriter | None = None):
+                 trace: TraceWriter | None = None, costs: CostTable | None = None):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.eos = set(int(e) for e in eos_ids)
         self.spec = spec or SpeculativeConfig()
         self.trace = trace or TraceWriter(None)
         self.validate = self.spec.validate_tree or target.mode == "eager"
+        self.costs = costs
+        self._policy = None
+
+    def verify_budgets(self) -> list[int]:
+        """Tree budgets this engine verifies (each one compiled graph per attention width): [M] under the fixed
+        policy, 2, 4, ..., M under the adaptive one."""
+        return compiled_budgets(self.spec.M) if self.spec.policy == "adaptive" else [self.spec.M]
+
+    @property
+    def policy(self):
+        """The speculation policy (policy.py), built on first use; the adaptive one measures its CostTable then
+        (``measure_costs``) unless one was given. It lives as long as the engine, so its calibration carries over
+        from turn to turn."""
+        if self._policy is None:
+            if self.spec.policy == "adaptive":
+                if self.costs is None:
+                    self.costs = self.measure_costs()
+                self._policy = AdaptivePolicy(self.costs, self.verify_budgets())
+            else:
+                self._policy = FixedPolicy(self.spec.M, self.spec.D_max)
+        return self._policy
+
+    def measure_costs(self, context: int = 192, repeat: int = 5) -> CostTable:
+        """Time, in this process, each call a step can make (median of ``repeat`` after one uncounted call, which
+        compiles the shape): a teacher decode, a verification of each budget in ``verify_budgets()``, the
+        drafter's context pass over one pair and one expansion step, and the host work of a step, all after a
+        ``context``-token prefix (ms). Returns a CostTable.
+
+        Raises:
+            ValueError: the engine has no drafter, or context + M does not fit the cache.
+        """
+        if self.drafter is None:
+            raise ValueError("measure_costs needs a drafter (model.drafter is 'none')")
+        tg, dr, D = self.target, self.drafter, self.spec.D_max
+        M = max(self.verify_budgets())
+        context = min(context, tg.S - M - repeat - 2)
+        if context < 1:
+            raise ValueError(f"cache.max_seq_len = {tg.S} is too small to time a tree of speculative.M = {M}")
+        ids = (np.arange(context) % 1000 + 100).tolist()
+
+        def median_ms(fn):
+            fn()
+            times = []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            return float(np.median(times))
+
+        sid, dsid = tg.new_seq(), dr.new_seq()
+        try:
+            _, aux = tg.prefill(sid, ids)
+            first = dr.extend(dsid, aux, np.asarray(ids[1:] + [ids[0]], np.int64))
+            one_aux = aux[-1:]
+
+            def verify(m):
+                tt = tensorize(chain_tree([ids[0]] * m), m, D)
+                logits, _ = tg.verify(sid, tt, tg.verify_mask(sid, tt))
+                tg.rollback(sid)
+                return logits
+
+            def host():      # tensorize + mask + accept of a full tree, commit of a root-only path
+                tt = tensorize(chain_tree([ids[0]] * M), M, D)
+                tg.verify_mask(sid, tt)
+                accept_greedy(tt, np.zeros(M, np.int64))
+                dr.bm.branch(dsid, 0)
+                dr.bm.rollback(dsid)
+
+            verify_ms = {m: median_ms(lambda m=m: verify(m)) for m in self.verify_budgets()}
+            host_ms = median_ms(host)
+            decode_ms = median_ms(lambda: tg.decode(sid, ids[0]))
+
+            def ctx():
+                dr.extend(dsid, one_aux, np.asarray([ids[0]], np.int64))
+            ctx_ms = median_ms(ctx)
+            step_ms = (median_ms(lambda: dr.build_tree(dsid, ids[0], first, M, 2))
+                       - median_ms(lambda: dr.build_tree(dsid, ids[0], first, M, 1))) if D > 1 else 0.0
+        finally:
+            tg.free(sid)
+            dr.free(dsid)
+        return CostTable(decode_ms=decode_ms, verify_ms=verify_ms, draft_ctx_ms=ctx_ms,
+                         draft_step_ms=max(0.0, step_ms), host_ms=host_ms)
 
     @property
     def compiles(self) -> int:
@@ -145,18 +231,21 @@ class Engine:
                      turn_id: str = "", on_token=None) -> Generation:
         """Generate from raw prompt ids (int [T], T >= 1); ``on_token`` as in :meth:`generate`.
 
+        The cache must hold prompt + max_new_tokens in both modes; room for verifying a tree is the engine's
+        business: near the end of the cache a speculative turn decodes plainly (the policy's ``max_m``).
+
         Raises:
-            GenerationError: empty prompt, or prompt + max_new_tokens (+ M when speculative) > cache.max_seq_len.
+            GenerationError: empty prompt, or prompt + max_new_tokens > cache.max_seq_len.
         """
         ids = [int(i) for i in prompt_ids]
         if not ids:
             raise GenerationError("prompt is empty (0 tokens)")
         speculative = speculative and self.drafter is not None
-        room = len(ids) + gen.max_new_tokens + (self.spec.M if speculative else 0)
+        room = len(ids) + gen.max_new_tokens
         if room > self.target.S:
             raise GenerationError(f"prompt of {len(ids)} tokens + generation.max_new_tokens={gen.max_new_tokens}"
-                                  + (f" + speculative.M={self.spec.M}" if speculative else "")
-                                  + f" = {room} exceeds cache.max_seq_len={self.target.S}")
+                                  f" = {room} exceeds cache.max_seq_len={self.target.S}")
+        policy = self.policy if speculative else None
         rng = np.random.default_rng(gen.seed)
         emitter = _Emitter(self.tokenizer, self.eos, gen, on_token)
         compiles0, compile_ms0 = self.compiles, self.compile_ms
@@ -169,7 +258,7 @@ class Engine:
             done = emitter.push(root)
             t1 = time.perf_counter()
             if speculative:
-                steps = self._speculate(sid, ids, aux, root, done, emitter, gen, rng)
+                steps = self._speculate(policy, sid, ids, aux, root, _prob(logits, root), done, emitter, gen, rng)
             else:
                 steps = []
                 while not done:
@@ -183,7 +272,7 @@ class Engine:
         turn = TurnTrace(turn_id=turn_id, prompt_tokens=len(ids), new_tokens=n_new, prefill_ms=prefill_ms,
                          decode_ms=decode_ms, tok_per_s=n_new / max(1e-9, (prefill_ms + decode_ms) / 1e3),
                          compile_count=self.compiles - compiles0, compile_ms=self.compile_ms - compile_ms0,
-                         mean_accept_len=float(np.mean([s.accept_len for s in steps])) if steps else 1.0)
+                         mean_accept_len=mean_accept_len(steps), spec_share=spec_share(steps))
         self.trace.write(turn)
         return Generation(emitter.ids, emitter.text(), emitter.reason, len(ids), steps, turn)
 
@@ -195,47 +284,101 @@ class Engine:
         p = warp_probs(logits[None], gen.temperature, gen.top_p, gen.top_k)[0]
         return int(rng.choice(p.size, p=p))
 
-    def _speculate(self, sid, ids, aux, root, done, emitter, gen, rng) -> list:
+    def _speculate(self, policy, sid, ids, aux, root, conf, done, emitter, gen, rng) -> list:
+        """The speculative decode loop: per step the policy picks plain decoding or a tree budget (module doc)."""
         M, D = self.spec.M, self.spec.D_max
         dr, tg = self.drafter, self.target
         dsid = dr.new_seq()
-        ctx_aux, ctx_next = aux, np.asarray(ids[1:] + [root], np.int64)
+        pending = [(aux, np.asarray(ids[1:] + [root], np.int64))]     # context pairs the drafter has not seen
         steps = []
         try:
             while not done:
                 timer = Timer()
+                max_m = tg.S - tg.length(sid)                 # tree tokens the cache has room for
+                left = gen.max_new_tokens - len(emitter.ids)  # tokens still to generate
+                tree, choice, grown = None, Choice(1, 1.0, 0.0), []
+
+                def grow(t, f, d):
+                    grown.append(policy.want_expand(t, f, d, max_m, left))
+                    return grown[-1]
                 with timer:
-                    with timer.phase("draft"):
-                        first = dr.extend(dsid, ctx_aux, ctx_next)
-                        tree = dr.build_tree(dsid, root, first, M, D)
-                    with timer.phase("tensorize"):
-                        tt = tensorize(tree, M, D)
-                        if self.validate:
-                            validate_tree(tt, M, D)
-                    with timer.phase("mask"):
-                        mask = tg.verify_mask(sid, tt)
-                    with timer.phase("verify"):
-                        logits, aux = tg.verify(sid, tt, mask)
-                    with timer.phase("accept"):
-                        if gen.temperature == 0:
-                            res = accept_greedy(tt, logits.argmax(-1))
-                        else:
-                            res = accept_sampling(tt, warp_probs(logits, gen.temperature, gen.top_p, gen.top_k), rng)
-                    with timer.phase("commit"):
-                        tg.commit(sid, res.path, D + 2)
-                        ctx_aux, ctx_next = aux[res.path], res.tokens
-                    for t in res.tokens:
+                    if policy.want_draft(conf, max_m):
+                        with timer.phase("draft"):
+                            first = dr.extend(dsid, np.concatenate([a for a, _ in pending]),
+                                              np.concatenate([t for _, t in pending]))
+                            pending = []
+                            tree = dr.build_tree(dsid, root, first, M, D, grow=grow)
+                            choice = policy.choose(tree, max_m, left)
+                            policy.after_draft(conf, choice)
+                    if choice.m == 1:
+                        with timer.phase("decode"):
+                            logits, aux = tg.decode(sid, root)
+                            nxt = self._pick(logits, gen, rng)
+                        path, tokens, conf = np.zeros(1, np.int32), np.asarray([nxt], np.int64), _prob(logits, nxt)
+                        pending.append((aux, tokens))
+                        verified = None
+                    else:
+                        verified = top_nodes(tree, choice.m)
+                        with timer.phase("tensorize"):
+                            tt = tensorize(verified, choice.m, D)
+                            if self.validate:
+                                validate_tree(tt, choice.m, D)
+                        with timer.phase("mask"):
+                            mask = tg.verify_mask(sid, tt)
+                        with timer.phase("verify"):
+                            logits, aux = tg.verify(sid, tt, mask)
+                        with timer.phase("accept"):
+                            if gen.temperature == 0:
+                                res = accept_greedy(tt, logits.argmax(-1))
+                            else:
+                                res = accept_sampling(tt, warp_probs(logits, gen.temperature, gen.top_p, gen.top_k),
+                                                      rng)
+                            conf = _prob(logits[res.path[-1]], res.bonus)
+                        with timer.phase("commit"):
+                            tg.commit(sid, res.path, D + 2)
+                            pending.append((aux[res.path], res.tokens))
+                        path, tokens = res.path, res.tokens
+                    for t in tokens:
                         done = emitter.push(int(t))
                         if done:
                             break
-                    root = res.bonus
-                step = StepTrace(step=len(steps), accept_len=res.accept_len, accepted=res.path.tolist(),
-                                 n_nodes=tt.n_nodes, total_ms=timer.total_ms, **timer.phase_kwargs())
+                    root = int(tokens[-1])
+                    policy.observe(verified, path, len(tokens), self._model_ms(policy, tree is not None, sum(grown),
+                                                                               choice.m))
+                step = StepTrace(step=len(steps), accept_len=len(tokens), accepted=path.tolist(),
+                                 n_nodes=len(verified) if verified is not None else 1, budget=choice.m,
+                                 drafted=tree is not None, predicted_len=choice.predicted_len,
+                                 total_ms=timer.total_ms, **timer.phase_kwargs())
                 self.trace.write(step)
                 steps.append(step)
         finally:
             dr.free(dsid)
         return steps
 
+    @staticmethod
+    def _model_ms(policy, drafted: bool, expansions: int, m: int) -> float:
+        """The step's cost by the policy's table (0 without one): drafter calls made plus the verification."""
+        c = policy.costs
+        if c is None:
+            return 0.0
+        return c.step_ms(m) + (c.draft_ctx_ms + expansions * c.draft_step_ms if drafted else 0.0)
 
-__all__ = ["Engine", "Generation", "GenerationError", "CacheExhaustedError"]
+
+def _prob(logits: np.ndarray, token: int) -> float:
+    """The teacher's softmax probability of ``token`` under ``logits`` float32 [V] (temperature 1)."""
+    top = logits.max()
+    return float(np.exp(logits[token] - top) / np.exp(logits - top).sum(dtype=np.float64))
+
+
+def mean_accept_len(steps) -> float:
+    """Mean L_k over the steps that verified a tree (budget > 1); 1.0 when none did (teacher-only decoding)."""
+    lens = [s.accept_len for s in steps if s.budget != 1]
+    return float(np.mean(lens)) if lens else 1.0
+
+
+def spec_share(steps) -> float:
+    """Share of a turn's steps that verified a draft tree (0.0 for teacher-only decoding)."""
+    return float(np.mean([s.budget != 1 for s in steps])) if steps else 0.0
+
+
+__all__ = ["Engine", "Generation", "GenerationError", "CacheExhaustedError", "mean_accept_len", "spec_share"]

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
-PHASES = ("draft", "tensorize", "mask", "verify", "accept", "commit")
+PHASES = ("draft", "tensorize", "mask", "verify", "decode", "accept", "commit")
 
 
 def _plain(obj):
@@ -49,17 +49,22 @@ class _Record:
 
 @dataclass
 class StepTrace(_Record):
-    """One speculative decode step (draft -> tensorize -> mask -> verify -> accept -> commit)."""
+    """One decode step of a speculative turn: draft -> tensorize -> mask -> verify -> accept -> commit, or (when
+    the policy chose plain decoding) one teacher decode (budget 1)."""
 
     kind = "step"
     step: int  # step index within the turn, from 0
-    accept_len: int  # L_k = accepted drafts + bonus, >= 1
+    accept_len: int  # L_k = accepted drafts + bonus, >= 1 (1 for a plain decode step)
     accepted: list = field(default_factory=list)  # int [L_k]; accepted node positions, root (0) first
-    n_nodes: int = 0  # real nodes in the verified tree (<= M)
-    draft_ms: float = 0.0  # drafter tree expansion
+    n_nodes: int = 0  # real nodes in the verified tree (<= budget; 1 for a plain decode step)
+    budget: int = 0  # tokens verified this step (the compiled budget m; 1 = plain decode; 0 = not recorded)
+    drafted: bool = True  # the drafter ran this step
+    predicted_len: float = 0.0  # the policy's expected L_k for the chosen budget (1.0 for plain decode)
+    draft_ms: float = 0.0  # drafter context pass + tree expansion
     tensorize_ms: float = 0.0  # tree.tensorize
     mask_ms: float = 0.0  # attention bias / slot mapping for the tree
-    verify_ms: float = 0.0  # teacher forward over the M tree tokens
+    verify_ms: float = 0.0  # teacher forward over the tree tokens
+    decode_ms: float = 0.0  # teacher decode of a plain step
     accept_ms: float = 0.0  # verify.accept_greedy / accept_sampling
     commit_ms: float = 0.0  # KV commit + drafter context update
     total_ms: float = 0.0  # whole step wall time (>= sum of phases)
@@ -81,7 +86,8 @@ class TurnTrace(_Record):
     tok_per_s: float = 0.0  # new_tokens / decode seconds
     compile_count: int = 0  # graph compilations during the turn
     compile_ms: float = 0.0  # wall ms of the calls that compiled them (inside prefill_ms / decode_ms)
-    mean_accept_len: float = 0.0  # mean L_k over the turn's steps (1.0 for teacher-only decoding)
+    mean_accept_len: float = 0.0  # mean L_k over the turn's tree-verifying steps (1.0 for teacher-only decoding)
+    spec_share: float = 0.0  # share of the turn's steps that verified a tree (0.0 for teacher-only decoding)
 
 
 _KINDS = {StepTrace.kind: StepTrace, TurnTrace.kind: TurnTrace}

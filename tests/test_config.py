@@ -72,7 +72,7 @@ def test_missing_file():
 def test_unknown_key_lists_allowed(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(_yaml(tmp_path, "speculative:\n  budget: 8\n"))
-    assert str(e.value) == ("unknown key speculative.budget; allowed keys: M, D_max, top_k, window, mode, "
+    assert str(e.value) == ("unknown key speculative.budget; allowed keys: M, D_max, top_k, window, mode, policy, "
                             "validate_tree, trace")
 
 

@@ -46,7 +46,7 @@ def oracle_builder(engine, ref_out, prompt_len, rng, D):
     wrong siblings in random order (exercises long accepted paths and multi-node commits)."""
     V = engine.target.teacher.cfg.vocab_size
 
-    def build(dsid, root, first, M, D_):
+    def build(dsid, root, first, M, D_, grow=None):
         sid = next(iter(engine.target.bm._seqs))
         done = engine.target.length(sid) - prompt_len + 1
         truth = ref_out[done:done + D]
@@ -131,7 +131,7 @@ def test_sampling_follows_teacher_distribution(ms_runtime, tiny_dir, drafter_dir
             exact[(int(x1), int(x2))] = p1[x1] * p2[x2]
     rng = np.random.default_rng(7)
 
-    def build(dsid, root, first, M, D):          # root's children: the likely tokens, shuffled, plus a wrong one
+    def build(dsid, root, first, M, D, grow=None):   # root's children: the likely tokens, shuffled, plus a wrong one
         l, _ = numpy_forward(tcfg, tensors, ids + [root], np.arange(n + 1), causal_mask(n + 1))
         kids = list(np.argsort(-l[-1])[:3])
         rng.shuffle(kids)

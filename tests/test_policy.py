@@ -1,0 +1,290 @@
+"""Speculation policy (policy.py): cost-driven choices, online calibration, and the adaptive engine on the tiny
+teacher (lossless greedy, exact sampling, speculates with an oracle drafter, not with a random one)."""
+import numpy as np
+import pytest
+from scipy import stats
+
+from tiny_pangu import causal_mask, numpy_forward
+from mindspore_eagle.drafting import select_tree
+from mindspore_eagle.policy import (AcceptanceModel, AdaptivePolicy, CostTable, FixedPolicy, compiled_budgets,
+                                    node_values, top_nodes)
+from mindspore_eagle.tree import DraftTree, tensorize, validate_tree
+from mindspore_eagle.verify import warp_probs
+
+BUDGETS = compiled_budgets(16)
+
+
+def costs(verify, decode=50.0, ctx=5.0, step=5.0, host=1.0):
+    return CostTable(decode_ms=decode, verify_ms={m: verify(m) for m in BUDGETS}, draft_ctx_ms=ctx,
+                     draft_step_ms=step, host_ms=host)
+
+
+def chain_with_alternatives(p_main=0.9, depth=4, K=4):
+    """A drafted tree: a confident chain (each step prob p_main) with K - 1 unlikely siblings per level."""
+    scores, parents, tokens = [], [], []
+    parent, cum = 0, 0.0
+    for d in range(depth):
+        first = len(scores) + 1
+        for k in range(K):
+            p = p_main if k == 0 else (1 - p_main) / K
+            scores.append(cum + np.log(p))
+            parents.append(parent)
+            tokens.append(100 * d + k + 1)
+        parent, cum = first, cum + np.log(p_main)
+    return select_tree(7, np.array(scores, np.float32), np.array(tokens), np.array(parents), 1 + len(scores))
+
+
+def test_compiled_budgets():
+    assert compiled_budgets(16) == [2, 4, 8, 16] and compiled_budgets(12) == [2, 4, 8, 12]
+    assert compiled_budgets(2) == [2]
+    with pytest.raises(ValueError, match="speculative.M = 1"):
+        compiled_budgets(1)
+
+
+def test_top_nodes_keeps_parents_and_matches_select_tree():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        C = 20
+        parents = np.concatenate([np.zeros(4, np.int64), rng.integers(1, 5, 16)])
+        logp = np.log(rng.uniform(0.01, 1.0, C)).astype(np.float32)
+        scores = logp.copy()
+        scores[4:] += scores[parents[4:] - 1]
+        full = select_tree(3, scores, np.arange(C) + 10, parents, C + 1)
+        for m in (2, 4, 8, 12):
+            a, b = top_nodes(full, m), select_tree(3, scores, np.arange(C) + 10, parents, m)
+            assert np.array_equal(a.tokens, b.tokens) and np.array_equal(a.parents, b.parents)
+            validate_tree(tensorize(a, m, 3), m, 3)
+
+
+def test_node_values_capped_by_parent_and_identity_prior():
+    tree = chain_with_alternatives(0.9, depth=3)
+    v = node_values(tree, AcceptanceModel())
+    assert v[0] == 1.0
+    assert np.all(v[1:] <= v[tree.parents[1:]] + 1e-12)
+    # identity prior: a node of drafter path probability 0.9 (bin 0.9-0.95) is valued near its bin's centre
+    assert v[1] == pytest.approx(0.925, abs=1e-9)
+
+
+def test_free_verification_chooses_the_deepest_tree():
+    pol = AdaptivePolicy(costs(lambda m: 1e-3, ctx=0.0, step=0.0, host=0.0), BUDGETS)
+    tree = chain_with_alternatives(0.9, depth=4)
+    assert pol.want_draft(0.5, 1024)
+    assert pol.want_expand(tree, np.array([-0.1, -3, -3, -3]), 1, 1024, 100)
+    assert pol.choose(tree, 1024, 100).m == 16
+    assert pol.choose(tree, 9, 100).m == 8           # the cache has room for 9 tree tokens only
+    assert pol.choose(tree, 1024, 100).predicted_len > 3
+
+
+def test_expensive_verification_decodes_plainly_and_stops_drafting():
+    pol = AdaptivePolicy(costs(lambda m: 500.0 + m), BUDGETS)
+    tree = chain_with_alternatives(0.99, depth=4)
+    ch = pol.choose(tree, 1024, 100)
+    assert ch.m == 1 and ch.predicted_len == 1.0
+    pol.after_draft(0.9, ch)
+    # the drafter's advantage in this teacher-confidence bin is now negative: it runs only on probes
+    ran = [pol.want_draft(0.9, 1024) for _ in range(32)]
+    assert sum(ran) == 32 // pol.probe_every and ran[pol.probe_every - 1]
+    assert pol.want_draft(0.1, 1024)                  # another bin is still unexplored
+    assert not pol.want_draft(0.1, 1)                 # no room for a tree at all
+
+
+def test_remaining_tokens_cap_the_tree():
+    pol = AdaptivePolicy(costs(lambda m: 50.0 + 2 * m), BUDGETS)
+    tree = chain_with_alternatives(0.99, depth=4)
+    assert pol.choose(tree, 1024, 100).m > 2
+    assert pol.choose(tree, 1024, 1).m == 1           # one token left: nothing to speculate
+    assert not pol.want_expand(tree, np.array([-0.01] * 4), 1, 1024, 2)
+
+
+def test_calibration_converges_on_a_synthetic_acceptance_process():
+    """Nodes are accepted with probability 0.5 * p (an over-confident drafter): the table learns 0.5 * p."""
+    rng = np.random.default_rng(1)
+    model = AcceptanceModel(decay=1.0)
+    for _ in range(3000):
+        p = rng.uniform(0.0, 1.0, 64)
+        depth = rng.integers(1, 4, 64)
+        model.observe(np.log(p), depth, rng.uniform(size=64) < 0.5 * p)
+    for q in (0.15, 0.45, 0.75, 0.97):
+        for d in (1, 2, 3):
+            assert model.predict(np.log([q]), np.array([d]))[0] == pytest.approx(0.5 * q, abs=0.03)
+    rows = model.to_dict()["bins"]
+    assert len(rows) == 39 and all(abs(r["accepted"] - 0.5 * r["drafter_prob"]) < 0.03 for r in rows)
+
+
+def test_child_rate_and_rho_follow_observations():
+    pol = AdaptivePolicy(costs(lambda m: 60.0), BUDGETS)
+    tree = chain_with_alternatives(0.9, depth=3)         # nodes 1 (depth 1), 5 (depth 2), 9 (depth 3) chain
+    for _ in range(200):
+        pol.observe(tree, [0, 1, 5], 3, 60.0)            # depth 1 always continues, depth 2 never
+    assert pol.child_rate(1) > 0.95 and pol.child_rate(2) < 0.05
+    assert pol.rho == pytest.approx(3 / 60.0, rel=1e-3)
+    for _ in range(400):
+        pol.observe(None, [0], 1, 500.0)                 # slow plain steps: rho never falls below plain decoding
+    assert pol.rho == pytest.approx(pol.plain_rate)
+
+
+def test_fixed_policy_is_todays_behaviour():
+    pol = FixedPolicy(8, 3)
+    tree = chain_with_alternatives(0.5, depth=3)
+    assert pol.want_draft(0.0, 8) and not pol.want_draft(0.0, 7)
+    assert pol.want_expand(tree, np.zeros(4), 2, 8, 1) and pol.choose(tree, 8, 1).m == 8
+
+
+def test_cost_table_rejects_bad_values():
+    with pytest.raises(ValueError, match="CostTable.draft_ctx_ms"):
+        CostTable(decode_ms=50.0, verify_ms={2: 60.0}, draft_ctx_ms=-1.0, draft_step_ms=1.0)
+    with pytest.raises(ValueError, match="no verify cost for budgets \\[4\\]"):
+        AdaptivePolicy(CostTable(decode_ms=50.0, verify_ms={2: 60.0}, draft_ctx_ms=1.0, draft_step_ms=1.0), [2, 4])
+
+
+# ------------------------------------------------------------------------------ the engine, tiny teacher --
+PROMPTS = ["What is the capital of France?", "def add(a, b):"]
+
+
+def _engine(tiny_dir, drafter, verify_ms, extra=()):
+    from test_spec import tiny_engine
+
+    eng, cfg = tiny_engine(tiny_dir, drafter, "fused", ["speculative.policy=adaptive", "speculative.M=8",
+                                                        "speculative.D_max=4", "speculative.top_k=2", *extra])
+    eng.costs = CostTable(decode_ms=50.0, verify_ms={m: verify_ms(m) for m in eng.verify_budgets()},
+                          draft_ctx_ms=5.0, draft_step_ms=5.0, host_ms=1.0)
+    return eng, cfg
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory, tiny):
+    from test_spec import tiny_drafter_dir
+
+    return tiny_drafter_dir(tmp_path_factory.mktemp("drafter"), tiny[0])
+
+
+def test_adaptive_random_drafter_rarely_speculates_and_is_lossless(ms_runtime, tiny_dir, drafter_dir):
+    eng, cfg = _engine(tiny_dir, drafter_dir, lambda m: 60.0 + 5 * m)
+    assert eng.verify_budgets() == [2, 4, 8]
+    gen = cfg.generation
+    gen.max_new_tokens = 40
+    steps = []
+    for p in PROMPTS:
+        base = eng.generate(p, gen, speculative=False)
+        spec = eng.generate(p, gen, speculative=True)
+        assert spec.token_ids == base.token_ids
+        steps += spec.steps
+    share = np.mean([s.budget > 1 for s in steps])
+    assert share < 0.2, share
+    assert sum(s.accept_len for s in steps) == sum(len(eng.generate(p, gen, False).token_ids) for p in PROMPTS) - 2
+
+
+def _oracle(eng, ref, prompt_len, rng, wrong_conf=0.3):
+    """Scored trees holding the teacher's true continuation (drafter prob 0.95 each) beside wrong siblings."""
+    V = eng.target.teacher.cfg.vocab_size
+
+    def build(dsid, root, first, M, D, grow=None):
+        sid = next(iter(eng.target.bm._seqs))
+        done = eng.target.length(sid) - prompt_len + 1
+        truth = ref[done:done + D]
+        tokens, parents, scores = [root], [0], [0.0]
+        node = 0
+        for d, t in enumerate(truth):
+            if grow is not None and d > 0 and not grow(DraftTree(tokens, parents, scores), np.array([scores[node]]),
+                                                     d):
+                break
+            for tok, p in ((int(t), 0.95), (int((t + 1 + rng.integers(V - 1)) % V), wrong_conf)):
+                if len(tokens) < M:
+                    tokens.append(tok), parents.append(node), scores.append(scores[node] + np.log(p))
+            if tokens[-2] != int(t):
+                break
+            node = len(tokens) - 2
+        return DraftTree(tokens, parents, np.array(scores, np.float32))
+
+    return build
+
+
+def test_adaptive_oracle_drafter_speculates_nearly_always(ms_runtime, tiny_dir, drafter_dir):
+    eng, cfg = _engine(tiny_dir, drafter_dir, lambda m: 55.0 + 2 * m)
+    gen = cfg.generation
+    gen.max_new_tokens = 40
+    rng = np.random.default_rng(0)
+    steps = []
+    for p in PROMPTS:
+        ids = eng.encode_chat(p)
+        base = eng.generate_ids(ids, gen, speculative=False)
+        eng.drafter.build_tree = _oracle(eng, base.token_ids, len(ids), rng)
+        spec = eng.generate_ids(ids, gen, speculative=True)
+        assert spec.token_ids == base.token_ids
+        steps += spec.steps
+    assert np.mean([s.budget > 1 for s in steps]) > 0.9
+    assert np.mean([s.accept_len for s in steps if s.budget > 1]) > 3.0
+    # with verification this cheap the policy grows the tree to D_max and verifies more than a chain
+    assert max(s.n_nodes for s in steps) >= 5
+
+
+def test_adaptive_near_the_end_of_the_cache(ms_runtime, tiny_dir, drafter_dir):
+    """prompt + max_new_tokens == max_seq_len: the engine decodes plainly where a tree no longer fits."""
+    eng, cfg = _engine(tiny_dir, drafter_dir, lambda m: 1e-3)
+    gen = cfg.generation
+    ids = eng.encode_chat(PROMPTS[0])
+    gen.max_new_tokens = eng.target.S - len(ids)
+    gen.stop = []
+    base = eng.generate_ids(ids, gen, speculative=False)
+    rng = np.random.default_rng(3)
+    eng.drafter.build_tree = _oracle(eng, base.token_ids, len(ids), rng)
+    spec = eng.generate_ids(ids, gen, speculative=True)
+    assert spec.token_ids == base.token_ids
+    if base.stop_reason == "length":
+        assert spec.steps[-1].budget <= 2 and any(s.budget > 2 for s in spec.steps)
+
+
+def test_adaptive_sampling_stays_exact(ms_runtime, tiny_dir, drafter_dir, tiny):
+    """Chi-square of the first two sampled tokens against the exact warped teacher distribution, under the
+    adaptive policy with a drafter that is sometimes confident (speculates) and sometimes not (decodes)."""
+    tcfg, tensors, _ = tiny
+    eng, cfg = _engine(tiny_dir, drafter_dir, lambda m: 55.0, ["generation.temperature=0.8",
+                                                               "generation.top_k=3"])
+    gen = cfg.generation
+    gen.max_new_tokens = 3
+    ids = eng.encode_chat(PROMPTS[0])
+    n = len(ids)
+    l0, _ = numpy_forward(tcfg, tensors, ids, np.arange(n), causal_mask(n))
+    p1 = warp_probs(l0[-1:], 0.8, 1.0, 3)[0]
+    exact = {}
+    for x1 in np.flatnonzero(p1):
+        l1, _ = numpy_forward(tcfg, tensors, ids + [int(x1)], np.arange(n + 1), causal_mask(n + 1))
+        p2 = warp_probs(l1[-1:], 0.8, 1.0, 3)[0]
+        for x2 in np.flatnonzero(p2):
+            exact[(int(x1), int(x2))] = p1[x1] * p2[x2]
+    rng = np.random.default_rng(7)
+
+    def build(dsid, root, first, M, D, grow=None):   # confident: the 3 likely tokens; else 3 impossible ones
+        l, _ = numpy_forward(tcfg, tensors, ids + [root], np.arange(n + 1), causal_mask(n + 1))
+        confident = rng.uniform() < 0.5
+        kids = [int(k) for k in np.argsort(-l[-1])[:3]]
+        if not confident:
+            kids = [int(k) for k in np.argsort(-l[-1])[10:13]]
+        rng.shuffle(kids)
+        conf = [0.9, 0.05, 0.02] if confident else [0.02, 0.01, 0.01]
+        return DraftTree([root] + kids, [0] * 4, np.log([1.0] + conf).astype(np.float32))
+
+    eng.drafter.build_tree = build
+    counts, budgets = {}, []
+    N = 400
+    for seed in range(N):
+        gen.seed = seed
+        g = eng.generate_ids(ids, gen)
+        key = tuple(g.token_ids[:2])
+        assert key in exact, key
+        counts[key] = counts.get(key, 0) + 1
+        budgets += [s.budget for s in g.steps]
+    assert 0.15 < np.mean([b > 1 for b in budgets]) < 0.85    # both kinds of step happened
+    keys = sorted(exact)
+    obs = np.array([counts.get(k, 0) for k in keys])
+    exp = np.array([exact[k] for k in keys]) * N
+    assert stats.chisquare(obs, exp).pvalue > 1e-3
+
+
+def test_policy_key_is_checked():
+    from mindspore_eagle.config import ConfigError, load_config
+
+    assert load_config(None, ["speculative.policy=adaptive"]).speculative.policy == "adaptive"
+    assert load_config(None).speculative.policy == "fixed"
+    with pytest.raises(ConfigError, match="speculative.policy = 'smart': must be 'fixed' or 'adaptive'"):
+        load_config(None, ["speculative.policy=smart"])
