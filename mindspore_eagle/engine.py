@@ -30,7 +30,7 @@ from .config import GenerationConfig, SpeculativeConfig
 from .kv import CacheExhaustedError
 from .policy import AdaptivePolicy, Choice, CostTable, FixedPolicy, compiled_budgets, top_nodes
 from .trace import StepTrace, Timer, TraceWriter, TurnTrace
-from .tree import chain_tree, tensorize, validate_tree
+from .tree import DraftTree, tensorize, validate_tree
 from .verify import accept_greedy, accept_sampling, warp_probs
 
 
@@ -129,66 +129,61 @@ class Engine:
                 self._policy = FixedPolicy(self.spec.M, self.spec.D_max)
         return self._policy
 
-    def measure_costs(self, context: int = 192, repeat: int = 5) -> CostTable:
-        """Time, in this process, each call a step can make (median of ``repeat`` after one uncounted call, which
-        compiles the shape): a teacher decode, a verification of each budget in ``verify_budgets()``, the
-        drafter's context pass over one pair and one expansion step, and the host work of a step, all after a
-        ``context``-token prefix (ms). Returns a CostTable.
+    def measure_costs(self, context: int = 192, repeat: int = 7) -> CostTable:
+        """Time, in this process, each call a step can make, after a ``context``-token prefix: a plain step (teacher
+        decode + pick), a whole verification step of each budget in ``verify_budgets()`` (tensorize, mask,
+        verify, argmax, accept, commit), the drafter's context pass over one pair and one expansion step.
 
+        Every call runs once uncounted (it compiles its shape), then the calls take turns ``repeat`` times and each
+        cost is the median of its turns, so a machine that drifts while this runs shifts all of them alike. Takes
+        about ``repeat`` x (sum of the costs) plus the compiles: ~5 s on the 2-core CPU after warm-up.
+        Returns:
+            CostTable (ms; host_ms = 0: host work is inside verify_ms).
         Raises:
             ValueError: the engine has no drafter, or context + M does not fit the cache.
         """
         if self.drafter is None:
             raise ValueError("measure_costs needs a drafter (model.drafter is 'none')")
         tg, dr, D = self.target, self.drafter, self.spec.D_max
-        M = max(self.verify_budgets())
-        context = min(context, tg.S - M - repeat - 2)
+        budgets = self.verify_budgets()
+        grow = (repeat + 1) * (2 * len(budgets) + 1)          # tokens the timed calls append
+        context = min(context, tg.S - max(budgets) - grow)
         if context < 1:
-            raise ValueError(f"cache.max_seq_len = {tg.S} is too small to time a tree of speculative.M = {M}")
+            raise ValueError(f"cache.max_seq_len = {tg.S} is too small to time a tree of speculative.M = "
+                             f"{max(budgets)}")
         ids = (np.arange(context) % 1000 + 100).tolist()
-
-        def median_ms(fn):
-            fn()
-            times = []
-            for _ in range(repeat):
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-            return float(np.median(times))
-
         sid, dsid = tg.new_seq(), dr.new_seq()
         try:
             _, aux = tg.prefill(sid, ids)
             first = dr.extend(dsid, aux, np.asarray(ids[1:] + [ids[0]], np.int64))
-            one_aux = aux[-1:]
 
-            def verify(m):
-                tt = tensorize(chain_tree([ids[0]] * m), m, D)
+            def plain():
+                logits, _ = tg.decode(sid, ids[0])
+                _prob(logits, int(logits.argmax()))
+
+            def step(m):      # a star tree (any shape costs the same to verify); commit moves node m - 1
+                tt = tensorize(DraftTree(np.arange(m) + 100, np.zeros(m, np.int64)), m, D)
                 logits, _ = tg.verify(sid, tt, tg.verify_mask(sid, tt))
-                tg.rollback(sid)
-                return logits
+                accept_greedy(tt, logits.argmax(-1))
+                tg.commit(sid, np.array([0, m - 1], np.int32), D + 2)
 
-            def host():      # tensorize + mask + accept of a full tree, commit of a root-only path
-                tt = tensorize(chain_tree([ids[0]] * M), M, D)
-                tg.verify_mask(sid, tt)
-                accept_greedy(tt, np.zeros(M, np.int64))
-                dr.bm.branch(dsid, 0)
-                dr.bm.rollback(dsid)
-
-            verify_ms = {m: median_ms(lambda m=m: verify(m)) for m in self.verify_budgets()}
-            host_ms = median_ms(host)
-            decode_ms = median_ms(lambda: tg.decode(sid, ids[0]))
-
-            def ctx():
-                dr.extend(dsid, one_aux, np.asarray([ids[0]], np.int64))
-            ctx_ms = median_ms(ctx)
-            step_ms = (median_ms(lambda: dr.build_tree(dsid, ids[0], first, M, 2))
-                       - median_ms(lambda: dr.build_tree(dsid, ids[0], first, M, 1))) if D > 1 else 0.0
+            calls = {"decode": plain, "ctx": lambda: dr.extend(dsid, aux[-1:], np.asarray([ids[0]], np.int64)),
+                     "tree1": lambda: dr.build_tree(dsid, ids[0], first, max(budgets), 1),
+                     "tree2": lambda: dr.build_tree(dsid, ids[0], first, max(budgets), 2)}
+            calls.update({m: (lambda m=m: step(m)) for m in budgets})
+            times = {k: [] for k in calls}
+            for r in range(repeat + 1):
+                for k, fn in calls.items():
+                    t0 = time.perf_counter()
+                    fn()
+                    if r:
+                        times[k].append((time.perf_counter() - t0) * 1e3)
         finally:
             tg.free(sid)
             dr.free(dsid)
-        return CostTable(decode_ms=decode_ms, verify_ms=verify_ms, draft_ctx_ms=ctx_ms,
-                         draft_step_ms=max(0.0, step_ms), host_ms=host_ms)
+        med = {k: float(np.median(v)) for k, v in times.items()}
+        return CostTable(decode_ms=med["decode"], verify_ms={m: med[m] for m in budgets}, draft_ctx_ms=med["ctx"],
+                         draft_step_ms=max(0.0, med["tree2"] - med["tree1"]) if D > 1 else 0.0, host_ms=0.0)
 
     @property
     def compiles(self) -> int:

@@ -54,6 +54,27 @@ def test_cli_end_to_end_random_drafter(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ helpers --
+def test_cli_policy_sweep_random_drafter(tmp_path):
+    """--sweep policy: the config's budget under fixed and adaptive beside the fixed presets, on one turn; the
+    adaptive engine's measured cost table and calibration land in policy.json / report.json; Figure 8."""
+    out = tmp_path / "run"
+    argv = ["--turns", "1", "--max-new-tokens", "6", "--set", "model.drafter=random", "--set", "speculative.M=8",
+            "--set", "speculative.D_max=3", "--set", "speculative.policy=adaptive", "--warmup", "short",
+            "--attn-samples", "0", "--sweep", "policy", "--no-progress", "--out", str(out)]
+    assert cli_main(argv) == 0
+    rep = json.loads((out / "report.json").read_text())
+    rows = rep["sweeps"]["policy"]
+    assert [(r["policy"], r["M"], r["D_max"]) for r in rows] == [("fixed", 8, 3), ("adaptive", 8, 3),
+                                                                  ("fixed", 8, 2), ("fixed", 8, 3)]
+    assert rows[1]["setting"] == "main" and rows[0]["setting"] == rows[3]["setting"] == "fixed"
+    assert rep["identical_outputs"] is True and rep["policy"] == "adaptive"
+    costs = rep["policy_state"]["costs"]
+    assert sorted(costs["verify_ms"]) == ["2", "4", "8"] and costs["decode_ms"] > 0
+    assert 0.0 <= rep["spec_share"]["mean"] <= 1.0 and rep["speedup"]["min"] <= rep["speedup"]["p10"]
+    assert "Speculation policy: adaptive" in (out / "report.md").read_text()
+    assert (out / report_mod.FIGURES[8]).stat().st_size > 1000
+
+
 def test_stats_hand_computed():
     s = stats([1, 2, 3, 4])
     assert s["mean"] == 2.5 and s["p50"] == 2.5 and s["n"] == 4

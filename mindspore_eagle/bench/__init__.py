@@ -46,8 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--subset", default=None,
                    help="comma-separated groups: mtbench, humaneval or MT-Bench categories (writing, coding, ...)")
     p.add_argument("--out", default=None, help="run folder (default runs/<date>_<config>...); reused to resume")
-    p.add_argument("--sweep", choices=("none", "budget", "window", "all"), default="none",
-                   help="also time the budget sweep (M, D_max, top_k) and/or the drafter window study")
+    p.add_argument("--sweep", choices=("none", "budget", "window", "policy", "all"), default="none",
+                   help="also time the budget sweep (M, D_max, top_k), the drafter window study, and/or the policy "
+                        "comparison (the config's budget under fixed and adaptive, beside the fixed CPU presets)")
     p.add_argument("--budgets", default="8,16,32,64,128", help="M values of the budget sweep (at the config D_max)")
     p.add_argument("--depths", default="2,4,6,8", help="D_max values of the budget sweep (at the config M)")
     p.add_argument("--top-ks", default="2,4,8", help="top_k values of the budget sweep ('' = none)")
@@ -104,6 +105,7 @@ def cli_main(argv=None) -> int:
     from ..evalsets import eval_turns
     from . import report as report_mod
     from . import sweeps as sw
+    from ..policy import CostTable
     from .throughput import EnginePool, OutputMismatchError, read_records, run_turns, turn_specs
 
     args = build_parser().parse_args(argv)
@@ -125,13 +127,17 @@ def cli_main(argv=None) -> int:
     gen = dataclasses.replace(cfg.generation, max_new_tokens=args.max_new_tokens, temperature=0.0)
     turns = turn_specs(items)
     main = sw.main_setting(cfg.speculative)
-    points = {"budget": [], "window": []}
+    points = {"budget": [], "window": [], "policy": []}
     if args.sweep in ("budget", "all"):
         points["budget"] = sw.budget_points(cfg.speculative, budgets, depths, top_ks)
     if args.sweep in ("window", "all"):
         points["window"] = sw.window_points(cfg.speculative, windows)
-    settings, rows_all = sw.dedupe(main, points["budget"] + points["window"])
-    rows = {"budget": rows_all[:len(points["budget"])], "window": rows_all[len(points["budget"]):]}
+    if args.sweep in ("policy", "all"):
+        points["policy"] = sw.policy_points(cfg.speculative)
+    settings, rows_all = sw.dedupe(main, points["budget"] + points["window"] + points["policy"])
+    rows, at = {}, 0
+    for k in ("budget", "window", "policy"):
+        rows[k], at = rows_all[at:at + len(points[k])], at + len(points[k])
     try:
         for s in settings:
             s.spec(cfg.speculative)
@@ -171,6 +177,7 @@ def cli_main(argv=None) -> int:
     warm = {"mode": args.warmup, "seconds": 0.0, "compiles": 0}
     peer_note = None
     failed = None
+    policy_state = None
     t_start = time.time()
     if todo:
         from ..pipeline import load_models
@@ -193,6 +200,9 @@ def cli_main(argv=None) -> int:
                       progress=not args.no_progress)
         except OutputMismatchError as e:
             failed = str(e)
+        policy_state = pool.engine("main").policy.report()
+        with open(os.path.join(out, "policy.json"), "w", encoding="utf-8") as f:
+            json.dump(policy_state, f, indent=1)
     elif args.peer_llamacpp:
         peer_note = "resumed run: no turns left to time"
     records = [r for r in (read_records(jsonl).get(t.turn_id) for t in turns) if r is not None]
@@ -215,19 +225,26 @@ def cli_main(argv=None) -> int:
         machine = dict(sessions[0]["machine"], loadavg_end=sessions[-1]["machine"].get("loadavg_end"))
     elif not todo:
         warm = {"mode": "unknown (no sessions.jsonl)", "seconds": float("nan"), "compiles": "?"}
-    sweeps = {k: sw.summarize_points(records, rows[k], settings) for k in ("budget", "window") if rows[k]}
+    if policy_state is None and os.path.exists(os.path.join(out, "policy.json")):
+        with open(os.path.join(out, "policy.json"), encoding="utf-8") as f:
+            policy_state = json.load(f)
+    sweeps = {k: sw.summarize_points(records, rows[k], settings) for k in ("budget", "window", "policy") if rows[k]}
     meta = {"name": name, "main": main.to_dict(), "command": sessions[0]["command"] if sessions else command,
             "turns_requested": len(turns), "subset": subset, "max_new_tokens": gen.max_new_tokens,
             "teacher": cfg.model.teacher, "drafter": cfg.model.drafter, "mode": cfg.exec_mode, "machine": machine,
             "warmup": warm, "sessions": sessions, "settings": [s.to_dict() for s in settings], "sweeps": sweeps,
             "peer_llamacpp": peer_note, "wall_s": sum(x["wall_s"] for x in sessions) if sessions else
-            time.time() - t_start, "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "config": cfg.to_dict()}
+            time.time() - t_start, "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "config": cfg.to_dict(),
+            "policy_state": policy_state}
     rep = report_mod.build_report(records, meta)
     report_mod.write_all(rep, out)
     s, a = rep["speedup"], rep["accept_len"]
     _log(f"{rep['turns']} turns: baseline {rep['baseline_tok_s']['mean']:.2f} tok/s, EAGLE-3 "
-         f"{rep['ea_tok_s']['mean']:.2f} tok/s, speedup mean {s['mean']:.3f}x p99 {s['p99']:.3f}x, "
-         f"L_k mean {a['mean']:.3f}; identical outputs: {rep['identical_outputs']}")
+         f"{rep['ea_tok_s']['mean']:.2f} tok/s, speedup mean {s['mean']:.3f}x p10 {s['p10']:.3f}x min "
+         f"{s['min']:.3f}x p99 {s['p99']:.3f}x, L_k mean {a['mean']:.3f}, steps speculated "
+         f"{rep['spec_share']['mean']:.2f}; identical outputs: {rep['identical_outputs']}")
+    if policy_state and policy_state.get("costs"):
+        _log("cost table (adaptive policy):\n" + CostTable(**policy_state["costs"]).describe())
     _log(f"wrote {os.path.join(out, 'report.json')}, report.md and {len(rep['run']['figure_files'])} figures")
     if failed:
         print(f"error: OUTPUT MISMATCH: {failed}", file=sys.stderr)

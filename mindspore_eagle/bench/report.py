@@ -9,6 +9,7 @@ Figures (paper numbering, "EAGLE-Pangu: Accelerator-Safe Tree Speculative Decodi
     5 overhead breakdown (prefill, draft, tensorize, mask, verify, accept, commit, other; ms)
     6 drafter-only window truncation (tok/s, speedup, L_k vs W)        -- only with --sweep window
     7 draft attention evidence (top-1 attention distance buckets 0-31, 32-127, 128-255, 256+ tokens)
+    8 policy sweep: per-turn speedup distribution of each policy / preset  -- only with --sweep policy
 
 Units: tok/s (new tokens / end-to-end wall seconds of the turn), ms (wall), L_k in tokens (bonus included).
 Paper reference numbers (Ascend NPU): mean speedup 1.27x, p99 speedup 2.46x, mean L_k 3.17 (PAPER below).
@@ -28,7 +29,9 @@ PAPER = {"speedup_mean": 1.27, "speedup_p99": 2.46, "accept_len_mean": 3.17,
          "source": "EAGLE-Pangu (Accelerator-Safe Tree Speculative Decoding on Ascend NPUs), Table 1; openPangu "
                    "teacher on Ascend NPU, 240 turns (MT-Bench 80x2 + HumanEval 80)"}
 FIGURES = {1: "fig1_lengths.png", 2: "fig2_speedup_vs_accept.png", 3: "fig3_accept_by_depth.png",
-           4: "fig4_budget_sweep.png", 5: "fig5_overheads.png", 6: "fig6_window.png", 7: "fig7_attention.png"}
+           4: "fig4_budget_sweep.png", 5: "fig5_overheads.png", 6: "fig6_window.png", 7: "fig7_attention.png",
+           8: "fig8_policy_sweep.png"}
+PRED_EDGES = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, float("inf"))
 OVERHEAD_PHASES = ("prefill",) + PHASES + ("other",)
 
 
@@ -64,6 +67,23 @@ def overheads(records, name="main") -> dict:
             "ms_per_step": {p: (v / steps if steps else float("nan")) for p, v in tot.items() if p != "prefill"},
             "share": {p: (v / all_ms if all_ms else float("nan")) for p, v in tot.items()},
             "turns": len(ok), "steps": steps}
+
+
+def calibration_of_lengths(records, name="main") -> list:
+    """Predicted versus observed accepted length: the tree-verifying steps of setting ``name`` binned by the
+    policy's predicted E[L_k] (PRED_EDGES). Returns [{"lo", "hi", "steps", "predicted", "observed"}] for non-empty
+    bins (means over the bin's steps)."""
+    pred = np.array([x for r in _ok(records, name) for x in r["settings"][name].get("predicted_lens", [])])
+    obs = np.array([x for r in _ok(records, name) for x in r["settings"][name]["accept_lens"]], np.float64)
+    if pred.size != obs.size:            # records written before predicted_lens existed
+        return []
+    out = []
+    for lo, hi in zip(PRED_EDGES[:-1], PRED_EDGES[1:]):
+        sel = (pred >= lo) & (pred < hi)
+        if sel.any():
+            out.append({"lo": lo, "hi": hi, "steps": int(sel.sum()), "predicted": float(pred[sel].mean()),
+                        "observed": float(obs[sel].mean())})
+    return out
 
 
 def build_report(records, meta: dict) -> dict:
@@ -103,6 +123,10 @@ def build_report(records, meta: dict) -> dict:
         "compiles_during_timing": int(sum(r["baseline"]["compile_count"] for r in ok)
                                       + sum(s.get("compile_count", 0) for r in ok for s in r["settings"].values())),
         "by_source": {},
+        "policy": main.get("policy", "fixed"),
+        "spec_share": stats([r["settings"]["main"].get("spec_share", 1.0) for r in ok]),
+        "calibration": calibration_of_lengths(records),
+        "policy_state": meta.get("policy_state"),
     }
     for src in sorted({r["source"] for r in ok}):
         sub = [r for r in ok if r["source"] == src]
@@ -140,6 +164,7 @@ def build_report(records, meta: dict) -> dict:
         "fig6_window": sweeps.get("window", []),
         "fig7_attention": {**attention_buckets(dists, cols), "distances": dists, "top": tops,
                            "window": main["window"]},
+        "fig8_policy_sweep": sweeps.get("policy", []),
     }
     rep["loadavg_1m"] = stats(loads)
     rep["sweeps"] = sweeps
@@ -231,6 +256,7 @@ def markdown(rep: dict) -> str:
             L.append(f"| {src} | {s['turns']} | {_f(s['baseline_tok_s'])} | {_f(s['ea_tok_s'])} | "
                      f"{_f(s['speedup']['mean'])}x | {_f(s['speedup']['p90'])}x | {_f(s['accept_len']['mean'])} |")
         L.append("")
+    L += policy_markdown(rep)
     f3 = rep["figures"]["fig3_accept_by_depth"]
     L += ["## Figure 3: acceptance by tree position", "",
           "Fraction of speculative steps whose accepted draft path reaches depth d (L_k - 1 >= d), and the "
@@ -248,7 +274,8 @@ def markdown(rep: dict) -> str:
                  f"{_f(ov['ms_per_step'].get(p), 2) if p != 'prefill' else '-'} | {_f(100 * ov['share'][p], 1)}% |")
     L.append("")
     for key, title, what in (("budget", "Table 2 / Figure 4: budget sweeps", "--sweep budget"),
-                             ("window", "Table 3 / Figure 6: drafter-only window truncation", "--sweep window")):
+                             ("window", "Table 3 / Figure 6: drafter-only window truncation", "--sweep window"),
+                             ("policy", "Figure 8: policies side by side", "--sweep policy")):
         rows = rep["sweeps"].get(key) or []
         L += [f"## {title}", ""]
         if not rows:
@@ -257,14 +284,16 @@ def markdown(rep: dict) -> str:
         if key == "window":
             L += ["The drafter attends only to the last W context tokens; the teacher is unchanged (so outputs stay "
                   "identical).", ""]
-        L += ["| axis | value | M | D_max | top_k | W | turns | tok/s | speedup (mean) | speedup (aggregate) | "
-              "L_k mean | L_k p90 | identical |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        L += ["| axis | value | policy | M | D_max | top_k | W | turns | tok/s | speedup (mean) | speedup p10 | "
+              "speedup (aggregate) | L_k mean | L_k p90 | identical |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for p in rows:
             star = " **(fastest)**" if p["fastest"] else ""
-            L.append(f"| {p['axis']} | {p['value'] if p['value'] else 'none'} | {p['M']} | {p['D_max']} | {p['top_k']} "
-                     f"| {p['window'] or 'none'} | {p['turns']} | {_f(p['tok_s'])}{star} | {_f(p['speedup'])}x | "
-                     f"{_f(p['speedup_agg'])}x | {_f(p['accept_len_mean'])} | {_f(p['accept_len_p90'])} | "
-                     f"{p['identical']} |")
+            p10 = stats(p.get("speedups", []))["p10"]
+            L.append(f"| {p['axis']} | {p['value'] if p['value'] else 'none'} | {p.get('policy', 'fixed')} | {p['M']} "
+                     f"| {p['D_max']} | {p['top_k']} | {p['window'] or 'none'} | {p['turns']} | {_f(p['tok_s'])}{star} "
+                     f"| {_f(p['speedup'])}x | {_f(p10)}x | {_f(p['speedup_agg'])}x | {_f(p['accept_len_mean'])} | "
+                     f"{_f(p['accept_len_p90'])} | {p['identical']} |")
         L.append("")
     f7 = rep["figures"]["fig7_attention"]
     L += ["## Figure 7: draft attention evidence", "",
@@ -287,6 +316,39 @@ def markdown(rep: dict) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- figures --
+def policy_markdown(rep: dict) -> list:
+    """report.md lines on the speculation policy: speedup tail, share of steps that speculated, predicted versus
+    observed L_k, the measured cost table and the acceptance calibration (adaptive policy)."""
+    sp, sh = rep["speedup"], rep["spec_share"]
+    L = [f"## Speculation policy: {rep.get('policy', 'fixed')}", "",
+         f"Speedup per turn: min {_f(sp.get('min'))}x, p10 {_f(sp.get('p10'))}x, mean {_f(sp['mean'])}x. Share of "
+         f"steps that verified a tree, per turn: mean {_f(sh['mean'])}, p10 {_f(sh.get('p10'))}, p90 {_f(sh['p90'])}.",
+         ""]
+    if rep.get("calibration"):
+        L += ["Predicted E[L_k] (policy) against the observed L_k of the tree-verifying steps:", "",
+              "| predicted bin | steps | mean predicted | mean observed |", "|---|---|---|---|"]
+        L += [f"| [{c['lo']:g}, {c['hi']:g}) | {c['steps']} | {_f(c['predicted'])} | {_f(c['observed'])} |"
+              for c in rep["calibration"]]
+        L.append("")
+    st = rep.get("policy_state") or {}
+    if st.get("costs"):
+        c = st["costs"]
+        L += ["Cost table measured at warm-up (ms; multiple of a decode):", "", "| call | ms | x decode |", "|---|---|---|",
+              f"| decode (plain step) | {_f(c['decode_ms'], 1)} | 1.00 |"]
+        L += [f"| verify step, m = {m} | {_f(v, 1)} | {_f(v / c['decode_ms'])} |" for m, v in c["verify_ms"].items()]
+        L += [f"| drafter context pass | {_f(c['draft_ctx_ms'], 1)} | {_f(c['draft_ctx_ms'] / c['decode_ms'])} |",
+              f"| drafter expansion step | {_f(c['draft_step_ms'], 1)} | {_f(c['draft_step_ms'] / c['decode_ms'])} |",
+              ""]
+    bins = (st.get("calibration") or {}).get("bins", [])
+    if bins:
+        L += ["Acceptance calibration at the end of the run (draft nodes, by depth and drafter path probability):",
+              "", "| depth | drafter prob | nodes | mean drafter prob | accepted | estimate |", "|---|---|---|---|---|---|"]
+        L += [f"| {b['depth']} | [{b['prob_lo']:g}, {b['prob_hi']:g}) | {b['nodes']:.0f} | {_f(b['drafter_prob'], 3)} | "
+              f"{_f(b['accepted'], 3)} | {_f(b['estimate'], 3)} |" for b in bins]
+        L.append("")
+    return L
+
+
 def write_figures(rep: dict, outdir: str) -> list:
     """Write the PNGs of Figures 1-7 that have data; returns the file names written."""
     import matplotlib
@@ -378,6 +440,16 @@ def write_figures(rep: dict, outdir: str) -> list:
         ax[1].set(title="Figure 6b: L_k vs W", xlabel="W (context tokens)", ylabel="L_k")
         ax[1].legend(fontsize=8)
         save(fig, 6)
+
+    rows = F.get("fig8_policy_sweep") or []
+    if rows:
+        fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 2, 3.6))
+        data = [[x for x in r.get("speedups", []) if x == x] or [float("nan")] for r in rows]
+        ax.boxplot(data, showmeans=True)
+        ax.set_xticks(range(1, len(rows) + 1), [str(r["value"]).replace(" M=", "\nM=") for r in rows], fontsize=7)
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set(title="Figure 8: per-turn speedup by policy", ylabel="speedup (x)")
+        save(fig, 8)
 
     f7 = F["fig7_attention"]
     keys = ("0-31", "32-127", "128-255", "256+")

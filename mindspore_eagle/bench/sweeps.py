@@ -1,5 +1,7 @@
 """Budget sweeps (paper Table 2, Figure 4) and drafter-only window truncation (paper Table 3, Figure 6).
 
+Policy sweep: the config's budget under the fixed and the adaptive policy beside fixed presets (policy.py).
+
 Budget sweep: M in ``budgets`` at the config's D_max and top_k; D_max in ``depths`` at the config's M and
 top_k; top_k in ``top_ks`` at the config's M and D_max. Window study: the drafter attends only to the last W
 context tokens (W in ``windows``; 0 = none = unlimited) at the config's M / D_max / top_k, teacher unchanged.
@@ -19,11 +21,23 @@ from .throughput import Setting, stats
 DEFAULT_BUDGETS = (8, 16, 32, 64, 128)
 DEFAULT_DEPTHS = (2, 4, 6, 8)
 DEFAULT_WINDOWS = (0, 128, 256, 512)
+DEFAULT_FIXED = ((8, 2, 4), (8, 3, 4))        # configs/presets/cpu_2core.yaml, and issue 14's measuring budget
 
 
 def main_setting(sp) -> Setting:
     """The config's own setting (name "main") from a SpeculativeConfig."""
-    return Setting("main", sp.M, sp.D_max, sp.top_k, sp.window)
+    return Setting("main", sp.M, sp.D_max, sp.top_k, sp.window, sp.policy)
+
+
+def policy_points(sp, fixed_presets=DEFAULT_FIXED) -> list:
+    """[("policy", label, Setting)] for ``--sweep policy``: the config's M / D_max / top_k under the fixed and
+    the adaptive policy, plus each fixed (M, D_max, top_k) of ``fixed_presets`` (the CPU preset by default)."""
+    out = [("policy", f"{p} M={sp.M} D={sp.D_max} K={sp.top_k}",
+            Setting(f"{p}", sp.M, sp.D_max, sp.top_k, sp.window, p)) for p in ("fixed", "adaptive")]
+    for m, d, k in fixed_presets:
+        out.append(("policy", f"fixed M={m} D={d} K={k}", Setting(f"fixed-M{m}-D{d}-K{k}", m, d, k, sp.window,
+                                                                   "fixed")))
+    return [p for p in out if p[2].top_k <= p[2].M]
 
 
 def budget_points(sp, budgets=DEFAULT_BUDGETS, depths=DEFAULT_DEPTHS, top_ks=()) -> list:
@@ -37,7 +51,7 @@ def budget_points(sp, budgets=DEFAULT_BUDGETS, depths=DEFAULT_DEPTHS, top_ks=())
         for v in sorted(set(values) | {own}):
             m, d, k = (v if axis == "M" else sp.M), (v if axis == "D_max" else sp.D_max), (v if axis == "top_k" else sp.top_k)
             name = {"M": f"M={v}", "D_max": f"D={v}", "top_k": f"K={v}"}[axis]
-            out.append((axis, v, Setting(name, m, d, k, sp.window)))
+            out.append((axis, v, Setting(name, m, d, k, sp.window, sp.policy)))
     return [p for p in out if p[2].top_k <= p[2].M]
 
 
@@ -45,7 +59,7 @@ def window_points(sp, windows=DEFAULT_WINDOWS) -> list:
     """[("window", W, Setting)] for the drafter-only truncation study (W = 0 means no truncation; always
     included, first; the others ascending)."""
     ws = [0] + sorted(set(windows) - {0})
-    return [("window", w, Setting(f"W={w or 'none'}", sp.M, sp.D_max, sp.top_k, w)) for w in ws]
+    return [("window", w, Setting(f"W={w or 'none'}", sp.M, sp.D_max, sp.top_k, w, sp.policy)) for w in ws]
 
 
 def dedupe(main: Setting, points: list) -> tuple[list, list]:
@@ -65,7 +79,8 @@ def dedupe(main: Setting, points: list) -> tuple[list, list]:
 def summarize_points(records, rows, settings) -> list:
     """One summary dict per sweep point over the records that ran it (skipped turns excluded).
 
-    Returns [{"axis", "value", "setting", "M", "D_max", "top_k", "window", "turns", "tok_s" (mean spec tok/s),
+    Returns [{"axis", "value", "setting", "M", "D_max", "top_k", "window", "policy", "turns", "tok_s" (mean spec
+    tok/s),
     "baseline_tok_s" (mean), "speedup" (mean per-turn), "speedup_agg", "accept_len_mean", "accept_len_p90",
     "identical" (all outputs equal the baseline), "fastest" (bool, highest tok_s among points of the same study),
     "fastest_in_axis" (highest tok_s along its own axis)}].
@@ -86,9 +101,10 @@ def summarize_points(records, rows, settings) -> list:
             float("nan")
         ls = stats(lens)
         out.append({"axis": axis, "value": value, "setting": name, "M": s.M, "D_max": s.D_max, "top_k": s.top_k,
-                    "window": s.window, "turns": len(rs), "tok_s": stats(tok)["mean"],
+                    "window": s.window, "policy": s.policy, "turns": len(rs), "tok_s": stats(tok)["mean"],
                     "baseline_tok_s": stats([b["tok_s"] for b, _ in rs])["mean"],
                     "speedup": stats([sr["speedup"] for _, sr in rs])["mean"], "speedup_agg": agg,
+                    "speedups": [sr["speedup"] for _, sr in rs],
                     "accept_len_mean": ls["mean"], "accept_len_p90": ls["p90"],
                     "identical": all(sr["identical"] for _, sr in rs), "fastest": False, "fastest_in_axis": False})
     finite = [p for p in out if p["tok_s"] == p["tok_s"]]
@@ -126,5 +142,5 @@ def parse_int_list(text: str, allow_none: bool = False) -> tuple:
     return tuple(out)
 
 
-__all__ = ["DEFAULT_BUDGETS", "DEFAULT_DEPTHS", "DEFAULT_WINDOWS", "main_setting", "budget_points",
+__all__ = ["DEFAULT_BUDGETS", "DEFAULT_DEPTHS", "DEFAULT_WINDOWS", "main_setting", "budget_points", "policy_points",
            "window_points", "dedupe", "summarize_points", "parse_int_list"]

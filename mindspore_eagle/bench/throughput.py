@@ -44,20 +44,23 @@ class Setting:
         name: "main" for the config's own setting, else e.g. "M=32", "D=4", "K=8", "W=128".
         M: tree budget (tokens verified per step, root included). D_max: max draft depth. top_k: K.
         window: drafter attention window W in context tokens (0 = unlimited); the teacher is never truncated.
+        policy: speculative.policy, "fixed" or "adaptive" (M, D_max then are ceilings).
     """
     name: str
     M: int
     D_max: int
     top_k: int
     window: int = 0
+    policy: str = "fixed"
 
     @property
     def params(self) -> tuple:
-        return (self.M, self.D_max, self.top_k, self.window)
+        return (self.M, self.D_max, self.top_k, self.window, self.policy)
 
     def spec(self, base):
-        """``base`` (SpeculativeConfig) with this setting's M / D_max / top_k / window, validated."""
-        sp = dataclasses.replace(base, M=self.M, D_max=self.D_max, top_k=self.top_k, window=self.window)
+        """``base`` (SpeculativeConfig) with this setting's M / D_max / top_k / window / policy, validated."""
+        sp = dataclasses.replace(base, M=self.M, D_max=self.D_max, top_k=self.top_k, window=self.window,
+                                 policy=self.policy)
         sp.validate()
         return sp
 
@@ -195,16 +198,47 @@ class EnginePool:
                             finally:
                                 dr.free(dsid)
                     prev = w
+            self._warm_trees()
         for ids in prompts:
             if len(ids) + short.max_new_tokens > self.target.S:
                 continue
             self.base.generate_ids(ids, short, speculative=False, turn_id="warmup")
-            for name, eng in self.engines.items():
-                if len(ids) + short.max_new_tokens + eng.spec.M <= self.target.S:
-                    self.engine(name).generate_ids(ids, short, speculative=True, turn_id="warmup")
+            for name in self.engines:
+                self.engine(name).generate_ids(ids, short, speculative=True, turn_id="warmup")
         out = {"mode": mode, "seconds": time.perf_counter() - t0, "compiles": self.compiles - c0}
         log(f"warm-up ({mode}): {out['compiles']} graphs compiled in {out['seconds']:.1f} s")
         return out
+
+
+    def _warm_trees(self) -> None:
+        """Compile every verification budget of every engine (the adaptive policy may pick any of them) and the
+        drafters' expansion step, at each attention-width bucket."""
+        from ..tree import DraftTree, tensorize
+
+        tg, prev = self.target, 0
+        budgets = sorted({m for e in self.engines.values() for m in e.verify_budgets()})
+        width = 3 * self.loaded.drafter_cfg.target_hidden_size
+        for w in tg.widths:
+            n = prev + 1
+            if n + max(budgets) > tg.S:
+                break
+            sid = tg.new_seq()
+            try:
+                tg.prefill(sid, (np.arange(n) % 1000 + 100).tolist())
+                for m in budgets:
+                    tt = tensorize(DraftTree(np.arange(m) + 100, np.zeros(m, np.int64)), m, self.d_max)
+                    tg.verify(sid, tt, tg.verify_mask(sid, tt))
+                    tg.rollback(sid)
+            finally:
+                tg.free(sid)
+            for dr in self.drafters.values():
+                dsid = dr.new_seq()
+                try:
+                    first = dr.extend(dsid, np.zeros((n, width), np.float32), np.full(n, 100, np.int64))
+                    dr.build_tree(dsid, 100, first, max(budgets), self.d_max)
+                finally:
+                    dr.free(dsid)
+            prev = w
 
 
 # ------------------------------------------------------------------------------------ attention evidence --
@@ -283,8 +317,13 @@ def attention_buckets(distances, columns=None, sink: int = 4) -> dict:
 
 # -------------------------------------------------------------------------------------------------- stats --
 def stats(values) -> dict:
-    """{"mean", "p50", "p90", "p99", "n"} of a sample (trace.summarize: numpy linear percentiles)."""
-    return summarize(values)
+    """{"mean", "p50", "p90", "p99", "n", "p10", "min"} of a sample (trace.summarize: numpy linear percentiles;
+    p10 and min are NaN for an empty sample)."""
+    x = np.asarray(list(values), np.float64).reshape(-1)
+    out = summarize(x)
+    out["p10"] = float(np.percentile(x, 10, method="linear")) if x.size else float("nan")
+    out["min"] = float(x.min()) if x.size else float("nan")
+    return out
 
 
 def accept_by_depth(accept_lens, D: int) -> dict:
@@ -352,7 +391,9 @@ def run_turn(pool, ts: TurnSpec, history: list, gen, settings, attn_samples: int
     Record fields: turn_id, item_id, source, category, turn_index, prompt_tokens, baseline {new_tokens,
     prefill_ms, decode_ms, tok_s, compile_count, stop_reason, text, token_ids}, settings {name: {new_tokens,
     prefill_ms, decode_ms, tok_s, compile_count, stop_reason, speedup, identical, first_diff, accept_lens [L_k per
-    step], phases {<phase>_ms sums, total_ms, n_steps, mean_nodes}}}, attn_dist (main setting, tokens), optional
+    tree-verifying step], predicted_lens [the policy's E[L_k] per such step], budgets [m per such step],
+    plain_steps, drafted_plain_steps (drafter ran, policy then decoded plainly), spec_share, phases {<phase>_ms
+    sums, total_ms, n_steps, mean_nodes}}}, attn_dist (main setting, tokens), optional
     peer_llamacpp {tok_s, new_tokens, match_prefix}, mismatch [messages] when a speculative output differs from
     the baseline, or skipped (reason) when the prompt does not fit the cache.
     """
@@ -386,9 +427,14 @@ def run_turn(pool, ts: TurnSpec, history: list, gen, settings, attn_samples: int
             rec["attn_top"] = top
             rec["attn_dist"] = [p - c for p, c in top]
         same = list(g.token_ids) == list(b.token_ids)
+        tree_steps = [st for st in g.steps if st.budget != 1]
         r = {**_turn_result(g), "speedup": g.turn.tok_per_s / b.turn.tok_per_s if b.turn.tok_per_s else float("nan"),
              "identical": same, "first_diff": _first_diff(list(g.token_ids), list(b.token_ids)),
-             "accept_lens": [int(st.accept_len) for st in g.steps], "phases": phase_totals(g.steps)}
+             "accept_lens": [int(st.accept_len) for st in tree_steps],
+             "predicted_lens": [round(float(st.predicted_len), 3) for st in tree_steps],
+             "budgets": [int(st.budget) for st in tree_steps], "plain_steps": len(g.steps) - len(tree_steps),
+             "drafted_plain_steps": sum(1 for st in g.steps if st.budget == 1 and st.drafted),
+             "spec_share": g.turn.spec_share, "phases": phase_totals(g.steps)}
         rec["settings"][s.name] = r
         if not same:
             rec.setdefault("mismatch", []).append(
