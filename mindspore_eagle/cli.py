@@ -284,11 +284,14 @@ def describe_teacher(path) -> dict:
 
 
 def cmd_inspect(args) -> int:
-    """``inspect``: print a checkpoint's architecture and what it is compatible with."""
+    """``inspect``: print a checkpoint's architecture and what it is compatible with; ``inspect costs``: the
+    speculation policy's cost table measured on this machine for ``--config`` / ``--set``."""
     from pathlib import Path
 
     from .pipeline import EMBEDDED_DRAFTER, resolve_teacher
 
+    if args.path == "costs":
+        return _inspect_costs(args)
     path = {"embedded": resolve_teacher("embedded"), "embedded-drafter": EMBEDDED_DRAFTER}.get(args.path, args.path)
     cfg_json = Path(path) / "config.json"
     if Path(path).is_dir() and cfg_json.is_file():
@@ -308,6 +311,20 @@ def cmd_inspect(args) -> int:
           f"  EAGLE-3 capture layers (inputs of): {list(c.aux_layers)}\n"
           f"  compatible drafters: EAGLE-3 with hidden_size = target_hidden_size = {c.hidden_size}, vocab_size = "
           f"{c.vocab_size} (any draft_vocab_size), trained on capture layers {list(c.aux_layers)}")
+    return 0
+
+
+def _inspect_costs(args) -> int:
+    """Build the engine of the config (policy forced to adaptive, so every budget 2, 4, ..., M is timed), measure
+    its CostTable (Engine.measure_costs) and print it."""
+    cfg = config_from_args(args)
+    if cfg.model.drafter == "none":
+        raise ConfigError("inspect costs needs a drafter: model.drafter is 'none'")
+    cfg.speculative.policy = "adaptive"
+    eng = _engine(cfg)
+    print(f"speculation cost table (M <= {cfg.speculative.M}, D_max {cfg.speculative.D_max}, top_k "
+          f"{cfg.speculative.top_k}; ms, medians, this machine):", file=sys.stderr)
+    print(eng.measure_costs().describe())
     return 0
 
 
@@ -383,8 +400,10 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="print a checkpoint's architecture and compatibility",
                        description="Describe a teacher (HF/openPangu directory, .gguf file, 'embedded') or an "
                        "EAGLE-3 drafter directory ('embedded-drafter'), from metadata, and what it fits.")
-    i.add_argument("path", help="checkpoint path, 'embedded' or 'embedded-drafter'")
+    i.add_argument("path", help="checkpoint path, 'embedded' or 'embedded-drafter'; or 'costs': time the calls of "
+                   "a speculative step for --config (the adaptive policy's cost table)")
     i.add_argument("--teacher", help="for a drafter: check that it fits this teacher (path or 'embedded')")
+    _add_config_args(i, generation=False)
     i.set_defaults(func=cmd_inspect)
 
     sub.add_parser("bench", help="benchmarks (mindspore_eagle.bench; see 'bench --help')", add_help=False)

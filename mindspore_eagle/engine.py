@@ -159,7 +159,7 @@ class Engine:
 
             def plain():
                 logits, _ = tg.decode(sid, ids[0])
-                _prob(logits, int(logits.argmax()))
+                int(logits.argmax())
 
             def step(m):      # a star tree (any shape costs the same to verify); commit moves node m - 1
                 tt = tensorize(DraftTree(np.arange(m) + 100, np.zeros(m, np.int64)), m, D)
@@ -253,7 +253,7 @@ class Engine:
             done = emitter.push(root)
             t1 = time.perf_counter()
             if speculative:
-                steps = self._speculate(policy, sid, ids, aux, root, _prob(logits, root), done, emitter, gen, rng)
+                steps = self._speculate(policy, sid, ids, aux, root, done, emitter, gen, rng)
             else:
                 steps = []
                 while not done:
@@ -279,7 +279,7 @@ class Engine:
         p = warp_probs(logits[None], gen.temperature, gen.top_p, gen.top_k)[0]
         return int(rng.choice(p.size, p=p))
 
-    def _speculate(self, policy, sid, ids, aux, root, conf, done, emitter, gen, rng) -> list:
+    def _speculate(self, policy, sid, ids, aux, root, done, emitter, gen, rng) -> list:
         """The speculative decode loop: per step the policy picks plain decoding or a tree budget (module doc)."""
         M, D = self.spec.M, self.spec.D_max
         dr, tg = self.drafter, self.target
@@ -297,19 +297,19 @@ class Engine:
                     grown.append(policy.want_expand(t, f, d, max_m, left))
                     return grown[-1]
                 with timer:
-                    if policy.want_draft(conf, max_m):
+                    if policy.want_draft(max_m):
                         with timer.phase("draft"):
                             first = dr.extend(dsid, np.concatenate([a for a, _ in pending]),
                                               np.concatenate([t for _, t in pending]))
                             pending = []
                             tree = dr.build_tree(dsid, root, first, M, D, grow=grow)
                             choice = policy.choose(tree, max_m, left)
-                            policy.after_draft(conf, choice)
+                            policy.after_draft(choice)
                     if choice.m == 1:
                         with timer.phase("decode"):
                             logits, aux = tg.decode(sid, root)
                             nxt = self._pick(logits, gen, rng)
-                        path, tokens, conf = np.zeros(1, np.int32), np.asarray([nxt], np.int64), _prob(logits, nxt)
+                        path, tokens = np.zeros(1, np.int32), np.asarray([nxt], np.int64)
                         pending.append((aux, tokens))
                         verified = None
                     else:
@@ -328,7 +328,6 @@ class Engine:
                             else:
                                 res = accept_sampling(tt, warp_probs(logits, gen.temperature, gen.top_p, gen.top_k),
                                                       rng)
-                            conf = _prob(logits[res.path[-1]], res.bonus)
                         with timer.phase("commit"):
                             tg.commit(sid, res.path, D + 2)
                             pending.append((aux[res.path], res.tokens))
@@ -357,12 +356,6 @@ class Engine:
         if c is None:
             return 0.0
         return c.step_ms(m) + (c.draft_ctx_ms + expansions * c.draft_step_ms if drafted else 0.0)
-
-
-def _prob(logits: np.ndarray, token: int) -> float:
-    """The teacher's softmax probability of ``token`` under ``logits`` float32 [V] (temperature 1)."""
-    top = logits.max()
-    return float(np.exp(logits[token] - top) / np.exp(logits - top).sum(dtype=np.float64))
 
 
 def mean_accept_len(steps) -> float:

@@ -2,8 +2,7 @@
 
 Pure numpy; never runs a model and never imports MindSpore. The engine asks the policy three questions per step:
 
-    1. ``want_draft(conf)``      run the drafter at all? (before the drafter's context pass; ``conf`` = the teacher's
-                                 probability of the root token, free, already on the host)
+    1. ``want_draft()``          run the drafter at all? (before the drafter's context pass)
     2. ``want_expand(cands)``    after the context pass and each expansion: one more depth of the tree?
     3. ``choose(tree)``          verify the best ``m - 1`` drafted nodes with budget m, or decode plainly (m = 1)?
 and after verification tells it what was accepted (``observe``), which calibrates the acceptance model online.
@@ -34,7 +33,6 @@ from .tree import DraftTree
 
 PROB_EDGES = np.array([0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0 + 1e-6])
 CHILD_DEPTHS = 4
-CONF_EDGES = np.array([0.0, 0.3, 0.5, 0.7, 0.85, 0.95, 1.0 + 1e-6])   # teacher root probability (gate bins)
 
 
 def compiled_budgets(M: int) -> list[int]:
@@ -218,7 +216,7 @@ class FixedPolicy:
         self.budgets = [self.M]
         self.costs = None
 
-    def want_draft(self, conf: float, max_m: int) -> bool:
+    def want_draft(self, max_m: int) -> bool:
         return max_m >= self.M
 
     def want_expand(self, tree: DraftTree, frontier_scores, depth: int, max_m: int, left: int) -> bool:
@@ -228,7 +226,7 @@ class FixedPolicy:
         predicted = float(node_values(tree, self.model).sum()) if tree.scores is not None else 0.0
         return Choice(self.M, predicted, 0.0)
 
-    def after_draft(self, conf: float, chosen: Choice) -> None:
+    def after_draft(self, chosen: Choice) -> None:
         pass
 
     def observe(self, tree: DraftTree | None, accepted_path, tokens: int, cost_ms: float) -> None:
@@ -267,8 +265,8 @@ class AdaptivePolicy:
         budgets: compiled verification budgets (``compiled_budgets(M)``), ascending.
         model: AcceptanceModel (kept across turns: the calibration carries over).
         rho_ema: EMA weight of the earned-rate estimate rho, per step.
-        probe_every: when the gate skips the drafter in a teacher-confidence bin, it still runs it every this many
-            skips there, so a bin whose drafts became useful is noticed.
+        probe_every: while the drafter does not pay for its context pass (``want_draft``), it still runs every
+            this many steps, so drafts that became useful (code, lists, repeated text) are noticed.
     Raises:
         ValueError: a budget has no verification cost in ``costs``.
     """
@@ -284,9 +282,8 @@ class AdaptivePolicy:
         self.model = model or AcceptanceModel()
         self.rho_ema, self.probe_every = float(rho_ema), int(probe_every)
         self.rho = self.plain_rate
-        nb = len(CONF_EDGES) - 1
-        self.gain = np.full(nb, np.inf)            # EMA of the drafter's predicted advantage per teacher-conf bin
-        self.skips = np.zeros(nb, np.int64)
+        self.gain = np.inf                         # EMA of the drafter's predicted advantage (tokens per step)
+        self.skips = 0
         self.reach = np.zeros(CHILD_DEPTHS)        # decayed count: accepted path reached depth d with children
         self.cont = np.zeros(CHILD_DEPTHS)         # ... and went on to depth d + 1
 
@@ -295,25 +292,26 @@ class AdaptivePolicy:
         """Tokens per ms of plain decoding."""
         return 1.0 / self.costs.decode_ms
 
-    def _bin(self, conf: float) -> int:
-        return int(np.clip(np.searchsorted(CONF_EDGES, conf, side="right") - 1, 0, len(CONF_EDGES) - 2))
-
     def child_rate(self, depth: int) -> float:
         """P(the accepted path goes past a node at ``depth`` | it reached it), observed (prior 0.4, weight 4)."""
         d = min(depth, CHILD_DEPTHS) - 1
         return float((self.cont[d] + 4 * 0.4) / (self.reach[d] + 4))
 
     # ---------------------------------------------------------------------- the three questions
-    def want_draft(self, conf: float, max_m: int) -> bool:
-        """Run the drafter this step? ``conf``: the teacher's probability of the root token; ``max_m``: the
-        largest budget the cache has room for (< 2: no tree fits, decode plainly)."""
+    def want_draft(self, max_m: int) -> bool:
+        """Run the drafter this step? ``max_m``: the largest budget the cache has room for (< 2: no tree fits).
+
+        Value of information: after the context pass the policy can still decode plainly, so drafting is worth its
+        cost when the expected advantage it enables, E[max(profit of the best tree - profit of plain decoding, 0)]
+        (an EMA over the steps that drafted), exceeds rho * draft_ctx_ms. The teacher's own confidence in the root
+        token did not predict acceptance on 3,672 replayed positions (docs/results.md, session 4), so there is no
+        per-step feature here; a drafter that stops paying is probed every ``probe_every`` steps."""
         if max_m < 2:
             return False
-        b = self._bin(conf)
-        if self.gain[b] > self.rho * self.costs.draft_ctx_ms:
+        if self.gain > self.rho * self.costs.draft_ctx_ms:
             return True
-        self.skips[b] += 1
-        return self.skips[b] % self.probe_every == 0
+        self.skips += 1
+        return self.skips % self.probe_every == 0
 
     def want_expand(self, tree: DraftTree, frontier_scores, depth: int, max_m: int, left: int) -> bool:
         """One more drafter expansion? ``tree``: the nodes drafted so far; ``frontier_scores``: cumulative
@@ -353,11 +351,10 @@ class AdaptivePolicy:
         L = min(1.0 + float(np.sum(ranked[: m - 1])), float(max(left, 1)))
         return L - self.rho * self.costs.step_ms(m)
 
-    def after_draft(self, conf: float, chosen: Choice) -> None:
-        """Record the drafter's predicted advantage over plain decoding in this teacher-confidence bin."""
+    def after_draft(self, chosen: Choice) -> None:
+        """Fold the drafter's predicted advantage over plain decoding this step (>= 0) into the gate's EMA."""
         adv = chosen.profit - (1.0 - self.rho * self.costs.decode_ms)
-        b = self._bin(conf)
-        self.gain[b] = adv if not np.isfinite(self.gain[b]) else 0.8 * self.gain[b] + 0.2 * adv
+        self.gain = adv if not np.isfinite(self.gain) else 0.9 * self.gain + 0.1 * adv
 
     def observe(self, tree: DraftTree | None, accepted_path, tokens: int, cost_ms: float) -> None:
         """After a step: calibrate on the verified ``tree`` (None for a plain step) and its accepted node indices,
