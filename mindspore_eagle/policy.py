@@ -96,78 +96,100 @@ class CostTable:
 
 
 class AcceptanceModel:
-    """P(draft node accepted | its depth, its drafter path probability), calibrated online.
+    """P(draft node accepted | its depth, whether it is its parent's likeliest child, its drafter path
+    probability), calibrated online.
 
-    Bins: depth groups 1, 2, >= 3 x the probability bins ``PROB_EDGES``. Each bin keeps decayed counts of verified
-    nodes and of accepted ones; the estimate is ``(hits + w * prior) / (n + w)`` with the prior = the bin's mean
-    drafter probability (identity calibration) and weight w = ``prior_weight``. Counts decay by ``decay`` per
-    observed step, so the table follows a drafter whose reliability drifts (half-life ln 2 / (1 - decay) steps).
+    Bins: depth groups 1, 2, >= 3 x {likeliest child, other child} x the probability bins ``PROB_EDGES``. The rank
+    matters: on 3,672 replayed positions the embedded drafter's likeliest depth-1 child at path probability
+    0.1-0.2 was accepted 27 % of the time, while a less likely sibling of the same probability is accepted far less
+    (docs/results.md, session 4). Each bin keeps decayed counts of verified nodes and of accepted ones; the
+    estimate is ``(hits + w * prior) / (n + w)`` with the prior = the bin's mean drafter probability (identity
+    calibration) and weight w = ``prior_weight``. Counts decay by ``decay`` per observed step, so the table
+    follows a drafter whose reliability drifts (half-life ln 2 / (1 - decay) steps).
     """
 
     def __init__(self, prior_weight: float = 4.0, decay: float = 0.999, depth_groups: int = 3):
         self.w, self.decay, self.G = float(prior_weight), float(decay), int(depth_groups)
-        nb = len(PROB_EDGES) - 1
-        self.n = np.zeros((self.G, nb))
-        self.hits = np.zeros((self.G, nb))
-        self.psum = np.zeros((self.G, nb))
+        shape = (self.G, 2, len(PROB_EDGES) - 1)
+        self.n, self.hits, self.psum = np.zeros(shape), np.zeros(shape), np.zeros(shape)
 
-    def _index(self, prob: np.ndarray, depth: np.ndarray):
+    def _index(self, scores, depth, best):
+        prob = np.exp(np.minimum(np.asarray(scores, np.float64), 0.0))
         g = np.clip(np.asarray(depth, np.int64), 1, self.G) - 1
+        r = 1 - np.asarray(best, np.int64)
         b = np.clip(np.searchsorted(PROB_EDGES, prob, side="right") - 1, 0, len(PROB_EDGES) - 2)
-        return g, b
+        return (g, r, b), prob
 
     def table(self) -> np.ndarray:
-        """float64 [G, bins]: the calibrated acceptance probability of each (depth group, probability bin)."""
+        """float64 [G, 2, bins]: calibrated acceptance probability per (depth group, likeliest/other, prob bin)."""
         centers = (PROB_EDGES[:-1] + np.minimum(PROB_EDGES[1:], 1.0)) / 2
-        prior = np.where(self.n > 0, self.psum / np.maximum(self.n, 1e-12), centers[None, :])
+        prior = np.where(self.n > 0, self.psum / np.maximum(self.n, 1e-12), centers)
         return (self.hits + self.w * prior) / (self.n + self.w)
 
-    def predict(self, scores: np.ndarray, depth: np.ndarray) -> np.ndarray:
+    def predict(self, scores, depth, best) -> np.ndarray:
         """Calibrated acceptance probability float64 [n] of nodes with cumulative log-prob ``scores`` [n] at
-        ``depth`` [n] (>= 1)."""
-        prob = np.exp(np.minimum(np.asarray(scores, np.float64), 0.0))
-        g, b = self._index(prob, depth)
-        return self.table()[g, b]
+        ``depth`` [n] (>= 1); ``best`` bool [n]: the node is its parent's likeliest child."""
+        idx, _ = self._index(scores, depth, best)
+        return self.table()[idx]
 
-    def observe(self, scores: np.ndarray, depth: np.ndarray, accepted: np.ndarray) -> None:
-        """Add one step's verified drafted nodes: scores float [n], depth int [n] >= 1, accepted bool [n]."""
-        self.n *= self.decay
-        self.hits *= self.decay
-        self.psum *= self.decay
-        prob = np.exp(np.minimum(np.asarray(scores, np.float64), 0.0))
-        g, b = self._index(prob, depth)
-        np.add.at(self.n, (g, b), 1.0)
-        np.add.at(self.hits, (g, b), np.asarray(accepted, np.float64))
-        np.add.at(self.psum, (g, b), prob)
+    def observe(self, scores, depth, best, accepted) -> None:
+        """Add one step's verified drafted nodes (arrays as ``predict``, plus ``accepted`` bool [n])."""
+        for a in (self.n, self.hits, self.psum):
+            a *= self.decay
+        idx, prob = self._index(scores, depth, best)
+        np.add.at(self.n, idx, 1.0)
+        np.add.at(self.hits, idx, np.asarray(accepted, np.float64))
+        np.add.at(self.psum, idx, prob)
 
     def to_dict(self) -> dict:
-        """Calibration table for reports: per depth group and bin, observed nodes, predicted (mean drafter prob),
-        observed acceptance rate, and the model's estimate."""
+        """Calibration table for reports: per (depth group, likeliest/other child, probability bin) the observed
+        nodes, their mean drafter probability, the observed acceptance rate and the model's estimate."""
         est = self.table()
         rows = []
-        for g in range(self.G):
-            for b in range(len(PROB_EDGES) - 1):
-                if self.n[g, b] >= 0.5:
-                    rows.append({"depth": g + 1 if g + 1 < self.G else f">={self.G}",
-                                 "prob_lo": float(PROB_EDGES[b]), "prob_hi": float(min(PROB_EDGES[b + 1], 1.0)),
-                                 "nodes": float(self.n[g, b]), "drafter_prob": float(self.psum[g, b] / self.n[g, b]),
-                                 "accepted": float(self.hits[g, b] / self.n[g, b]), "estimate": float(est[g, b])})
+        for g, r, b in zip(*np.nonzero(self.n >= 0.5)):
+            rows.append({"depth": int(g) + 1 if g + 1 < self.G else f">={self.G}",
+                         "child": "likeliest" if r == 0 else "other",
+                         "prob_lo": float(PROB_EDGES[b]), "prob_hi": float(min(PROB_EDGES[b + 1], 1.0)),
+                         "nodes": float(self.n[g, r, b]), "drafter_prob": float(self.psum[g, r, b] / self.n[g, r, b]),
+                         "accepted": float(self.hits[g, r, b] / self.n[g, r, b]), "estimate": float(est[g, r, b])})
         return {"bins": rows}
 
 
-def node_values(tree: DraftTree, model: AcceptanceModel) -> np.ndarray:
-    """Calibrated P(accepted) float64 [n] of every node of ``tree`` (root = 1), each capped by its parent's.
+def likeliest_child(tree: DraftTree) -> np.ndarray:
+    """bool [n]: node i (>= 1) has the highest score among its siblings in ``tree`` (ties: lower index); root
+    False."""
+    n = len(tree)
+    out = np.zeros(n, bool)
+    best: dict = {}
+    for i in range(1, n):
+        p = int(tree.parents[i])
+        if p not in best or tree.scores[i] > tree.scores[best[p]]:
+            best[p] = i
+    out[list(best.values())] = True
+    return out
 
-    Requires parents before children (DraftTree from drafting.select_tree). ``tree.scores`` are cumulative
-    log-probs.
+
+def node_values(tree: DraftTree, model: AcceptanceModel) -> np.ndarray:
+    """Calibrated P(accepted) float64 [n] of every node of ``tree`` (root = 1).
+
+    Siblings are mutually exclusive (at most one child of a node matches the teacher), so the values of a node's
+    children are scaled down to sum to at most the node's own value. Requires parents before children (DraftTree
+    from drafting.select_tree); ``tree.scores`` are cumulative log-probs.
     """
     n = len(tree)
     depth, _ = _tree_depth(tree)
     val = np.ones(n)
     if n > 1:
-        val[1:] = model.predict(tree.scores[1:], depth[1:])
+        val[1:] = model.predict(tree.scores[1:], depth[1:], likeliest_child(tree)[1:])
+        kids: dict = {}
         for i in range(1, n):
-            val[i] = min(val[i], val[tree.parents[i]])
+            kids.setdefault(int(tree.parents[i]), []).append(i)
+        for i in range(n):                                    # parents first: each cap uses the capped parent
+            if i in kids:
+                ks = kids[i]
+                total = val[ks].sum()
+                if total > val[i]:
+                    val[ks] *= val[i] / total
     return val
 
 
@@ -253,7 +275,7 @@ def _observe_tree(model: AcceptanceModel, tree: DraftTree, accepted_path) -> np.
     depth, has_child = _tree_depth(tree)
     acc = np.zeros(len(tree), bool)
     acc[np.asarray(accepted_path, np.int64)] = True
-    model.observe(tree.scores[1:], depth[1:], acc[1:])
+    model.observe(tree.scores[1:], depth[1:], likeliest_child(tree)[1:], acc[1:])
     return has_child
 
 
@@ -267,6 +289,8 @@ class AdaptivePolicy:
         rho_ema: EMA weight of the earned-rate estimate rho, per step.
         probe_every: while the drafter does not pay for its context pass (``want_draft``), it still runs every
             this many steps, so drafts that became useful (code, lists, repeated text) are noticed.
+        explore: the drafter runs on the first this many steps regardless, so the calibration has data before the
+            gate may close (the identity prior underrates an under-confident drafter such as the embedded one).
     Raises:
         ValueError: a budget has no verification cost in ``costs``.
     """
@@ -274,13 +298,14 @@ class AdaptivePolicy:
     name = "adaptive"
 
     def __init__(self, costs: CostTable, budgets, model: AcceptanceModel | None = None, rho_ema: float = 0.05,
-                 probe_every: int = 8):
+                 probe_every: int = 8, explore: int = 64):
         self.costs, self.budgets = costs, sorted(int(m) for m in budgets)
         missing = [m for m in self.budgets if m not in costs.verify_ms]
         if missing:
             raise ValueError(f"CostTable has no verify cost for budgets {missing}")
         self.model = model or AcceptanceModel()
-        self.rho_ema, self.probe_every = float(rho_ema), int(probe_every)
+        self.rho_ema, self.probe_every, self.explore = float(rho_ema), int(probe_every), int(explore)
+        self.drafted = 0
         self.rho = self.plain_rate
         self.gain = np.inf                         # EMA of the drafter's predicted advantage (tokens per step)
         self.skips = 0
@@ -308,7 +333,7 @@ class AdaptivePolicy:
         per-step feature here; a drafter that stops paying is probed every ``probe_every`` steps."""
         if max_m < 2:
             return False
-        if self.gain > self.rho * self.costs.draft_ctx_ms:
+        if self.drafted < self.explore or self.gain > self.rho * self.costs.draft_ctx_ms:
             return True
         self.skips += 1
         return self.skips % self.probe_every == 0
@@ -321,7 +346,8 @@ class AdaptivePolicy:
         if depth + 1 >= left:
             return False
         now = self.choose(tree, max_m, left)
-        par = self.model.predict(frontier_scores, np.full(len(frontier_scores), depth))
+        k = len(frontier_scores)
+        par = self.model.predict(frontier_scores, np.full(k, depth), np.arange(k) == 0)
         ranked = np.sort(np.concatenate([self._ranked(tree), par * self.child_rate(depth)]))[::-1]
         gain = max([self._profit(ranked, m, left) for m in self.budgets if m <= max_m], default=-np.inf)
         return gain - self.rho * self.costs.draft_step_ms > now.profit
@@ -353,6 +379,7 @@ class AdaptivePolicy:
 
     def after_draft(self, chosen: Choice) -> None:
         """Fold the drafter's predicted advantage over plain decoding this step (>= 0) into the gate's EMA."""
+        self.drafted += 1
         adv = chosen.profit - (1.0 - self.rho * self.costs.decode_ms)
         self.gain = adv if not np.isfinite(self.gain) else 0.9 * self.gain + 0.1 * adv
 

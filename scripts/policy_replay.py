@@ -76,7 +76,7 @@ def simulate(path, costs_path, M, D, K):
                 left, max_m = n - p, 1024
                 cost = 0.0
                 choice_m, tree, L = 1, None, 1
-                if pol.want_draft(conf, max_m):
+                if pol.want_draft(max_m):
                     cost += costs.draft_ctx_ms
                     d = 1
                     while True:
@@ -93,7 +93,7 @@ def simulate(path, costs_path, M, D, K):
                         d += 1
                     tree = _strip(tree, real)
                     ch = pol.choose(tree, max_m, left)
-                    pol.after_draft(conf, ch)
+                    pol.after_draft(ch)
                     choice_m = ch.m
                 if choice_m == 1:
                     cost += costs.decode_ms
@@ -149,7 +149,7 @@ class _FixedSim:
         self.p, self.d = FixedPolicy(m, d), d
         self.costs = None
 
-    def want_draft(self, conf, max_m):
+    def want_draft(self, max_m):
         return True
 
     def want_expand(self, tree, f, depth, max_m, left):

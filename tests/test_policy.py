@@ -7,7 +7,7 @@ from scipy import stats
 from tiny_pangu import causal_mask, numpy_forward
 from mindspore_eagle.drafting import select_tree
 from mindspore_eagle.policy import (AcceptanceModel, AdaptivePolicy, CostTable, FixedPolicy, compiled_budgets,
-                                    node_values, top_nodes)
+                                    likeliest_child, node_values, top_nodes)
 from mindspore_eagle.tree import DraftTree, tensorize, validate_tree
 from mindspore_eagle.verify import warp_probs
 
@@ -56,19 +56,24 @@ def test_top_nodes_keeps_parents_and_matches_select_tree():
             validate_tree(tensorize(a, m, 3), m, 3)
 
 
-def test_node_values_capped_by_parent_and_identity_prior():
+def test_node_values_siblings_exclusive_and_identity_prior():
     tree = chain_with_alternatives(0.9, depth=3)
     v = node_values(tree, AcceptanceModel())
     assert v[0] == 1.0
-    assert np.all(v[1:] <= v[tree.parents[1:]] + 1e-12)
-    # identity prior: a node of drafter path probability 0.9 (bin 0.9-0.95) is valued near its bin's centre
-    assert v[1] == pytest.approx(0.925, abs=1e-9)
+    for parent in range(len(tree)):          # children of one node are mutually exclusive
+        kids = np.flatnonzero(tree.parents[1:] == parent) + 1
+        assert v[kids].sum() <= v[parent] + 1e-12
+    # identity prior: a lone child of drafter path probability 0.9 (bin 0.9-0.95) is valued at its bin's centre
+    lone = DraftTree([5, 6, 7], [0, 0, 1], np.log([1.0, 0.9, 0.9 * 0.5]).astype(np.float32))
+    w = node_values(lone, AcceptanceModel())
+    assert w[1] == pytest.approx(0.925, abs=1e-9) and w[2] == pytest.approx(0.45, abs=1e-9)
+    assert likeliest_child(tree).sum() == 3 and not likeliest_child(tree)[0]
 
 
 def test_free_verification_chooses_the_deepest_tree():
     pol = AdaptivePolicy(costs(lambda m: 1e-3, ctx=0.0, step=0.0, host=0.0), BUDGETS)
     tree = chain_with_alternatives(0.9, depth=4)
-    assert pol.want_draft(0.5, 1024)
+    assert pol.want_draft(1024)
     assert pol.want_expand(tree, np.array([-0.1, -3, -3, -3]), 1, 1024, 100)
     assert pol.choose(tree, 1024, 100).m == 16
     assert pol.choose(tree, 9, 100).m == 8           # the cache has room for 9 tree tokens only
@@ -76,16 +81,21 @@ def test_free_verification_chooses_the_deepest_tree():
 
 
 def test_expensive_verification_decodes_plainly_and_stops_drafting():
-    pol = AdaptivePolicy(costs(lambda m: 500.0 + m), BUDGETS)
+    pol = AdaptivePolicy(costs(lambda m: 500.0 + m), BUDGETS, explore=0)
     tree = chain_with_alternatives(0.99, depth=4)
     ch = pol.choose(tree, 1024, 100)
     assert ch.m == 1 and ch.predicted_len == 1.0
-    pol.after_draft(0.9, ch)
-    # the drafter's advantage in this teacher-confidence bin is now negative: it runs only on probes
-    ran = [pol.want_draft(0.9, 1024) for _ in range(32)]
+    assert pol.want_draft(1024)                       # nothing known yet: draft
+    pol.after_draft(ch)
+    # the drafter's advantage is now below the cost of its context pass: it runs only on probes
+    ran = [pol.want_draft(1024) for _ in range(32)]
     assert sum(ran) == 32 // pol.probe_every and ran[pol.probe_every - 1]
-    assert pol.want_draft(0.1, 1024)                  # another bin is still unexplored
-    assert not pol.want_draft(0.1, 1)                 # no room for a tree at all
+    assert not pol.want_draft(1)                      # no room for a tree at all
+    explorer = AdaptivePolicy(costs(lambda m: 500.0 + m), BUDGETS, explore=3)
+    for _ in range(3):
+        assert explorer.want_draft(1024)
+        explorer.after_draft(ch)
+    assert not explorer.want_draft(1024)
 
 
 def test_remaining_tokens_cap_the_tree():
@@ -103,12 +113,13 @@ def test_calibration_converges_on_a_synthetic_acceptance_process():
     for _ in range(3000):
         p = rng.uniform(0.0, 1.0, 64)
         depth = rng.integers(1, 4, 64)
-        model.observe(np.log(p), depth, rng.uniform(size=64) < 0.5 * p)
+        model.observe(np.log(p), depth, rng.uniform(size=64) < 0.5, rng.uniform(size=64) < 0.5 * p)
     for q in (0.15, 0.45, 0.75, 0.97):
         for d in (1, 2, 3):
-            assert model.predict(np.log([q]), np.array([d]))[0] == pytest.approx(0.5 * q, abs=0.03)
+            for best in (True, False):
+                assert model.predict(np.log([q]), np.array([d]), np.array([best]))[0] == pytest.approx(0.5 * q, abs=0.04)
     rows = model.to_dict()["bins"]
-    assert len(rows) == 39 and all(abs(r["accepted"] - 0.5 * r["drafter_prob"]) < 0.03 for r in rows)
+    assert len(rows) == 78 and all(abs(r["accepted"] - 0.5 * r["drafter_prob"]) < 0.04 for r in rows)
 
 
 def test_child_rate_and_rho_follow_observations():
@@ -126,7 +137,7 @@ def test_child_rate_and_rho_follow_observations():
 def test_fixed_policy_is_todays_behaviour():
     pol = FixedPolicy(8, 3)
     tree = chain_with_alternatives(0.5, depth=3)
-    assert pol.want_draft(0.0, 8) and not pol.want_draft(0.0, 7)
+    assert pol.want_draft(8) and not pol.want_draft(7)
     assert pol.want_expand(tree, np.zeros(4), 2, 8, 1) and pol.choose(tree, 8, 1).m == 8
 
 
