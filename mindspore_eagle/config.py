@@ -39,6 +39,7 @@ class ContextConfig:
     device_target: str = "CPU"
     device_id: int = 0
     threads: int = 0          # CPU kernel threads; 0 = min(cpu_count, 8)
+    graph_cache: bool = True  # a full warm-up saves / loads compiled graphs in $MSEAGLE_CACHE/graphs
 
     def validate(self):
         _check_int("context.mode", self.mode, 0, 1)
@@ -46,6 +47,8 @@ class ContextConfig:
             raise ConfigError(f"context.device_target = {self.device_target!r}: must be CPU, GPU or Ascend")
         _check_int("context.device_id", self.device_id, 0)
         _check_int("context.threads", self.threads, 0, 256)
+        if not isinstance(self.graph_cache, bool):
+            raise ConfigError("context.graph_cache must be true or false")
 
 
 @dataclass

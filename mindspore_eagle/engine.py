@@ -112,6 +112,11 @@ class Engine:
     def compile_ms(self) -> float:
         return self.target.compile_ms + (self.drafter.compile_ms if self.drafter else 0.0)
 
+    def verify_budgets(self) -> list[int]:
+        """Tree budgets M (query rows of one verification forward) this engine can verify: one static graph per
+        budget and attention width, which ``warmup.warmup`` compiles ahead of use."""
+        return [self.spec.M]
+
     # ------------------------------------------------------------------ public API
     def encode_chat(self, messages) -> list:
         """Chat-templated prompt ids for ``messages`` (a str is one user message)."""

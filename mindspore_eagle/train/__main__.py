@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     from ..models.checkpoints import load_teacher
 
     if args.teacher is None:
-        from ..assets import embedded_teacher_path
+        from ..fetch import embedded_teacher_path
 
         args.teacher = str(embedded_teacher_path())
     cfg, tensors, tok = load_teacher(args.teacher)
