@@ -119,12 +119,13 @@ class Engine:
 
     # ------------------------------------------------------------------ public API
     def encode_chat(self, messages) -> list:
-        """Chat-templated prompt ids for ``messages`` (a str is one user message)."""
+        """Chat-templated prompt ids for ``messages`` (a str is one user message); message text is plain text
+        (control tokens come from the template only, ``Tokenizer.encode_chat``)."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         if not messages or not any(str(m.get("content", "")).strip() for m in messages):
             raise GenerationError("prompt is empty: give at least one non-empty message")
-        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
 
     def generate(self, messages, gen: GenerationConfig, speculative: bool = True, turn_id: str = "",
                  on_token=None) -> Generation:
