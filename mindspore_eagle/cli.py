@@ -146,7 +146,8 @@ class Streamer:
 
 
 def turn_summary(g, mode: str, speculative: bool) -> str:
-    """One line: new tokens, tok/s (wall, prefill included), mean accept length L_k (bonus counted), compiles.
+    """One line: new tokens, tok/s (wall, prefill included), mean accept length L_k (bonus counted; only when
+    the turn had speculative steps), compiles.
 
     When graphs compiled during the turn, tok/s is also given without the compiling calls (first runs).
     """
@@ -157,8 +158,9 @@ def turn_summary(g, mode: str, speculative: bool) -> str:
         run_s = (t.prefill_ms + t.decode_ms - t.compile_ms) / 1e3
         rate += (f" ({t.new_tokens / run_s:.2f} tok/s without the {t.compile_ms / 1e3:.1f} s of compiling calls)"
                  if run_s > 0 else "")
-    return (f"[{t.new_tokens} new tokens, {rate}, mean L_k {t.mean_accept_len:.2f} "
-            f"over {len(g.steps)} steps, {t.compile_count} compiles, {mode}, {how}, stop: {g.stop_reason}]")
+    accept = f"mean L_k {t.mean_accept_len:.2f} over {len(g.steps)} steps, " if g.steps else ""
+    return (f"[{t.new_tokens} new tokens, {rate}, {accept}{t.compile_count} compiles, {mode}, {how}, "
+            f"stop: {g.stop_reason}]")
 
 
 def _stdin_turns(prompt_tty: bool):

@@ -104,10 +104,14 @@ def _cfg_file(tmp_path, text):
 
 
 # ---------------------------------------------------------------------------------------------------- help --
-@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["batch", "--help"], ["inspect", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["batch", "--help"], ["inspect", "--help"],
+                                  ["bench", "--help"], ["train-drafter", "--help"]])
 def test_help(capsys, argv):
-    rc, out, _ = run_main(capsys, argv)
-    assert rc == 0 and "usage: mindspore-eagle" in out
+    try:
+        rc, out, _ = run_main(capsys, argv)
+    except SystemExit as e:          # delegated sub-commands exit from argparse
+        rc, out = e.code, capsys.readouterr().out
+    assert rc == 0 and out.startswith(f"usage: mindspore-eagle {argv[0] if len(argv) > 1 else ''}".rstrip())
 
 
 def test_help_subprocess_and_module_entry():
@@ -269,6 +273,9 @@ def test_generate_multi_turn_streams_and_summarises(capsys, tiny, tmp_path):
 
     rc, base_out, base_err = run_main(capsys, argv + ["--baseline"])
     assert rc == 0 and "teacher-only" in base_err
+    base_summaries = re.findall(r"\[(\d+) new tokens, [\d.]+ tok/s, (\d+) compiles, eager, teacher-only, "
+                                r"stop: (eos|length|stop)\]", base_err)
+    assert len(base_summaries) == 2 and "L_k" not in base_err     # no "mean L_k 1.00 over 0 steps"
     assert base_out == out  # greedy speculative decoding is lossless: same streamed text as teacher-only
 
 
