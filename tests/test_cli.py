@@ -379,11 +379,15 @@ def test_run_eagle_answers_paris(tmp_path):
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "run_eagle.py"), "--config",
                           str(ROOT / "configs" / "default.yaml"), "--run_mode", "predict", "--predict_data",
                           "What is the capital of France?", "--set", f"model.drafter={drafter}",
-                          "--set", "generation.max_new_tokens=16", "--use_parallel", "False"],
+                          "--set", "generation.max_new_tokens=16", "--use_parallel", "False",
+                          "--output_dir", "results/run1"],
                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "Paris" in res.stdout
-    lines = (tmp_path / "text_generation_result.txt").read_text(encoding="utf-8").splitlines()
+    assert sorted(os.listdir(tmp_path)) == ["results"]            # nothing left in the working directory
+    assert sorted(os.listdir(tmp_path / "results" / "run1")) == ["text_generation_result.jsonl",
+                                                                  "text_generation_result.txt"]
+    lines = (tmp_path / "results" / "run1" / "text_generation_result.txt").read_text(encoding="utf-8").splitlines()
     assert len(lines) == 1 and lines[0].startswith("{'text_generation_text': [") and "Paris" in lines[0]
 
 
