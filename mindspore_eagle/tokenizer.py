@@ -22,6 +22,7 @@ from datetime import datetime
 from pathlib import Path
 
 from .models.config import CheckpointError
+from .models.gguf_meta import gguf_value
 
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -135,8 +136,6 @@ class Tokenizer:
         """
         from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
         from tokenizers import Tokenizer as HFTokenizer
-
-        from .models.checkpoints import gguf_value
 
         tokens = gguf_value(reader, "tokenizer.ggml.tokens")
         hf_json = gguf_value(reader, "tokenizer.huggingface.json", None)

@@ -164,3 +164,22 @@ def test_encode_chat_unchanged_on_the_eval_turns(smol_tok, pangu_tok):
         for text in _bench_texts()[::8] + ODD_TEXTS[1:5]:
             msgs = [{"role": "user", "content": text}]
             assert tok.encode_chat(msgs) == tok.encode(tok.apply_chat_template(msgs)), text[:60]
+
+
+def test_tokenizer_and_checkpoint_loader_do_not_import_each_other():
+    """Issue 15 finding 7: models.checkpoints imports tokenizer; tokenizer never imports models.checkpoints."""
+    import ast
+    from pathlib import Path
+
+    import mindspore_eagle
+
+    def imported(path):
+        tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+        return {("." * n.level) + (n.module or "") for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
+            a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+
+    root = Path(mindspore_eagle.__file__).parent
+    assert ".models.checkpoints" not in imported(root / "tokenizer.py")
+    assert not any("checkpoints" in m for m in imported(root / "tokenizer.py"))
+    assert "..tokenizer" in imported(root / "models" / "checkpoints.py")
+    assert not any("checkpoints" in m or "tokenizer" in m for m in imported(root / "models" / "gguf_meta.py"))
