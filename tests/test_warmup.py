@@ -63,6 +63,29 @@ def test_full_warmup_then_no_compile_in_any_turn(ms_runtime, tiny_dir):
     assert base.turn.compile_count == 0
 
 
+def test_compiles_on_first_use_are_reported(ms_runtime, tiny_dir):
+    """Issue 15 finding 1: no silent compiling: a note, then one line per graph (name, rows x width, seconds)."""
+    import re
+
+    from mindspore_eagle import runtime
+    from mindspore_eagle.pipeline import build_engine
+    from mindspore_eagle.warmup import report_compiles
+
+    cfg = _cfg(tiny_dir, ["model.drafter=none"])
+    eng = build_engine(cfg)
+    lines = []
+    report_compiles(lines.append)
+    try:
+        eng.generate("Hi", cfg.generation, speculative=False)
+    finally:
+        runtime.set_compile_listener(None)
+    assert lines[0].startswith("compiling graphs on first use")
+    # prefill of the 16-row bucket, then one decode row, both over the 256-slot width
+    assert [re.sub(r"in \d+\.\d s$", "in S", ln) for ln in lines[1:]] == [
+        "compiled graph 1: PanguTeacher.construct 16 x 256 in S", "compiled graph 2: PanguTeacher.construct 1 x 256 in S"]
+    assert eng.target.compiles == 2
+
+
 def test_warmup_rejects_unknown_mode(ms_runtime, tiny_dir):
     from mindspore_eagle.pipeline import build_engine
     from mindspore_eagle.warmup import warmup
