@@ -15,7 +15,8 @@ version, this package's model/runner sources, the checkpoint files (path, size, 
 tree budgets; the key is also the one "dependency file" MindSpore hashes. A cache that fails to load is deleted
 and the warm-up compiles afresh.
 
-Layout: ``$MSEAGLE_CACHE/graphs/<key hash>/{key.py, complete.json, rank_0/graph_cache/*.mindir}``.
+Layout: ``$MSEAGLE_CACHE/graphs/<key hash>/{key.py, complete.json, rank_0/graph_cache/*.mindir}``; a process
+that builds a cache writes ``<key hash>.tmp<pid>`` and renames it into place once complete.
 """
 from __future__ import annotations
 
@@ -77,6 +78,7 @@ class GraphCache:
         text = json.dumps(key, sort_keys=True)
         self.key_text = text
         self.dir = Path(root) / hashlib.sha256(text.encode()).hexdigest()[:16]
+        self.work = self.dir          # where MindSpore reads / writes while open (a private copy when writing)
         self.opened = False
 
     @property
@@ -97,14 +99,18 @@ class GraphCache:
 
         if _active is not None or api.ms_compile_cache:
             return False
-        self.dir.mkdir(parents=True, exist_ok=True)
-        keyfile = self.dir / "key.py"
+        # a complete cache is only read; a new one is written into a private directory and renamed into place
+        # when complete, so concurrent processes (batch shards) never read a half-written graph
+        self.work = self.dir if self.complete else self.dir.with_name(f"{self.dir.name}.tmp{os.getpid()}")
+        shutil.rmtree(self.work, ignore_errors=True) if self.work != self.dir else None
+        self.work.mkdir(parents=True, exist_ok=True)
+        keyfile = self.work / "key.py"
         keyfile.write_text("# mindspore_eagle graph cache key (hashed by MindSpore as the entry script)\n# "
                            + self.key_text + "\n", encoding="utf-8")
         # MindSpore hashes the entry script and its imports to invalidate the cache; the real entry point is
         # `python -m mindspore_eagle` or a console script, whose relative imports its scanner cannot resolve.
         api.entry_script_path = str(keyfile)
-        ms.set_context(enable_compile_cache=True, compile_cache_path=str(self.dir))
+        ms.set_context(enable_compile_cache=True, compile_cache_path=str(self.work))
         self.opened, _active = True, self
         return True
 
@@ -117,13 +123,23 @@ class GraphCache:
             return
         ms.set_context(enable_compile_cache=False)
         self.opened, _active = False, None
-        if ok:
-            (self.dir / "complete.json").write_text(json.dumps({"key": self.key_text, "compiles": compiles}),
-                                                    encoding="utf-8")
+        if not ok or self.work == self.dir:
+            return
+        (self.work / "complete.json").write_text(json.dumps({"key": self.key_text, "compiles": compiles}),
+                                                 encoding="utf-8")
+        if self.complete:                     # another process finished first: keep its copy
+            shutil.rmtree(self.work, ignore_errors=True)
+            return
+        shutil.rmtree(self.dir, ignore_errors=True)       # an incomplete or damaged one
+        try:
+            os.rename(self.work, self.dir)
+        except OSError:                       # lost a race to another writer
+            shutil.rmtree(self.work, ignore_errors=True)
 
     def discard(self) -> None:
         """Switch the cache off and delete the directory (stale or corrupt files)."""
         self.close(False)
+        shutil.rmtree(self.work, ignore_errors=True)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -220,7 +220,7 @@ def prepare(engine, cfg, gen, mode: str = "full", log=None, drafters=None, graph
         cache = gcache.GraphCache(gcache.default_root(), key)
     if mode != "full" or cache is None or not cache.open():
         return dict(warmup(engine, gen, mode, log, drafters, budgets), graph_cache=None)
-    hit = cache.complete
+    hit = cache.work == cache.dir
     if log:
         log(f"warm-up: {'loading' if hit else 'compiling and saving'} all graphs ({cache.dir})")
     try:

@@ -124,7 +124,7 @@ def _run(tmp_path, tiny_dir):
     res = subprocess.run([sys.executable, "-c", RUN, f"model.teacher={tiny_dir}", *TINY], capture_output=True,
                          text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return dict(json.loads(res.stdout.strip().splitlines()[-1]), stderr=res.stderr)
 
 
 def test_graph_cache_reused_by_next_process_and_rebuilt_when_damaged(tmp_path, tiny_dir):
@@ -136,8 +136,10 @@ def test_graph_cache_reused_by_next_process_and_rebuilt_when_damaged(tmp_path, t
     assert len([f for f in files if f.endswith(".mindir")]) == 23
     assert json.load(open(os.path.join(cdir, "complete.json")))["compiles"] == 23
 
+    assert sorted(os.listdir(tmp_path / "cache" / "graphs")) == [os.path.basename(cdir)]   # no .tmp<pid> left
     second = _run(tmp_path, tiny_dir)
     assert second["log"][0].startswith("warm-up: loading all graphs")
+    assert "dependency files hash failed" not in second["stderr"]      # MindSpore really used the cached graphs
     assert (second["warm"]["graph_cache"], second["ids"], second["compiles_after"]) == (cdir, first["ids"], 0)
 
     for f in files:                       # damage every cached graph: the warm-up must drop them and compile
