@@ -255,7 +255,8 @@ def report_compiles(log=stderr_log) -> None:
                 "all of them once and reuses them from disk in later runs)")
         state["n"] += 1
         rows = sig[0][0][0] if sig and sig[0][0] else 1
-        width = next((s[0][1] for s in sig if len(s[0]) == 2 and s[0][0] == rows), None)
+        # the attention mask [rows, width] is the last 2-D argument of a forward (a one-argument call: no width)
+        width = next((s[0][1] for s in reversed(sig[1:]) if len(s[0]) == 2 and s[0][0] == rows), None)
         shape = f"{rows} x {width}" if width else str(rows)
         log(f"compiled graph {state['n']}: {name} {shape} in {ms_ / 1e3:.1f} s")
 
