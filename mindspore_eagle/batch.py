@@ -79,7 +79,9 @@ def parse_record(line: int, index: int, text: str) -> InputRecord:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        rec.error = f"line {line}: invalid JSON ({e.msg} at column {e.colno})"
+        # json's reason may already end in "at" ("Unterminated string starting at"): never "at at column"
+        reason = e.msg[:-3] if e.msg.endswith(" at") else e.msg
+        rec.error = f"line {line}: invalid JSON ({reason} at column {e.colno})"
         return rec
     if not isinstance(obj, dict):
         rec.error = f"line {line}: a record must be a JSON object, got {type(obj).__name__}"

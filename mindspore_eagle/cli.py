@@ -23,7 +23,7 @@ import json
 import os
 import sys
 
-from .assets import AssetError
+from .fetch import AssetError
 from .batch import BatchError
 from .config import Config, ConfigError, load_config
 from .models.config import CheckpointError
@@ -83,10 +83,25 @@ def config_from_args(args) -> Config:
     return cfg.validate()
 
 
-def _engine(cfg: Config):
+def _engine(cfg: Config, warmup: str = "none"):
+    """Build the engine of ``cfg`` and warm it up (``warmup``: full | short | none, see mindspore_eagle.warmup);
+    progress (downloads, warm-up, graphs compiled on first use) goes to stderr."""
     from .pipeline import build_engine
+    from .warmup import prepare, report_compiles, stderr_log
 
-    return build_engine(cfg)
+    engine = build_engine(cfg)
+    prepare(engine, cfg, cfg.generation, warmup, stderr_log, graph_cache=cfg.context.graph_cache)
+    report_compiles(stderr_log)
+    return engine
+
+
+def _add_warmup_arg(p: argparse.ArgumentParser, default: str, note: str) -> None:
+    p.add_argument("--warmup", choices=("auto", "full", "short", "none") if default == "auto" else
+                   ("full", "short", "none"), default=default,
+                   help="compile graphs before the first token: full = every shape a chat or job can reach (then "
+                        "nothing compiles later; the graphs are kept in $MSEAGLE_CACHE/graphs and loaded by later "
+                        "runs with the same configuration), short = the shapes of one short reply, none = compile "
+                        "each shape on first use. " + note)
 
 
 # ----------------------------------------------------------------------------------------------- generate --
@@ -131,7 +146,8 @@ class Streamer:
 
 
 def turn_summary(g, mode: str, speculative: bool) -> str:
-    """One line: new tokens, tok/s (wall, prefill included), mean accept length L_k (bonus counted), compiles.
+    """One line: new tokens, tok/s (wall, prefill included), mean accept length L_k (bonus counted; only when
+    the turn had speculative steps), compiles.
 
     When graphs compiled during the turn, tok/s is also given without the compiling calls (first runs).
     """
@@ -142,8 +158,9 @@ def turn_summary(g, mode: str, speculative: bool) -> str:
         run_s = (t.prefill_ms + t.decode_ms - t.compile_ms) / 1e3
         rate += (f" ({t.new_tokens / run_s:.2f} tok/s without the {t.compile_ms / 1e3:.1f} s of compiling calls)"
                  if run_s > 0 else "")
-    return (f"[{t.new_tokens} new tokens, {rate}, mean L_k {t.mean_accept_len:.2f} "
-            f"over {len(g.steps)} steps, {t.compile_count} compiles, {mode}, {how}, stop: {g.stop_reason}]")
+    accept = f"mean L_k {t.mean_accept_len:.2f} over {len(g.steps)} steps, " if g.steps else ""
+    return (f"[{t.new_tokens} new tokens, {rate}, {accept}{t.compile_count} compiles, {mode}, {how}, "
+            f"stop: {g.stop_reason}]")
 
 
 def _stdin_turns(prompt_tty: bool):
@@ -166,7 +183,8 @@ def cmd_generate(args) -> int:
     if not args.prompt and not args.chat:
         raise ConfigError("generate needs --prompt TEXT (repeatable for a multi-turn chat) or --chat")
     cfg = config_from_args(args)
-    engine = _engine(cfg)
+    multi = args.chat or len(args.prompt) > 1
+    engine = _engine(cfg, ("full" if multi else "none") if args.warmup == "auto" else args.warmup)
     speculative = engine.drafter is not None
     gen, steps, turns = cfg.generation, [], []
     turns_in = args.prompt if args.prompt else _stdin_turns(sys.stdin.isatty())
@@ -219,7 +237,7 @@ def cmd_batch(args) -> int:
     records = batch.read_input(args.input)
     if args.shard:
         records = batch.shard(records, *_parse_shard(args.shard))
-    stats = batch.run_batch(lambda: _engine(cfg), records, args.output, cfg.generation,
+    stats = batch.run_batch(lambda: _engine(cfg, args.warmup), records, args.output, cfg.generation,
                             speculative=cfg.model.drafter != "none", resume=args.resume, overwrite=args.overwrite,
                             progress=not args.no_progress)
     print(f"batch: {stats.written} record(s) written ({stats.errors} with an error), {stats.skipped} already done, "
@@ -380,6 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="interactive: read user turns from stdin (/reset, /exit)")
     g.add_argument("--system", metavar="TEXT", help="system message")
     g.add_argument("--stats", action="store_true", help="print the per-step timing table at the end (stderr)")
+    _add_warmup_arg(g, "auto", "Default auto: full for a chat (several --prompt, or --chat), none for one prompt.")
     _add_config_args(g)
     g.set_defaults(func=cmd_generate)
 
@@ -394,6 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--overwrite", action="store_true", help="start OUT afresh if it exists")
     b.add_argument("--shard", metavar="RANK/SIZE", help="only records i with i %% SIZE == RANK (data parallel)")
     b.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    _add_warmup_arg(b, "full", "Default full: the first record pays no compiling.")
     _add_config_args(b)
     b.set_defaults(func=cmd_batch)
 

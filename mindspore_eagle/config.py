@@ -11,9 +11,26 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field, fields
 
 import yaml
+
+
+class YamlLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that also reads YAML 1.2 floats: PyYAML (YAML 1.1) needs a dot, so ``1e-6`` or
+    ``5E-1`` would load as strings and a numeric key would refuse them. Used for config files and ``--set``."""
+
+
+YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
+def yaml_load(text_or_stream):
+    """Parse YAML with :class:`YamlLoader` (safe; exponent floats without a dot are numbers)."""
+    return yaml.load(text_or_stream, Loader=YamlLoader)  # noqa: S506 - YamlLoader is a SafeLoader
 
 
 class ConfigError(ValueError):
@@ -39,6 +56,7 @@ class ContextConfig:
     device_target: str = "CPU"
     device_id: int = 0
     threads: int = 0          # CPU kernel threads; 0 = min(cpu_count, 8)
+    graph_cache: bool = True  # a full warm-up saves / loads compiled graphs in $MSEAGLE_CACHE/graphs
 
     def validate(self):
         _check_int("context.mode", self.mode, 0, 1)
@@ -46,6 +64,8 @@ class ContextConfig:
             raise ConfigError(f"context.device_target = {self.device_target!r}: must be CPU, GPU or Ascend")
         _check_int("context.device_id", self.device_id, 0)
         _check_int("context.threads", self.threads, 0, 256)
+        if not isinstance(self.graph_cache, bool):
+            raise ConfigError("context.graph_cache must be true or false")
 
 
 @dataclass
@@ -204,7 +224,7 @@ def parse_override(text: str) -> tuple[str, str, object]:
     key, value = text.split("=", 1)
     section, name = key.strip().split(".", 1)
     try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
+        parsed = yaml_load(value) if value.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"--set {key}: value {value!r} is not valid YAML") from None
     return section, name, parsed
@@ -215,7 +235,7 @@ def _read_yaml(path: str) -> dict:
         raise ConfigError(f"config file {path!r} does not exist")
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
+            data = yaml_load(f) or {}
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -21,6 +21,7 @@ identical token ids. Sampling uses the multi-candidate rejection rule (verify.py
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -111,8 +112,9 @@ class Engine:
         self._policy = None
 
     def verify_budgets(self) -> list[int]:
-        """Tree budgets this engine verifies (each one compiled graph per attention width): [M] under the fixed
-        policy, 2, 4, ..., M under the adaptive one."""
+        """Tree budgets (query rows of one verification forward) this engine verifies, each one static graph per
+        attention width that ``warmup.warmup`` compiles ahead of use: [M] under the fixed policy, 2, 4, ..., M
+        under the adaptive one."""
         return compiled_budgets(self.spec.M) if self.spec.policy == "adaptive" else [self.spec.M]
 
     @property
@@ -123,7 +125,10 @@ class Engine:
         if self._policy is None:
             if self.spec.policy == "adaptive":
                 if self.costs is None:
+                    t0 = time.perf_counter()
                     self.costs = self.measure_costs()
+                    print(f"speculation cost table measured in {time.perf_counter() - t0:.1f} s "
+                          f"(decode {self.costs.decode_ms:.1f} ms)", file=sys.stderr, flush=True)
                 self._policy = AdaptivePolicy(self.costs, self.verify_budgets())
             else:
                 self._policy = FixedPolicy(self.spec.M, self.spec.D_max)
@@ -195,12 +200,13 @@ class Engine:
 
     # ------------------------------------------------------------------ public API
     def encode_chat(self, messages) -> list:
-        """Chat-templated prompt ids for ``messages`` (a str is one user message)."""
+        """Chat-templated prompt ids for ``messages`` (a str is one user message); message text is plain text
+        (control tokens come from the template only, ``Tokenizer.encode_chat``)."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         if not messages or not any(str(m.get("content", "")).strip() for m in messages):
             raise GenerationError("prompt is empty: give at least one non-empty message")
-        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
 
     def generate(self, messages, gen: GenerationConfig, speculative: bool = True, turn_id: str = "",
                  on_token=None) -> Generation:

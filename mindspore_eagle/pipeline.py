@@ -22,7 +22,7 @@ EMBEDDED_DRAFTER = os.path.join(os.path.dirname(__file__), "assets", "drafter_sm
 def resolve_teacher(spec: str) -> str:
     """Path of the teacher checkpoint named by ``model.teacher``."""
     if spec == "embedded":
-        from .assets import embedded_teacher_path
+        from .fetch import embedded_teacher_path
 
         return str(embedded_teacher_path())
     return spec

@@ -57,6 +57,18 @@ def check_mode(mode: str) -> str:
     return mode
 
 
+_compile_listener = None
+
+
+def set_compile_listener(fn) -> None:
+    """Call ``fn(name: str, signature: tuple, ms: float)`` after every new graph compiles (None = stop).
+
+    The CLI uses it for its stderr progress line, so the seconds spent compiling are never silent.
+    """
+    global _compile_listener
+    _compile_listener = fn
+
+
 class CompiledFn:
     """A Cell method run either jitted (fused) or eagerly, counting distinct compiled input signatures.
 
@@ -73,6 +85,7 @@ class CompiledFn:
         self._fn = ms.jit(fn) if mode == "fused" else fn
         self._seen: set = set()
         self.compile_ms = 0.0
+        self.name = getattr(fn, "__qualname__", "graph")
 
     @property
     def compiles(self) -> int:
@@ -82,9 +95,12 @@ class CompiledFn:
         if self.mode == "fused":
             sig = tuple((tuple(a.shape), str(a.dtype)) for a in args)
             if sig not in self._seen:
-                self._seen.add(sig)
                 t0 = time.perf_counter()
                 out = self._fn(*args)
-                self.compile_ms += (time.perf_counter() - t0) * 1e3
+                self._seen.add(sig)
+                ms_ = (time.perf_counter() - t0) * 1e3
+                self.compile_ms += ms_
+                if _compile_listener is not None:
+                    _compile_listener(self.name, sig, ms_)
                 return out
         return self._fn(*args)

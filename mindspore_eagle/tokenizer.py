@@ -22,6 +22,7 @@ from datetime import datetime
 from pathlib import Path
 
 from .models.config import CheckpointError
+from .models.gguf_meta import gguf_value
 
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -83,8 +84,41 @@ class Tokenizer:
                                      **{**self.template_vars, **kwargs})
 
     def encode_chat(self, messages: list, add_generation_prompt: bool = True) -> list[int]:
-        """`encode(apply_chat_template(messages, add_generation_prompt))` (BOS per `encode`)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+        """Token ids of the chat-templated `messages`, with control tokens coming only from the template.
+
+        Like `encode(apply_chat_template(messages, add_generation_prompt))` (BOS per `encode`), except that the
+        messages' contents are plain text: a special-token string a user types (``<|im_end|>``, ``[unused10]``)
+        is encoded as the ordinary tokens of its characters, never as the control id, so message text cannot
+        close its turn or forge another role's turn (cf. huggingface/transformers#29279). Text without such
+        strings encodes exactly as `encode` would. Contents are put in verbatim where the template inserts them
+        (string filters a template applies to a content, such as ``trim``, do not apply).
+
+        Raises:
+            CheckpointError: the tokenizer has no chat template.
+        """
+        marks = {}
+
+        def mark(m):
+            c = m.get("content")
+            if not isinstance(c, str) or not c:
+                return m
+            key = f"\ue000{len(marks)}\ue001"
+            marks[key] = c
+            return {**m, "content": key}
+
+        text = self.apply_chat_template([mark(m) for m in messages], add_generation_prompt)
+        parts = re.split("(\ue000[0-9]+\ue001)", text)
+        plain = [p for p in parts if p not in marks]
+        if any("\ue000" in p for p in plain):    # a template that does not insert contents verbatim
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+        # runs: str = template text (its special strings are control tokens), tuple = a message's content
+        runs = [(marks[p],) if p in marks else p for p in parts if p]
+        ids = self._backend.encode_runs(runs)
+        bos = self.template_vars.get("bos_token")
+        starts_bos = bool(bos) and bool(runs) and isinstance(runs[0], str) and runs[0].startswith(bos)
+        if self.add_bos and self.bos_token_id is not None and not starts_bos:
+            ids = [self.bos_token_id] + ids
+        return ids
 
     def token_to_id(self, token: str):
         """Id of a special/added token string, or of a vocabulary piece; None if unknown."""
@@ -102,8 +136,6 @@ class Tokenizer:
         """
         from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
         from tokenizers import Tokenizer as HFTokenizer
-
-        from .models.checkpoints import gguf_value
 
         tokens = gguf_value(reader, "tokenizer.ggml.tokens")
         hf_json = gguf_value(reader, "tokenizer.huggingface.json", None)
@@ -200,12 +232,58 @@ class Tokenizer:
                    template_vars={f"{k}_token": v for k, v in names.items()})
 
 
+def _runs_to_segments(runs, split):
+    """Cut template runs (str) at their special-token strings; content runs (1-tuples) are never cut.
+
+    Returns a list of ints (control ids) and lists of (text, is_content) pieces: the text between two control
+    tokens, which a backend encodes in one go.
+    """
+    out, cur = [], []
+    for run in runs:
+        if isinstance(run, tuple):
+            cur.append((run[0], True))
+            continue
+        for seg in (split(run) if split else [run]):
+            if isinstance(seg, int):
+                if cur:
+                    out.append(cur)
+                out.append(seg)
+                cur = []
+            elif seg:
+                cur.append((seg, False))
+    if cur:
+        out.append(cur)
+    return out
+
+
 class _TokenizersBackend:
     def __init__(self, tk):
         self.tk = tk
+        added = {c.content: i for i, c in tk.get_added_tokens_decoder().items()}
+        alts = sorted(added, key=len, reverse=True)
+        self._added = added
+        self._split_re = re.compile("(" + "|".join(map(re.escape, alts)) + ")") if alts else None
 
     def encode(self, text):
         return self.tk.encode(text, add_special_tokens=False).ids
+
+    def _split(self, text):
+        return [self._added[p] if p in self._added else p for p in self._split_re.split(text)]
+
+    def encode_plain(self, text: str) -> list:
+        """Ids of `text` with no added-token matching: normalizer, pre-tokenizer and model only (what `encode`
+        does between two added tokens)."""
+        tk = self.tk
+        norm = tk.normalizer.normalize_str(text) if tk.normalizer is not None else text
+        pieces = tk.pre_tokenizer.pre_tokenize_str(norm) if tk.pre_tokenizer is not None else [(norm, None)]
+        return [t.id for piece, _ in pieces for t in tk.model.tokenize(piece)]
+
+    def encode_runs(self, runs) -> list:
+        """Ids of template runs (str; special strings -> control ids) and content runs (1-tuples, plain text)."""
+        ids = []
+        for seg in _runs_to_segments(runs, self._split if self._split_re else None):
+            ids.extend([seg] if isinstance(seg, int) else self.encode_plain("".join(t for t, _ in seg)))
+        return ids
 
     def decode(self, ids, skip_special):
         return self.tk.decode(ids, skip_special_tokens=skip_special)
@@ -230,6 +308,57 @@ class _SentencePieceBackend:
                 ids.append(self.added_ids[seg])
             elif seg:
                 ids.extend(self.sp.encode(seg))
+        return ids
+
+    def _split(self, text):
+        return [self.added_ids[p] if p in self.added_ids else p for p in self.split.split(text)]
+
+    def _literal(self, text: str) -> list:
+        """Ids spelling `text` character by character (the piece of each character, else its UTF-8 byte
+        pieces <0xNN>): an added-token string that must stay text, which SentencePiece would match as a
+        user-defined symbol."""
+        ids = []
+        for ch in text:
+            i = self.sp.piece_to_id(ch)
+            if self.sp.id_to_piece(i) == ch and i not in self.added:
+                ids.append(i)
+            else:
+                ids.extend(self.sp.piece_to_id(f"<0x{b:02X}>") for b in ch.encode("utf-8"))
+        return ids
+
+    def encode_runs(self, runs) -> list:
+        """Ids of template runs (str; special strings -> control ids) and content runs (1-tuples, plain text).
+
+        Text between two control tokens is one SentencePiece call, as in `encode`; an added-token string inside a
+        content is spelled out by `_literal` and the text on each side is its own call (so, as after a control
+        token, text right after it that does not start with a space gets SentencePiece's dummy-prefix space)."""
+        ids = []
+        for seg in _runs_to_segments(runs, self._split if self.split else None):
+            if isinstance(seg, int):
+                ids.append(seg)
+                continue
+            text, pending = "", []
+            for t, is_content in seg:
+                if not is_content or not self.split:
+                    text += t
+                    continue
+                for j, piece in enumerate(self.split.split(t)):
+                    if j % 2:           # an added-token string typed by the user
+                        pending.append(text)
+                        pending.append((piece,))
+                        text = ""
+                    else:
+                        text += piece
+            pending.append(text)
+            after_literal = False
+            for p in pending:
+                if isinstance(p, tuple):
+                    ids.extend(self._literal(p[0]))
+                elif p:
+                    # a new SentencePiece call prefixes a space ("▁", add_dummy_prefix): after a spelled-out
+                    # string, let it stand for the text's own leading space
+                    ids.extend(self.sp.encode(p[1:] if after_literal and p[0] == " " and p[1:] else p))
+                after_literal = isinstance(p, tuple)
         return ids
 
     def decode(self, ids, skip_special):

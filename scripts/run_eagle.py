@@ -16,7 +16,7 @@ Arguments (pangu_mindformers.md §2.1):
     --use_parallel       True: data parallel over RANK_SIZE processes (RANK_ID from ModelArts or msrun), record
                          i on rank i % RANK_SIZE, rank 0 merges and writes the result file.
     --predict_batch_size accepted; records run one after another (one sequence per step).
-    --set section.key=value   our config overrides.   --output_dir DIR  where result files go (default .).
+    --set section.key=value   our config overrides.   --output_dir DIR  where result files go (default ./output).
 Other MindFormers options (``--auto_trans_ckpt`` ...) are accepted and ignored with a note.
 
 Output: each answer on stdout; ``text_generation_result.txt`` gets one line per prompt in MindFormers' format
@@ -58,7 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--use_parallel", type=str2bool, default=False)
     p.add_argument("--predict_batch_size", type=int, default=1)
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--output_dir", default=".")
+    p.add_argument("--output_dir", default="./output", metavar="DIR",
+                   help="where text_generation_result.txt / .jsonl go (created; MindFormers' default ./output)")
     args, unknown = p.parse_known_args(argv)
     ignored = [a for a in unknown if a.startswith("--")]
     if ignored:
@@ -137,8 +138,8 @@ def predict(args) -> int:
                     + "\n")
             texts = r["text"] if isinstance(r["text"], list) else [r["text"]]
             print("\n".join(texts), flush=True)
-            print(f"[{r['new_tokens']} new tokens, {r['tok_per_s']:.2f} tok/s, mean L_k {r['mean_accept_len']:.2f}]",
-                  file=sys.stderr, flush=True)
+            accept = f", mean L_k {r['mean_accept_len']:.2f}" if cfg.model.drafter != "none" else ""
+            print(f"[{r['new_tokens']} new tokens, {r['tok_per_s']:.2f} tok/s{accept}]", file=sys.stderr, flush=True)
     print(f"results: {os.path.join(args.output_dir, RESULT_TXT)} ({len(results) - failed} ok, {failed} failed; "
           f"{stats.seconds:.1f} s)", file=sys.stderr)
     return 2 if failed else 0

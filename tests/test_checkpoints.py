@@ -283,7 +283,7 @@ def test_gguf_roundtrip(tmp_path, arch, pre, bias, tied):
 # --------------------------------------------------------------------------------------- real SmolLM2 GGUF --
 @pytest.fixture(scope="module")
 def smollm():
-    from mindspore_eagle.assets import AssetError, embedded_teacher_path
+    from mindspore_eagle.fetch import AssetError, embedded_teacher_path
 
     try:
         path = embedded_teacher_path()

@@ -104,10 +104,14 @@ def _cfg_file(tmp_path, text):
 
 
 # ---------------------------------------------------------------------------------------------------- help --
-@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["batch", "--help"], ["inspect", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["batch", "--help"], ["inspect", "--help"],
+                                  ["bench", "--help"], ["train-drafter", "--help"]])
 def test_help(capsys, argv):
-    rc, out, _ = run_main(capsys, argv)
-    assert rc == 0 and "usage: mindspore-eagle" in out
+    try:
+        rc, out, _ = run_main(capsys, argv)
+    except SystemExit as e:          # delegated sub-commands exit from argparse
+        rc, out = e.code, capsys.readouterr().out
+    assert rc == 0 and out.startswith(f"usage: mindspore-eagle {argv[0] if len(argv) > 1 else ''}".rstrip())
 
 
 def test_help_subprocess_and_module_entry():
@@ -269,6 +273,9 @@ def test_generate_multi_turn_streams_and_summarises(capsys, tiny, tmp_path):
 
     rc, base_out, base_err = run_main(capsys, argv + ["--baseline"])
     assert rc == 0 and "teacher-only" in base_err
+    base_summaries = re.findall(r"\[(\d+) new tokens, [\d.]+ tok/s, (\d+) compiles, eager, teacher-only, "
+                                r"stop: (eos|length|stop)\]", base_err)
+    assert len(base_summaries) == 2 and "L_k" not in base_err     # no "mean L_k 1.00 over 0 steps"
     assert base_out == out  # greedy speculative decoding is lossless: same streamed text as teacher-only
 
 
@@ -372,11 +379,15 @@ def test_run_eagle_answers_paris(tmp_path):
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "run_eagle.py"), "--config",
                           str(ROOT / "configs" / "default.yaml"), "--run_mode", "predict", "--predict_data",
                           "What is the capital of France?", "--set", f"model.drafter={drafter}",
-                          "--set", "generation.max_new_tokens=16", "--use_parallel", "False"],
+                          "--set", "generation.max_new_tokens=16", "--use_parallel", "False",
+                          "--output_dir", "results/run1"],
                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "Paris" in res.stdout
-    lines = (tmp_path / "text_generation_result.txt").read_text(encoding="utf-8").splitlines()
+    assert sorted(os.listdir(tmp_path)) == ["results"]            # nothing left in the working directory
+    assert sorted(os.listdir(tmp_path / "results" / "run1")) == ["text_generation_result.jsonl",
+                                                                  "text_generation_result.txt"]
+    lines = (tmp_path / "results" / "run1" / "text_generation_result.txt").read_text(encoding="utf-8").splitlines()
     assert len(lines) == 1 and lines[0].startswith("{'text_generation_text': [") and "Paris" in lines[0]
 
 

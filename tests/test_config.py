@@ -140,3 +140,27 @@ def test_exec_mode_follows_context_mode():
 def test_non_mapping_file(tmp_path):
     with pytest.raises(ConfigError, match="must hold a mapping of sections"):
         load_config(_yaml(tmp_path, "- a\n- b\n"))
+
+
+@pytest.mark.parametrize("text, value", [("1e-6", 1e-6), ("5E-1", 0.5), ("2e1", 20.0), ("+1e-3", 1e-3),
+                                         (".5e1", 5.0), ("1.5e-2", 0.015)])
+def test_exponent_floats_without_a_dot_are_numbers(tmp_path, text, value):
+    """Issue 15 finding 4: PyYAML reads '1e-6' as a string; both --set and YAML files must give the number."""
+    assert load_config(None, [f"generation.temperature={text}"]).generation.temperature == value
+    path = tmp_path / "c.yaml"
+    path.write_text(f"generation:\n  temperature: {text}\n  top_p: {text if value <= 1 else 1}\n")
+    cfg = load_config(str(path))
+    assert cfg.generation.temperature == value and type(cfg.generation.temperature) is float
+    assert cfg.generation.top_p == (value if value <= 1 else 1)
+
+
+@pytest.mark.parametrize("text", ["1e", "e-6", "1e-6x", "abc", "1e-6.5"])
+def test_strings_that_are_not_numbers_still_refused(text):
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, [f"generation.temperature={text}"])
+    assert str(ei.value) == f"generation.temperature = {text!r} is out of range: must be a number in [0.0, 100.0]"
+
+
+def test_exponent_float_in_an_int_key_is_refused():
+    with pytest.raises(ConfigError, match=r"^speculative.M = 10000.0 is out of range: must be an int in \[2, 512\]$"):
+        load_config(None, ["speculative.M=1e4"])

@@ -153,92 +153,27 @@ class EnginePool:
         return self.target.compiles + sum(d.compiles for d in self.drafters.values())
 
     def warmup(self, gen, mode: str = "full", log=print) -> dict:
-        """Compile before timing (uncounted). Returns {"mode", "seconds", "compiles"}.
+        """Compile before timing (uncounted), with :func:`mindspore_eagle.warmup.prepare` over the base engine,
+        every drafter of the pool and every setting's tree budget. Returns {"mode", "seconds", "compiles",
+        "graph_cache"}.
 
-        ``short``: one short generation per engine (baseline once, speculative once per setting).
-        ``full``: every fixed shape a timed turn can hit, so no graph compiles inside a timed turn: each teacher
-        prefill bucket and each drafter context-pass bucket at each attention-width bucket (``runner.widths``:
-        256, 512, ..., S), then a short baseline and speculative generation per engine with a prompt long enough
-        to need each width (decode / verify / tree-expansion graphs at every width).
+        ``full``: every fixed shape a timed turn can hit (no graph compiles inside a timed turn; graphs reused
+        from $MSEAGLE_CACHE/graphs when this pool was warmed before). ``short``: one short generation.
         ``none``: nothing (the first turns then include compile time; their compile_count says so).
         """
-        if mode == "none":
-            return {"mode": mode, "seconds": 0.0, "compiles": 0}
-        t0, c0 = time.perf_counter(), self.compiles
-        short = dataclasses.replace(gen, max_new_tokens=min(8, gen.max_new_tokens), stop=[])
-        chat = self.base.encode_chat("Say hello in one short sentence.")
-        prompts = [chat]
-        if mode == "full":
-            fill = lambda n: (np.arange(n) % 1000 + 100).tolist()   # noqa: E731  arbitrary valid token ids
-            prev = 0
-            for w in self.target.widths:
-                for b in self.target.buckets:
-                    if prev + b <= self.target.S:
-                        sid = self.target.new_seq()
-                        try:
-                            if prev:
-                                self.target.prefill(sid, fill(prev))
-                            self.target.prefill(sid, fill(b))
-                        finally:
-                            self.target.free(sid)
-                if prev:
-                    prompts.append(fill(prev + 1 - len(chat)) + chat)
-                prev = w
-            width = 3 * self.loaded.drafter_cfg.target_hidden_size
-            for dr in self.drafters.values():
-                prev = 0
-                for w in dr.widths:
-                    for b in dr.buckets:
-                        if prev + b <= dr.S:
-                            dsid = dr.new_seq()
-                            try:
-                                if prev:
-                                    dr.extend(dsid, np.zeros((prev, width), np.float32), np.full(prev, 100, np.int64))
-                                dr.extend(dsid, np.zeros((b, width), np.float32), np.full(b, 100, np.int64))
-                            finally:
-                                dr.free(dsid)
-                    prev = w
-            self._warm_trees()
-        for ids in prompts:
-            if len(ids) + short.max_new_tokens > self.target.S:
-                continue
-            self.base.generate_ids(ids, short, speculative=False, turn_id="warmup")
-            for name in self.engines:
-                self.engine(name).generate_ids(ids, short, speculative=True, turn_id="warmup")
-        out = {"mode": mode, "seconds": time.perf_counter() - t0, "compiles": self.compiles - c0}
-        log(f"warm-up ({mode}): {out['compiles']} graphs compiled in {out['seconds']:.1f} s")
+        from ..warmup import prepare
+
+        budgets = sorted({M for eng in self.engines.values() for M in eng.verify_budgets()})
+        others = [d for k, d in self.drafters.items() if d is not self.base.drafter]
+        out = prepare(self.base, self.cfg, gen, mode, log, drafters=others,
+                      graph_cache=self.cfg.context.graph_cache, budgets=budgets)
+        for name in self.engines:       # the adaptive policy's cost table is measured here, not in a timed turn
+            if self.engines[name].spec.policy == "adaptive":
+                t0 = time.perf_counter()
+                costs = self.engine(name).policy.costs
+                log(f"cost table of setting {name} measured in {time.perf_counter() - t0:.1f} s:\n{costs.describe()}")
         return out
 
-
-    def _warm_trees(self) -> None:
-        """Compile every verification budget of every engine (the adaptive policy may pick any of them) and the
-        drafters' expansion step, at each attention-width bucket."""
-        from ..tree import DraftTree, tensorize
-
-        tg, prev = self.target, 0
-        budgets = sorted({m for e in self.engines.values() for m in e.verify_budgets()})
-        width = 3 * self.loaded.drafter_cfg.target_hidden_size
-        for w in tg.widths:
-            n = prev + 1
-            if n + max(budgets) > tg.S:
-                break
-            sid = tg.new_seq()
-            try:
-                tg.prefill(sid, (np.arange(n) % 1000 + 100).tolist())
-                for m in budgets:
-                    tt = tensorize(DraftTree(np.arange(m) + 100, np.zeros(m, np.int64)), m, self.d_max)
-                    tg.verify(sid, tt, tg.verify_mask(sid, tt))
-                    tg.rollback(sid)
-            finally:
-                tg.free(sid)
-            for dr in self.drafters.values():
-                dsid = dr.new_seq()
-                try:
-                    first = dr.extend(dsid, np.zeros((n, width), np.float32), np.full(n, 100, np.int64))
-                    dr.build_tree(dsid, 100, first, max(budgets), self.d_max)
-                finally:
-                    dr.free(dsid)
-            prev = w
 
 
 # ------------------------------------------------------------------------------------ attention evidence --

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import CheckpointError, ModelConfig
+from .gguf_meta import gguf_value
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 GGUF_ARCHS = ("llama", "qwen2")
@@ -279,20 +280,6 @@ def save_hf_checkpoint(directory, config_dict: dict, tensors: dict, num_shards: 
 
 
 # ------------------------------------------------------------------------------------------------------ GGUF --
-def gguf_value(reader, key: str, default=KeyError):
-    """Metadata value `key` of a `gguf.GGUFReader` (str/int/float/bool/list); `default` when absent.
-
-    Raises:
-        CheckpointError: the key is absent and no default was given (names the key).
-    """
-    field = reader.fields.get(key)
-    if field is None:
-        if default is KeyError:
-            raise CheckpointError(f"GGUF metadata: missing required key '{key}'")
-        return default
-    return field.contents()
-
-
 def gguf_config(reader) -> ModelConfig:
     """ModelConfig from GGUF metadata ({arch}.block_count, embedding_length, feed_forward_length,
     attention.head_count[_kv], attention.key_length, rope.freq_base, attention.layer_norm_rms_epsilon,

@@ -13,7 +13,7 @@ import time
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m mindspore_eagle.train", description=__doc__)
+    p = argparse.ArgumentParser(prog="mindspore-eagle train-drafter", description=__doc__)
     p.add_argument("--teacher", default=None, help="teacher checkpoint (GGUF or HF dir); default: embedded SmolLM2")
     p.add_argument("--out", required=True, help="drafter output directory (config.json + model.safetensors)")
     p.add_argument("--features-dir", default=None, help="feature shards (default <out>/../features)")
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     from ..models.checkpoints import load_teacher
 
     if args.teacher is None:
-        from ..assets import embedded_teacher_path
+        from ..fetch import embedded_teacher_path
 
         args.teacher = str(embedded_teacher_path())
     cfg, tensors, tok = load_teacher(args.teacher)

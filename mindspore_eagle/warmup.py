@@ -1,0 +1,266 @@
+"""Compile every graph a chat or batch job can reach, in one fixed order, before the first timed token.
+
+In fused mode each :class:`~mindspore_eagle.runtime.CompiledFn` compiles one graph per input shape on first use
+(~1 s each for the 135M teacher on 2 cores). The shapes a conversation can reach are finite and known from the
+configuration:
+
+- teacher: each prefill bucket (16..prefill_chunk) x each attention width (256, 512, ..., S); decode (1 query
+  row) and verification (k = each tree budget of ``engine.verify_budgets()``) at each width; the K/V compaction of
+  a commit (D_max + 2 rows);
+- drafter: each context-pass bucket (1..prefill_chunk rows, plus the feature fusion at that bucket) x each
+  width; tree expansion (top_k rows) at each width.
+
+:func:`warmup` visits them directly (synthetic ids on scratch sequences; the K/V written there is garbage and is
+released), always in the same order, which is also what lets MindSpore's on-disk compile cache
+(``runtime.enable_graph_cache``) be reused safely: that cache numbers graphs by compile order within a process.
+
+Letters: M = tree budget, D = D_max, K = top_k, S = cache.max_seq_len, w = attention width bucket.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+import numpy as np
+
+from .tree import DraftTree, tensorize
+
+MODES = ("full", "short", "none")
+_FILL_ID = 100    # any valid token id: warm-up only needs shapes
+
+
+def _skip(runner, sid: int, n: int) -> None:
+    """Advance sequence ``sid`` of a TargetRunner / DrafterRunner by ``n`` positions without running the model."""
+    if n:
+        runner.bm.append(sid, n, n)
+        runner.bm.advance(sid, n)
+
+
+def _ids(n: int) -> np.ndarray:
+    return np.full(n, _FILL_ID, np.int64)
+
+
+def _start(prev: int, rows: int, limit: int, lo: int = 0):
+    """Prefix length p0 >= lo with p0 + rows in (prev, limit], i.e. a call of ``rows`` new positions that needs
+    the width bucket right above ``prev``; None when no such p0 exists."""
+    p0 = max(lo, min(prev, limit - rows))
+    return p0 if prev < p0 + rows <= limit else None
+
+
+def _bucket_calls(buckets, prev: int, limit: int):
+    """(b, p0, n) per bucket b: n real rows (n in (b/2, b], so the call pads to b) after a prefix p0."""
+    lower = 0
+    for b in buckets:
+        n = min(b, limit - prev) if prev < limit else 0
+        if n > lower:
+            p0 = _start(prev, n, limit)
+            if p0 is not None:
+                yield b, p0, n
+        lower = b
+
+
+def target_shapes(target, budgets, D: int):
+    """Yield (what, fn) calls compiling every teacher graph: prefill buckets, decode, verify per budget, commit.
+
+    Args:
+        target: TargetRunner. budgets: tree budgets M to verify (ints >= 2). D: D_max (commit compaction rows).
+    """
+    prev = 0
+    for w in target.widths:
+        for b, p0, n in _bucket_calls(target.buckets, prev, target.S):
+            yield f"teacher prefill {b} x {w}", lambda p0=p0, n=n: _prefill(target, p0, n)
+        p0 = _start(prev, 1, target.S, lo=1)
+        if p0 is not None:
+            yield f"teacher decode 1 x {w}", lambda p0=p0: _decode(target, p0)
+        for M in budgets:
+            p0 = _start(prev, M, target.S, lo=1)
+            if p0 is not None:
+                yield f"teacher verify {M} x {w}", lambda p0=p0, M=M: _verify(target, p0, M, D)
+        prev = w
+
+
+def _prefill(target, p0: int, n: int) -> None:
+    sid = target.new_seq()
+    try:
+        _skip(target, sid, p0)
+        target.prefill(sid, _ids(n))
+    finally:
+        target.free(sid)
+
+
+def _decode(target, p0: int) -> None:
+    sid = target.new_seq()
+    try:
+        _skip(target, sid, p0)
+        target.decode(sid, _FILL_ID)
+    finally:
+        target.free(sid)
+
+
+def _verify(target, p0: int, M: int, D: int) -> None:
+    """One verification of a root with two children and a commit of the second child (a non-chain path, so the
+    K/V compaction graph runs too)."""
+    sid = target.new_seq()
+    try:
+        _skip(target, sid, p0)
+        n = min(3, M)
+        tree = DraftTree(tokens=_FILL_ID + np.arange(n), parents=np.zeros(n, np.int64))
+        target.verify(sid, tensorize(tree, M, D))
+        target.commit(sid, np.array([0, min(2, M - 1)]), D + 2)
+    finally:
+        target.free(sid)
+
+
+def drafter_shapes(drafter, M: int, D: int, context_limit: int):
+    """Yield (what, fn) calls compiling every drafter graph: context-pass buckets and tree expansion per width.
+
+    Args:
+        drafter: DrafterRunner. M / D: tree budget and depth of the trees it will build.
+        context_limit: most context pairs the drafter holds (the teacher's S; the rest of its cache is scratch).
+    """
+    width = 3 * drafter.drafter.cfg.target_hidden_size      # fused teacher features per context pair
+    scratch = drafter.K * max(0, D - 1)
+    limit = min(context_limit, drafter.S - scratch)
+    prev = 0
+    for w in drafter.widths:
+        for b, p0, n in _bucket_calls(drafter.buckets, prev, limit):
+            yield f"drafter context {b} x {w}", lambda p0=p0, n=n: _extend(drafter, p0, n, width)
+        p0 = _start(prev, 1 + scratch, limit + scratch)   # n_ctx = p0 + 1 pairs, then K (D - 1) scratch rows
+        if D > 1 and p0 is not None:
+            yield f"drafter expansion {drafter.K} x {w}", lambda p0=p0: _expand(drafter, p0, M, D, width)
+        prev = w
+
+
+def _extend(drafter, p0: int, n: int, width: int) -> tuple:
+    sid = drafter.new_seq()
+    try:
+        _skip(drafter, sid, p0)
+        return drafter.extend(sid, np.zeros((n, width), np.float32), _ids(n))
+    finally:
+        drafter.free(sid)
+
+
+def _expand(drafter, p0: int, M: int, D: int, width: int) -> None:
+    sid = drafter.new_seq()
+    try:
+        _skip(drafter, sid, p0)
+        first = drafter.extend(sid, np.zeros((1, width), np.float32), _ids(1))
+        drafter.build_tree(sid, _FILL_ID, first, M, D)
+    finally:
+        drafter.free(sid)
+
+
+def warmup(engine, gen, mode: str = "full", log=None, drafters=None, budgets=None) -> dict:
+    """Compile the graphs of ``engine`` before use (fused mode; eager mode has nothing to compile).
+
+    Args:
+        engine: Engine (its target, drafter, spec and ``verify_budgets()``).
+        gen: GenerationConfig (``short`` mode generates min(8, max_new_tokens) tokens with it).
+        mode: ``full``: every shape a chat or job can reach (module docstring), in a fixed order, so no graph
+            compiles after it; ``short``: one short speculative (or teacher-only) generation, i.e. the shapes of a
+            short prompt; ``none``: nothing.
+        log: callable taking one progress line (str), e.g. a stderr printer; None = silent.
+        drafters: extra DrafterRunners sharing the engine's teacher (bench's other top_k), warmed like its own.
+        budgets: tree budgets to verify (default ``engine.verify_budgets()``).
+    Returns:
+        {"mode": str, "seconds": float wall s, "compiles": int graphs compiled (0 when all were cached in-process)}.
+    Raises:
+        ValueError: mode is not one of full, short, none.
+    """
+    if mode not in MODES:
+        raise ValueError(f"warmup mode must be one of {', '.join(MODES)}, got {mode!r}")
+    log = log or (lambda line: None)
+    runners = [engine.target] + ([engine.drafter] if engine.drafter is not None else []) + list(drafters or [])
+    count = lambda: sum(r.compiles for r in runners)   # noqa: E731
+    t0, c0 = time.perf_counter(), count()
+    if mode == "full" and engine.target.mode == "fused":
+        spec = engine.spec
+        calls = list(target_shapes(engine.target, budgets or engine.verify_budgets(), spec.D_max))
+        for dr in runners[1:]:
+            calls += list(drafter_shapes(dr, spec.M, spec.D_max, engine.target.S))
+        for i, (what, fn) in enumerate(calls):
+            before = count()
+            fn()
+            if count() > before:
+                log(f"warm-up: compiled {what} ({i + 1}/{len(calls)}, {time.perf_counter() - t0:.1f} s)")
+    elif mode == "short":
+        short = dataclasses.replace(gen, max_new_tokens=min(8, gen.max_new_tokens), stop=[])
+        engine.generate_ids(engine.encode_chat("Say hello in one short sentence."), short,
+                            speculative=engine.drafter is not None, turn_id="warmup")
+    out = {"mode": mode, "seconds": time.perf_counter() - t0, "compiles": count() - c0}
+    if mode != "none":
+        log(f"warm-up ({mode}): {out['compiles']} graphs compiled in {out['seconds']:.1f} s")
+    return out
+
+
+def prepare(engine, cfg, gen, mode: str = "full", log=None, drafters=None, graph_cache: bool = True,
+            budgets=None) -> dict:
+    """Warm ``engine`` up, reusing compiled graphs from disk when possible (:mod:`~mindspore_eagle.graph_cache`).
+
+    Args:
+        engine / gen / log / drafters / budgets: as :func:`warmup`. cfg: the Config the engine was built from.
+        mode: full | short | none, as :func:`warmup`.
+        graph_cache: use the on-disk cache (``context.graph_cache``); only a ``full`` warm-up reads or writes it.
+    Returns:
+        :func:`warmup`'s dict plus "graph_cache": the directory used, or None.
+    Raises:
+        ValueError: unknown mode.
+    """
+    from . import graph_cache as gcache
+    from .pipeline import EMBEDDED_DRAFTER, resolve_teacher
+
+    if mode not in MODES:
+        raise ValueError(f"warmup mode must be one of {', '.join(MODES)}, got {mode!r}")
+    cache = None
+    if graph_cache and mode == "full" and engine.target.mode == "fused":
+        d = cfg.model.drafter
+        key = gcache.cache_key(cfg, budgets or engine.verify_budgets(), resolve_teacher(cfg.model.teacher),
+                               EMBEDDED_DRAFTER if d == "embedded" else d)
+        cache = gcache.GraphCache(gcache.default_root(), key)
+    if mode != "full" or cache is None or not cache.open():
+        return dict(warmup(engine, gen, mode, log, drafters, budgets), graph_cache=None)
+    hit = cache.work == cache.dir
+    if log:
+        log(f"warm-up: {'loading' if hit else 'compiling and saving'} all graphs ({cache.dir})")
+    try:
+        out = warmup(engine, gen, mode, log, drafters, budgets)
+    except Exception as e:   # a stale or damaged cache file: drop the cache, compile afresh
+        cache.discard()
+        if log:
+            log(f"warm-up: graph cache {cache.dir} unusable ({type(e).__name__}); removed, compiling")
+        return dict(warmup(engine, gen, mode, log, drafters, budgets), graph_cache=None)
+    cache.close(True, out["compiles"])
+    return dict(out, graph_cache=str(cache.dir))
+
+
+def stderr_log(line: str) -> None:
+    """Print one progress line to stderr (flushed), the way the CLI reports downloads and compiling."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def report_compiles(log=stderr_log) -> None:
+    """Report every graph compiled on first use (outside a warm-up) as one ``log`` line, with a note first.
+
+    Installs a :func:`mindspore_eagle.runtime.set_compile_listener`; the line names the Cell method, the query
+    rows x attention width of the call and the seconds it took.
+    """
+    from . import runtime
+
+    state = {"n": 0}
+
+    def listener(name, sig, ms_):
+        if state["n"] == 0:
+            log("compiling graphs on first use (each new prompt bucket or attention width; --warmup full compiles "
+                "all of them once and reuses them from disk in later runs)")
+        state["n"] += 1
+        rows = sig[0][0][0] if sig and sig[0][0] else 1
+        # the attention mask [rows, width] is the last 2-D argument of a forward (a one-argument call: no width)
+        width = next((s[0][1] for s in reversed(sig[1:]) if len(s[0]) == 2 and s[0][0] == rows), None)
+        shape = f"{rows} x {width}" if width else str(rows)
+        log(f"compiled graph {state['n']}: {name} {shape} in {ms_ / 1e3:.1f} s")
+
+    runtime.set_compile_listener(listener)
+
+
+__all__ = ["warmup", "prepare", "report_compiles", "target_shapes", "drafter_shapes", "stderr_log", "MODES"]
