@@ -67,7 +67,7 @@ class TargetRunner:
         self.widths = context_widths(max_seq_len, block_size)
         self._fwd = CompiledFn(teacher.construct, mode)
         self._hidden = CompiledFn(teacher.hidden, mode)
-        self._compact = CompiledFn(KVCompactor(teacher.caches(), teacher.head_base), mode)
+        self._compact = CompiledFn(KVCompactor(teacher.caches(), teacher.backend), mode)
 
     @property
     def compiles(self) -> int:

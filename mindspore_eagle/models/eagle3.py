@@ -28,8 +28,8 @@ import numpy as np
 import mindspore as ms
 from mindspore import nn, ops, Parameter, Tensor
 
-from ..kv import PortableKVOps, cache_index_constants, make_cache
-from .pangu import RMSNorm, apply_rope, paged_attention, rope_swap_index, rope_tables
+from ..attention import make_backend
+from .pangu import RMSNorm, apply_rope, rope_swap_index, rope_tables
 
 
 class DrafterCheckpointError(ValueError):
@@ -226,11 +226,12 @@ class Eagle3Drafter(nn.Cell):
     Args:
         cfg: drafter config; embed: the teacher's embedding Parameter [V, H] (shared, not copied; its dtype is
         the drafter's compute dtype);
-        top_k: K; num_blocks / block_size / max_seq_len: the drafter cache geometry.
+        top_k: K; num_blocks / block_size / max_seq_len: the drafter cache geometry;
+        attention: cache / attention backend (``attention.py``): auto | portable | fused | a built backend.
     """
 
     def __init__(self, cfg: DrafterConfig, embed: Parameter, top_k: int, num_blocks: int, block_size: int,
-                 max_seq_len: int):
+                 max_seq_len: int, attention="auto"):
         super().__init__()
         H, F, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         self.cfg, self.top_k = cfg, top_k
@@ -250,14 +251,14 @@ class Eagle3Drafter(nn.Cell):
         self.w_down = Parameter(z(H, F), name="w_down")
         self.lm_head = Parameter(z(cfg.draft_vocab_size, H), name="lm_head")
         self.d2t = Parameter(Tensor(np.zeros(cfg.draft_vocab_size, np.int32)), name="d2t", requires_grad=False)
-        self.key_cache = make_cache(num_blocks, block_size, self.nkv, hd, dt, "draft_key_cache")
-        self.value_cache = make_cache(num_blocks, block_size, self.nkv, hd, dt, "draft_value_cache")
-        self.offsets, self.head_base = cache_index_constants(num_blocks, block_size, self.nkv)
+        self.scale = 1.0 / float(np.sqrt(hd))
+        self.backend = make_backend(attention, num_blocks, block_size, self.nkv, self.nh, hd, dt, self.scale)
+        self.key_cache = self.backend.make_cache("draft_key_cache")
+        self.value_cache = self.backend.make_cache("draft_value_cache")
         cos, sin = rope_tables(hd, max_seq_len, cfg.rope_theta)
         self.cos, self.sin = Tensor(cos), Tensor(sin)
         self.swap = rope_swap_index(hd)
         self.matmul_t = ops.MatMul(transpose_b=True)
-        self.scale = 1.0 / float(np.sqrt(hd))
         self.ffn = F
 
     def fuse(self, aux):
@@ -278,9 +279,8 @@ class Eagle3Drafter(nn.Cell):
         qk = apply_rope(qk.reshape(k_len, self.nh + self.nkv, self.hd), cos, sin, self.swap)
         q, k = ops.split(qk, (self.nh, self.nkv), 1)
         v = v.reshape(k_len, self.nkv, self.hd)
-        write_idx, read_idx = PortableKVOps.indices(slots, block_table, self.offsets, self.head_base)
-        ctx = paged_attention(q, k, v, self.key_cache, self.value_cache, write_idx, read_idx, mask,
-                              self.scale)
+        meta = self.backend.prepare(slots, block_table, mask)
+        ctx = self.backend.attend(q, k, v, self.key_cache, self.value_cache, meta, self.scale)
         h = h + self.matmul_t(ctx, self.wo)
         gate, up = ops.split(self.matmul_t(self.post_attention_layernorm(h), self.w_gate_up), self.ffn, -1)
         h_out = h + self.matmul_t(ops.silu(gate) * up, self.w_down)
@@ -305,8 +305,7 @@ class Eagle3Drafter(nn.Cell):
         cos = ops.gather(self.cos, positions, 0).expand_dims(1)
         sin = ops.gather(self.sin, positions, 0).expand_dims(1)
         q = apply_rope(q.reshape(k_len, self.nh, self.hd), cos, sin, self.swap)
-        read_idx = PortableKVOps.read_rows(block_table, self.offsets, self.head_base)
-        keys = PortableKVOps.read(self.key_cache, read_idx)                       # [n_kv, S, hd]
+        keys = self.backend.read_keys(self.key_cache, block_table)                # [n_kv, S, hd]
         q = q.reshape(k_len, self.nkv, self.group, self.hd).transpose(1, 2, 0, 3).reshape(
             self.nkv, self.group * k_len, self.hd)
         scores = (ops.bmm(q, keys.transpose(0, 2, 1)) * self.scale).astype(ms.float32)

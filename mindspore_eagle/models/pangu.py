@@ -32,7 +32,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import nn, ops, Parameter, Tensor
 
-from ..kv import PortableKVOps, cache_index_constants, make_cache
+from ..attention import make_backend, paged_attention  # noqa: F401  (paged_attention re-exported)
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -134,45 +134,6 @@ def apply_rope(x, cos, sin_signed, swap):
     return y
 
 
-def paged_attention(q, k, v, key_cache, value_cache, write_idx, read_idx, mask, scale=None):
-    """Write k/v into the paged caches, then attend from q over the sequence's slots.
-
-    q [k, nh, hd] (RoPE applied), k/v [k, n_kv, hd] (RoPE on k), caches [n_kv * slots, hd], all in the compute
-    dtype (float32 / float16 / bfloat16); write_idx [k * n_kv] i32 and read_idx [n_kv, S] i32
-    (:meth:`PortableKVOps.indices`), mask [k, S] f32 additive, scale: the score factor 1/sqrt(hd), or None when
-    q already carries it (the teacher folds it into its q weights) -> context [k, nh * hd] in the compute dtype.
-    Scores are cast to float32 before the mask and the softmax (MindFormers' ``softmax_compute_type``) and the
-    probabilities back to the compute dtype for the value matmul; float32 takes no cast.
-    GQA: each KV head serves nh / n_kv query heads through one batched matmul. This is the portable stand-in for
-    Ascend's ReshapeAndCache + PagedAttention pair (pangu_mindformers.md §2.3).
-    """
-    k_len, nh, hd = q.shape
-    nkv = k.shape[1]
-    group = nh // nkv
-    k_out = PortableKVOps.write(key_cache, write_idx, k)
-    v_out = PortableKVOps.write(value_cache, write_idx, v)
-    keys = PortableKVOps.read(ops.depend(key_cache, k_out), read_idx)        # [n_kv, S, hd]
-    vals = PortableKVOps.read(ops.depend(value_cache, v_out), read_idx)
-    if k_len == 1:                                                           # decode: no transpose needed
-        q = q.reshape(nkv, group, hd)
-    else:
-        q = q.reshape(k_len, nkv, group, hd).transpose(1, 2, 0, 3).reshape(nkv, group * k_len, hd)
-    scores = _BMM_T(q, keys)                                                 # [n_kv, g*k, S]
-    if scale is not None:
-        scores = scores * scale
-    if scores.dtype != ms.float32:                                           # softmax in float32
-        scores = scores.astype(ms.float32)
-    scores = scores.reshape(nkv, group, k_len, -1) + mask
-    probs = ops.softmax(scores, -1).reshape(nkv, group * k_len, -1)
-    if probs.dtype != vals.dtype:
-        probs = probs.astype(vals.dtype)
-    ctx = ops.bmm(probs, vals)                                               # [n_kv, g*k, hd]
-    if k_len == 1:
-        return ctx.reshape(1, nh * hd)
-    return ctx.reshape(nkv, group, k_len, hd).transpose(2, 0, 1, 3).reshape(k_len, nh * hd)
-
-
-_BMM_T = ops.BatchMatMul(transpose_b=True)
 
 COMPUTE_DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 """``model.dtype`` names -> MindSpore dtypes of weights, matmuls, residual stream and KV cache."""
@@ -188,21 +149,22 @@ def zeros_param(shape, dtype, name: str) -> Parameter:
 class Attention(nn.Cell):
     """GQA self-attention over the paged cache; optional bias on qkv and on o."""
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, layer: int, dtype=ms.float32):
+    def __init__(self, cfg: ModelConfig, backend, layer: int, dtype=ms.float32):
         super().__init__()
+        self.backend = backend
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv_out = (self.nh + 2 * self.nkv) * self.hd
         self.wqkv = zeros_param((qkv_out, cfg.hidden_size), dtype, "wqkv")
         self.bqkv = zeros_param((qkv_out,), dtype, "bqkv") if cfg.qkv_bias else None
         self.wo = zeros_param((cfg.hidden_size, self.nh * self.hd), dtype, "wo")
         self.bo = zeros_param((cfg.hidden_size,), dtype, "bo") if cfg.o_bias else None
-        self.key_cache = make_cache(num_blocks, block_size, self.nkv, self.hd, dtype, f"key_cache_{layer}")
-        self.value_cache = make_cache(num_blocks, block_size, self.nkv, self.hd, dtype, f"value_cache_{layer}")
+        self.key_cache = backend.make_cache(f"key_cache_{layer}")
+        self.value_cache = backend.make_cache(f"value_cache_{layer}")
         self.qk_v = ((self.nh + self.nkv) * self.hd, self.nkv * self.hd)
         self.q_k = (self.nh, self.nkv)
         self.swap = rope_swap_index(self.hd)
 
-    def construct(self, x, cos, sin, write_idx, read_idx, mask):
+    def construct(self, x, cos, sin, meta):
         k_len = x.shape[0]
         qkv = linear(x, self.wqkv)
         if self.bqkv is not None:
@@ -210,8 +172,8 @@ class Attention(nn.Cell):
         qk, v = ops.split(qkv, self.qk_v, -1)
         qk = apply_rope(qk.reshape(k_len, self.nh + self.nkv, self.hd), cos, sin, self.swap)   # q and k together
         q, k = ops.split(qk, self.q_k, 1)
-        ctx = paged_attention(q, k, v.reshape(k_len, self.nkv, self.hd), self.key_cache, self.value_cache,
-                              write_idx, read_idx, mask)
+        ctx = self.backend.attend(q, k, v.reshape(k_len, self.nkv, self.hd), self.key_cache, self.value_cache,
+                                  meta)
         out = linear(ctx, self.wo)
         if self.bo is not None:
             out = out + self.bo
@@ -238,15 +200,15 @@ class MLP(nn.Cell):
 class DecoderLayer(nn.Cell):
     """Pre-norm block; both norm weights live folded in the next matmul (``load_hf_weights``)."""
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, layer: int, dtype=ms.float32):
+    def __init__(self, cfg: ModelConfig, backend, layer: int, dtype=ms.float32):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weighted=False)
-        self.attn = Attention(cfg, num_blocks, block_size, layer, dtype)
+        self.attn = Attention(cfg, backend, layer, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weighted=False)
         self.mlp = MLP(cfg, dtype)
 
-    def construct(self, x, cos, sin, write_idx, read_idx, mask):
-        x = x + self.attn(self.input_layernorm(x), cos, sin, write_idx, read_idx, mask)
+    def construct(self, x, cos, sin, meta):
+        x = x + self.attn(self.input_layernorm(x), cos, sin, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -263,21 +225,25 @@ class PanguTeacher(nn.Cell):
             features are float32 whatever ``dtype`` (MindFormers' layernorm_compute_type / rotary_dtype /
             softmax_compute_type; the lm_head matmul runs in ``dtype`` and is cast, as MindFormers' head does).
             float32 adds no cast anywhere.
+        attention: the cache write / read / attention backend (``attention.py``): auto (fused kernels when
+            ``context.device_target`` is Ascend, else portable), portable, fused, or a built backend Cell.
+            The fused backend's PagedAttention gets ``scale_value`` 1.0: the q weights carry 1/sqrt(hd).
     """
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, max_seq_len: int, dtype=ms.float32):
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, max_seq_len: int, dtype=ms.float32,
+                 attention="auto"):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
+        self.backend = make_backend(attention, num_blocks, block_size, cfg.num_kv_heads, cfg.num_heads,
+                                    cfg.head_dim, dtype, 1.0)
         self.embed = zeros_param((cfg.vocab_size, cfg.hidden_size), dtype, "embed")
-        self.layers = nn.CellList([DecoderLayer(cfg, num_blocks, block_size, i, dtype)
-                                   for i in range(cfg.num_layers)])
+        self.layers = nn.CellList([DecoderLayer(cfg, self.backend, i, dtype) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else zeros_param((cfg.vocab_size, cfg.hidden_size), dtype,
                                                                          "lm_head")
         cos, sin = rope_tables(cfg.head_dim, max_seq_len, cfg.rope_theta)
         self.cos, self.sin = Tensor(cos), Tensor(sin)
         self.aux_layers = tuple(int(i) for i in cfg.aux_layers)
-        self.offsets, self.head_base = cache_index_constants(num_blocks, block_size, cfg.num_kv_heads)
 
     def head_weight(self):
         return self.embed if self.lm_head is None else self.lm_head
@@ -301,11 +267,11 @@ class PanguTeacher(nn.Cell):
         x = ops.gather(self.embed, tokens, 0)
         cos = ops.gather(self.cos, positions, 0).expand_dims(1)
         sin = ops.gather(self.sin, positions, 0).expand_dims(1)
-        write_idx, read_idx = PortableKVOps.indices(slots, block_table, self.offsets, self.head_base)
+        meta = self.backend.prepare(slots, block_table, mask)
         inputs = ()                                    # residual stream entering each layer
         for layer in self.layers:
             inputs = inputs + (x,)
-            x = layer(x, cos, sin, write_idx, read_idx, mask)
+            x = layer(x, cos, sin, meta)
         a0, a1, a2 = self.aux_layers
         aux = ops.concat((inputs[a0], inputs[a1], inputs[a2]), -1)
         return self.norm(ops.gather(x, out_rows, 0)), aux
@@ -363,26 +329,25 @@ class PanguTeacher(nn.Cell):
 
 
 class KVCompactor(nn.Cell):
-    """Move K/V slots inside paged caches: gather every source row into a temporary, then scatter.
+    """Move K/V slots inside paged caches: gather every source slot into a temporary, then write it at dst.
 
     construct(src [P] i32, dst [P] i32) slots -> a dummy scalar (the caches update in place). Each slot is moved
-    for every KV head (rows slot + head_base). Gathering first makes overlapping source / destination ranges
-    safe (kv commit, eagle3.md §3).
+    for every KV head through ``backend.move`` (portable: row gather + ScatterUpdate; fused: gather +
+    ReshapeAndCache). Gathering first makes overlapping source / destination ranges safe (kv commit,
+    eagle3.md §3).
 
     Args:
-        caches: [(key_cache, value_cache)] per layer; head_base: int32 [n_kv] (``kv.cache_index_constants``).
+        caches: [(key_cache, value_cache)] per layer; backend: the caches' attention backend (``attention.py``).
     """
 
-    def __init__(self, caches: list, head_base):
+    def __init__(self, caches: list, backend):
         super().__init__()
-        self.params = ms.ParameterTuple([p for pair in caches for p in pair])
-        self.head_base = head_base
+        self.keys = ms.ParameterTuple([k for k, _ in caches])
+        self.values = ms.ParameterTuple([v for _, v in caches])
+        self.backend = backend
 
     def construct(self, src, dst):
-        src_rows = PortableKVOps.write_rows(src, self.head_base)
-        dst_rows = PortableKVOps.write_rows(dst, self.head_base)
         outs = ()
-        for p in self.params:
-            tmp = ops.gather(p, src_rows, 0)
-            outs = outs + (PortableKVOps.write(p, dst_rows, tmp),)
-        return outs[0][0, 0]
+        for kc, vc in zip(self.keys, self.values):
+            outs = outs + self.backend.move(kc, vc, src, dst)
+        return outs[0].reshape(-1)[0]
