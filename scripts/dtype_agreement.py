@@ -66,7 +66,7 @@ def main():
     a = ap.parse_args()
     from mindspore_eagle.evalsets import eval_turns
 
-    prompts = [item.turns[0] for item in eval_turns(a.prompts)]
+    prompts = [item.turns[0] for item in eval_turns()][: a.prompts]
     r32 = run(a.config, "float32", prompts, a.tokens, False)
     r16 = run(a.config, "float16", prompts, a.tokens, True)
     rows, same, total = [], 0, 0

@@ -101,14 +101,20 @@ def linear(x, w):
 
     (docs/results.md, "Session 3"; both forms give the same values up to float rounding.)
     """
-    if _weight_left(x.shape[0]):
+    if _weight_left(x.shape[0], x.dtype):
         return _MM(w, x.T).T
     return _MM_T(x, w)
 
 
-def _weight_left(k: int) -> bool:
-    """True when k query rows (static) take the weight-left form (WEIGHT_LEFT_ROWS)."""
-    return WEIGHT_LEFT_ROWS[0] <= k <= WEIGHT_LEFT_ROWS[1]
+def _weight_left(k: int, dtype=ms.float32) -> bool:
+    """True when k query rows (static) take the weight-left form (WEIGHT_LEFT_ROWS), in float32 only.
+
+    Half precision always takes ``x @ w.T``: the weight-left product is rounded to the half type after a
+    different accumulation order, one half ulp (1e-3 relative in float16) away from the k = 1 decode's row, which
+    flipped greedy near-ties between tree verification and teacher-only decoding on the embedded teacher
+    (scripts/dtype_agreement.py); ``x @ w.T`` gives a row the same value at k = 1 and k = M.
+    """
+    return dtype == ms.float32 and WEIGHT_LEFT_ROWS[0] <= k <= WEIGHT_LEFT_ROWS[1]
 
 
 def rope_swap_index(head_dim: int) -> Tensor:
@@ -190,7 +196,7 @@ class MLP(nn.Cell):
         self.w_down = zeros_param((cfg.hidden_size, self.ffn), dtype, "w_down")
 
     def construct(self, x):
-        if _weight_left(x.shape[0]):          # weight-left (see linear): stay transposed between the two matmuls
+        if _weight_left(x.shape[0], x.dtype):  # weight-left (see linear): stay transposed between the two matmuls
             gate, up = ops.split(_MM(self.w_gate_up, x.T), self.ffn, 0)                 # [F, k] each
             return _MM(self.w_down, ops.silu(gate) * up).T
         gate, up = ops.split(_MM_T(x, self.w_gate_up), self.ffn, -1)

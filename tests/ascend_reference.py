@@ -1,0 +1,136 @@
+"""numpy models of the Ascend kernels behind ``attention.FusedBackend``, from their documented semantics.
+
+Sources: the docstrings of ``mindspore.ops.auto_generate.ReshapeAndCache`` / ``PagedAttention`` (MindSpore 2.9:
+key / value ``(num_tokens, num_head, head_dim)``, caches ``(num_blocks, block_size, num_head, head_dim)``,
+``slot_mapping (num_tokens,)``, ``block_tables (batch, max_num_blocks_per_batch)``, ``context_lens (batch,)``,
+``attn_mask (num_tokens, max_context_lens)``, ``q_seq_lens (batch,)``, output shaped like the query) and
+MindFormers' use of them (``modules/paged_attention_mgr.py``: the mask is ``bool(mask) * -10000`` in the query
+dtype, i.e. additive, 0 = visible). Semantics modelled:
+
+* ReshapeAndCache: ``key_cache[s // B, s % B] = key[t]`` for slot ``s = slot_mapping[t]`` (same for values).
+* PagedAttention: the query rows are split into sequences by ``q_seq_lens``; sequence b attends to its first
+  ``context_lens[b]`` cached tokens, token j read from block ``block_tables[b, j // B]`` offset ``j % B``; scores =
+  ``scale_value * q . k`` + ``attn_mask[row, j]``, softmax over j (float32), times V; GQA: query head h reads KV head
+  ``h // (head_num / kv_head_num)``.
+
+Every call checks that each index it is handed is in range (slots in [0, (NB + 1) B), block ids in [0, NB],
+context_lens <= table width x B, q_seq_lens summing to the query rows, mask shaped [rows, table width x B]) and
+logs the shapes it saw (``calls``), so tests can assert static shapes per bucket.
+
+``mutation`` builds a deliberately wrong kernel, used to show that the contract tests fail on it:
+``transposed_layout`` (cache read / written as ``[blocks, n_kv, B, hd]``), ``mask_inverted`` (treats the mask
+as 1 = visible: adds -10000 where the mask is 0), ``slot_off_by_one`` (writes at slot + 1, wrapping inside the
+cache).
+
+These run on the host through ``asnumpy`` / ``set_data``, so only in PyNative (eager) mode.
+"""
+from __future__ import annotations
+
+import numpy as np
+import mindspore as ms
+
+MUTATIONS = ("transposed_layout", "mask_inverted", "slot_off_by_one")
+
+
+class KernelContractError(AssertionError):
+    """An index or shape handed to a kernel breaks the documented contract."""
+
+
+class ReferenceKernels:
+    """ReshapeAndCache + PagedAttention in numpy (see the module docstring).
+
+    Args: head_num, scale_value, kv_head_num (as the Ascend primitives); mutation: None or one of MUTATIONS;
+    calls: a shared list the kernels append ``(op, {name: shape})`` records to.
+    """
+
+    def __init__(self, head_num: int, scale_value: float, kv_head_num: int, mutation: str | None = None,
+                 calls: list | None = None):
+        if mutation not in (None,) + MUTATIONS:
+            raise ValueError(f"mutation must be one of {MUTATIONS}, got {mutation!r}")
+        self.nh, self.scale, self.nkv, self.mutation = head_num, float(scale_value), kv_head_num, mutation
+        self.calls = calls if calls is not None else []
+
+    @staticmethod
+    def factory(mutation: str | None = None, calls: list | None = None):
+        """A kernels factory for ``attention.FusedBackend(kernels=...)``."""
+        return lambda nh, scale, nkv: ReferenceKernels(nh, scale, nkv, mutation, calls)
+
+    # ------------------------------------------------------------------ layout helpers
+    def _slots_view(self, cache: np.ndarray) -> np.ndarray:
+        """[NB + 1, B, n_kv, hd] -> a writable [slots, n_kv, hd] view in the kernel's (maybe mutated) layout."""
+        if self.mutation == "transposed_layout":
+            nb, b, nkv, hd = cache.shape
+            return cache.reshape(nb, nkv, b, hd).transpose(0, 2, 1, 3).reshape(nb * b, nkv, hd)  # copy
+        return cache.reshape(-1, cache.shape[2], cache.shape[3])
+
+    def _store(self, cache: np.ndarray, flat: np.ndarray) -> np.ndarray:
+        if self.mutation == "transposed_layout":
+            nb, b, nkv, hd = cache.shape
+            return flat.reshape(nb, b, nkv, hd).transpose(0, 2, 1, 3).reshape(cache.shape)
+        return flat.reshape(cache.shape)
+
+    # ------------------------------------------------------------------ kernels
+    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
+        """key / value [T, n_kv, hd], caches [NB + 1, B, n_kv, hd] (updated in place), slot_mapping int32 [T]."""
+        k, v, slots = key.asnumpy(), value.asnumpy(), slot_mapping.asnumpy()
+        kc, vc = key_cache.asnumpy().copy(), value_cache.asnumpy().copy()
+        n_slots = kc.shape[0] * kc.shape[1]
+        self.calls.append(("reshape_and_cache", {"key": k.shape, "cache": kc.shape, "slot_mapping": slots.shape}))
+        if slots.dtype != np.int32:
+            raise KernelContractError(f"slot_mapping must be int32, got {slots.dtype}")
+        if k.ndim != 3 or k.shape[1:] != kc.shape[2:] or v.shape != k.shape or slots.shape != (k.shape[0],):
+            raise KernelContractError(f"key {k.shape} / value {v.shape} / slots {slots.shape} vs cache {kc.shape}")
+        if slots.min() < 0 or slots.max() >= n_slots:
+            raise KernelContractError(f"slot_mapping outside [0, {n_slots}): {slots.min()}..{slots.max()}")
+        if self.mutation == "slot_off_by_one":
+            slots = (slots + 1) % n_slots
+        fk, fv = self._slots_view(kc), self._slots_view(vc)
+        fk[slots], fv[slots] = k.astype(kc.dtype), v.astype(vc.dtype)
+        key_cache.set_data(ms.Tensor(self._store(kc, fk), key_cache.dtype))
+        value_cache.set_data(ms.Tensor(self._store(vc, fv), value_cache.dtype))
+        return key
+
+    def paged_attention(self, query, key_cache, value_cache, block_tables, context_lens, antiquant_scale=None,
+                        antiquant_offset=None, attn_mask=None, q_seq_lens=None):
+        """query [T, nh, hd] -> [T, nh, hd] in the query dtype (module docstring for the semantics)."""
+        q = query.asnumpy().astype(np.float32)
+        kc, vc = key_cache.asnumpy(), value_cache.asnumpy()
+        tables, ctx_lens = block_tables.asnumpy(), context_lens.asnumpy()
+        mask = attn_mask.asnumpy().astype(np.float32)
+        q_lens = q_seq_lens.asnumpy()
+        nb, B = kc.shape[0], kc.shape[1]
+        self.calls.append(("paged_attention", {"query": q.shape, "block_tables": tables.shape, "mask": mask.shape,
+                                               "context_lens": ctx_lens.shape, "q_seq_lens": q_lens.shape}))
+        if q.ndim != 3 or q.shape[1] != self.nh:
+            raise KernelContractError(f"query must be [T, {self.nh}, hd], got {q.shape}")
+        if tables.dtype != np.int32 or ctx_lens.dtype != np.int32 or q_lens.dtype != np.int32:
+            raise KernelContractError("block_tables / context_lens / q_seq_lens must be int32")
+        if tables.min() < 0 or tables.max() >= nb:
+            raise KernelContractError(f"block_tables outside [0, {nb}): {tables.min()}..{tables.max()}")
+        if q_lens.sum() != q.shape[0] or len(q_lens) != tables.shape[0] or len(ctx_lens) != tables.shape[0]:
+            raise KernelContractError(f"q_seq_lens {q_lens} / context_lens {ctx_lens} vs {q.shape[0]} rows and "
+                                      f"{tables.shape[0]} tables")
+        if mask.shape != (q.shape[0], tables.shape[1] * B):
+            raise KernelContractError(f"attn_mask must be [{q.shape[0]}, {tables.shape[1] * B}], got {mask.shape}")
+        if ctx_lens.min() < 1 or ctx_lens.max() > tables.shape[1] * B:
+            raise KernelContractError(f"context_lens outside [1, {tables.shape[1] * B}]: {ctx_lens}")
+        if self.mutation == "mask_inverted":
+            mask = np.where(mask == 0, -10000.0, 0.0).astype(np.float32)
+        fk = self._slots_view(kc.copy()).astype(np.float32)
+        fv = self._slots_view(vc.copy()).astype(np.float32)
+        group = self.nh // self.nkv
+        out = np.zeros_like(q)
+        row = 0
+        for b, (n_q, n_ctx) in enumerate(zip(q_lens, ctx_lens)):
+            j = np.arange(n_ctx)
+            slots = tables[b, j // B].astype(np.int64) * B + j % B
+            keys, vals = fk[slots], fv[slots]                                   # [n_ctx, n_kv, hd]
+            for h in range(self.nh):
+                qs = q[row:row + n_q, h]                                        # [n_q, hd]
+                s = self.scale * qs @ keys[:, h // group].T + mask[row:row + n_q, :n_ctx]
+                s = s - s.max(-1, keepdims=True)
+                p = np.exp(s)
+                p /= p.sum(-1, keepdims=True)
+                out[row:row + n_q, h] = p @ vals[:, h // group]
+            row += n_q
+        return ms.Tensor(out, query.dtype)
