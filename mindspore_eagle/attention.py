@@ -25,10 +25,14 @@ docstrings of ``ops.auto_generate.ReshapeAndCache`` / ``PagedAttention``; byte-i
 ``PagedAttention(query, key_cache, value_cache, block_tables [batch, w/B], context_lens [batch], None, None,
 attn_mask [k, w], q_seq_lens [batch])`` with ``head_num``, ``scale_value`` and ``kv_head_num`` fixed at
 construction: the call MindFormers makes for parallel decoding / chunked prefill (``paged_attn`` in
-``paged_attention_mgr.py``), which serves prefill chunks, decode and tree verification alike. Each call is one
-sequence (batch 1, q_seq_lens = [k]); ``context_lens`` = last visible column + 1 of the additive mask; the mask
-is converted to MindFormers' convention: ``bool(hidden) * -10000`` in the compute dtype (0 = visible). No index
-is ever -1: padding rows write into the pad block and block tables are padded with the pad block id.
+``paged_attention_mgr.py``); it serves calls of at most ``PA_MAX_Q`` = 16 query rows (decode, tree
+verification, drafter expansion). Each call is one sequence (batch 1, q_seq_lens = [k]); ``context_lens`` = last
+visible column + 1 of the additive mask; the mask is converted to MindFormers' convention: ``bool(hidden) *
+-10000`` in the compute dtype (0 = visible). Larger calls (prefill chunks, the drafter's context pass) read the
+block table's slots back from the cache (a gather of whole blocks, after the ReshapeAndCache write) and run
+``FlashAttentionScore`` (layout BSH, mask uint8 [k, w] with 1 = discard, GQA by head_num) over them, so a chunk
+after the first sees the earlier chunks. No index is ever -1: padding rows write into the pad block and block
+tables are padded with the pad block id.
 
 The kernels are injected (``kernels`` = a factory ``(head_num, scale_value, kv_head_num) -> object`` with
 ``reshape_and_cache`` and ``paged_attention``), so the same backend runs Ascend's ops on a device and the numpy
@@ -93,8 +97,20 @@ def paged_attention(q, k, v, key_cache, value_cache, write_idx, read_idx, mask, 
     return ctx.reshape(nkv, group, k_len, hd).transpose(2, 0, 1, 3).reshape(k_len, nh * hd)
 
 
+PA_MAX_Q = 16
+"""Most query rows per sequence that go to PagedAttention (decode, tree verification, drafter expansion); larger
+static row counts (prefill chunks, the drafter's context pass) go to FlashAttention. 16 = the cap vllm-ascend
+documents for its fused attention with speculative masks (num_speculative_tokens + 1 <= 16)."""
+
+
 class AscendKernels:
-    """The real Ascend kernels (``mindspore.ops.auto_generate``); constructible anywhere, runnable on Ascend only.
+    """The real Ascend kernels; constructible anywhere, runnable on Ascend (Atlas A2 for FlashAttentionScore) only.
+
+    ``reshape_and_cache`` / ``paged_attention``: ``mindspore.ops.auto_generate.ReshapeAndCache`` /
+    ``PagedAttention(head_num, scale_value, kv_head_num)``; ``flash_attention(query [1, S1, nh * hd], key /
+    value [1, S2, n_kv * hd], attn_mask uint8 [S1, S2] (1 = discard)) -> [1, S1, nh * hd]``:
+    ``ops.flash_attention_score`` in layout BSH, sparse_mode 0 (the prefill call of MindFormers'
+    ``InferAttention`` in PyNative, ``modules/infer_attention.py``).
 
     Args: head_num (nh), scale_value (score factor; 1.0 when q already carries 1/sqrt(hd)), kv_head_num (n_kv).
     """
@@ -102,8 +118,13 @@ class AscendKernels:
     def __init__(self, head_num: int, scale_value: float, kv_head_num: int):
         from mindspore.ops import auto_generate as gen
 
+        self.head_num, self.scale_value = head_num, scale_value
         self.reshape_and_cache = gen.ReshapeAndCache()
         self.paged_attention = gen.PagedAttention(head_num, scale_value, kv_head_num)
+
+    def flash_attention(self, query, key, value, attn_mask):
+        return ops.flash_attention_score(query, key, value, self.head_num, attn_mask=attn_mask,
+                                         scalar_value=self.scale_value, input_layout="BSH")
 
 
 def select_backend(attention: str = "auto") -> str:
@@ -210,13 +231,24 @@ class FusedBackend(nn.Cell):
         return slots, block_table.reshape(1, -1), context_lens, attn_mask, q_seq_lens
 
     def attend(self, q, k, v, key_cache, value_cache, meta, scale=None):
-        """ReshapeAndCache(k, v) then PagedAttention(q) -> [k, nh * hd] (``scale`` is the kernel's, fixed)."""
+        """ReshapeAndCache(k, v), then PagedAttention(q) for k <= PA_MAX_Q rows, else FlashAttention over the
+        block table's slots read back from the cache -> [k, nh * hd] (``scale`` is the kernels', fixed)."""
         slot_mapping, block_tables, context_lens, attn_mask, q_seq_lens = meta
+        k_len = q.shape[0]
         written = self.kernels.reshape_and_cache(k, v, key_cache, value_cache, slot_mapping)
         q = ops.depend(q, written)
-        out = self.kernels.paged_attention(q, key_cache, value_cache, block_tables, context_lens, None, None,
-                                           attn_mask, q_seq_lens)
-        return out.reshape(q.shape[0], self.nh * self.hd)
+        if k_len <= PA_MAX_Q:
+            out = self.kernels.paged_attention(q, key_cache, value_cache, block_tables, context_lens, None, None,
+                                               attn_mask, q_seq_lens)
+            return out.reshape(k_len, self.nh * self.hd)
+        keys = ops.gather(ops.depend(key_cache, written), block_tables.reshape(-1), 0)      # [w/B, B, n_kv, hd]
+        vals = ops.gather(ops.depend(value_cache, written), block_tables.reshape(-1), 0)
+        width = keys.shape[0] * keys.shape[1]
+        discard = (attn_mask < 0).astype(ms.uint8)                                           # 1 = discard
+        out = self.kernels.flash_attention(q.reshape(1, k_len, self.nh * self.hd),
+                                           keys.reshape(1, width, self.n_kv * self.hd),
+                                           vals.reshape(1, width, self.n_kv * self.hd), discard)
+        return out.reshape(k_len, self.nh * self.hd)
 
     def move(self, key_cache, value_cache, src, dst):
         """Gather slots ``src`` [P, n_kv, hd] from both caches, then ReshapeAndCache them at ``dst``."""

@@ -8,6 +8,9 @@ MindFormers' use of them (``modules/paged_attention_mgr.py``: the mask is ``bool
 dtype, i.e. additive, 0 = visible). Semantics modelled:
 
 * ReshapeAndCache: ``key_cache[s // B, s % B] = key[t]`` for slot ``s = slot_mapping[t]`` (same for values).
+* FlashAttentionScore (``ops.flash_attention_score`` docstring, layout BSH, sparse_mode 0): query [B, S1, N1 D],
+  key / value [B, S2, N2 D], attn_mask [S1, S2] bool / uint8 with 1 = discard; softmax(scale q k^T, masked) V;
+  N2 divides N1 (query head h reads KV head h // (N1 / N2)).
 * PagedAttention: the query rows are split into sequences by ``q_seq_lens``; sequence b attends to its first
   ``context_lens[b]`` cached tokens, token j read from block ``block_tables[b, j // B]`` offset ``j % B``; scores =
   ``scale_value * q . k`` + ``attn_mask[row, j]``, softmax over j (float32), times V; GQA: query head h reads KV head
@@ -70,6 +73,30 @@ class ReferenceKernels:
         return flat.reshape(cache.shape)
 
     # ------------------------------------------------------------------ kernels
+    def flash_attention(self, query, key, value, attn_mask):
+        """query [1, S1, nh hd], key / value [1, S2, n_kv hd], attn_mask uint8 [S1, S2] -> [1, S1, nh hd]."""
+        q, k, v = (t.asnumpy().astype(np.float32) for t in (query, key, value))
+        m = attn_mask.asnumpy()
+        self.calls.append(("flash_attention", {"query": q.shape, "key": k.shape, "attn_mask": m.shape}))
+        if q.ndim != 3 or q.shape[0] != 1 or k.shape != v.shape or k.shape[0] != 1 or m.shape != (q.shape[1],
+                                                                                                   k.shape[1]):
+            raise KernelContractError(f"query {q.shape} / key {k.shape} / value {v.shape} / mask {m.shape}")
+        if m.dtype not in (np.uint8, np.bool_) or q.shape[2] % self.nh or k.shape[2] % self.nkv:
+            raise KernelContractError(f"mask dtype {m.dtype} or hidden sizes {q.shape[2]} / {k.shape[2]}")
+        discard = (m == 0) if self.mutation == "mask_inverted" else (m != 0)
+        hd = q.shape[2] // self.nh
+        qh = q[0].reshape(-1, self.nh, hd)
+        kh, vh = k[0].reshape(-1, self.nkv, hd), v[0].reshape(-1, self.nkv, hd)
+        group = self.nh // self.nkv
+        out = np.zeros_like(qh)
+        for h in range(self.nh):
+            s = self.scale * qh[:, h] @ kh[:, h // group].T
+            s = np.where(discard, -np.inf, s)
+            s = s - s.max(-1, keepdims=True)
+            p = np.exp(s)
+            out[:, h] = (p / p.sum(-1, keepdims=True)) @ vh[:, h // group]
+        return ms.Tensor(out.reshape(1, q.shape[1], -1), query.dtype)
+
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
         """key / value [T, n_kv, hd], caches [NB + 1, B, n_kv, hd] (updated in place), slot_mapping int32 [T]."""
         k, v, slots = key.asnumpy(), value.asnumpy(), slot_mapping.asnumpy()

@@ -6,6 +6,8 @@ semantics (tests/ascend_reference.py) in place of the Ascend ops, and compared w
 - the teacher's logits and features for chunked prefill, decode, tree verification, commit (non-contiguous paths
   moved by the fused ``move``) and rollback, float32 and float16;
 - the cache content in the documented layout: slot s of KV head h at ``cache[s // B, s % B, h]``;
+- PagedAttention serves calls of at most 16 rows (decode, tree, drafter expansion), FlashAttention larger ones
+  (prefill chunks, drafter context pass), the second prefill chunk seeing the first through the cache;
 - every index handed to a kernel is in range and every shape is static per bucket (checked inside the kernels);
 - the whole speculative engine (drafter and teacher both on the fused path) is token-identical to teacher-only
   greedy on the portable path;
@@ -22,7 +24,7 @@ from mindspore_eagle.attention import FusedBackend, PortableBackend, select_back
 from mindspore_eagle.kv import slot_view
 from mindspore_eagle.tree import tensorize
 
-NB, B, S, CHUNK = 32, 8, 128, 16
+NB, B, S, CHUNK = 32, 8, 128, 32
 
 
 def runner(cfg, tensors, backend, dtype):
@@ -67,8 +69,8 @@ def contract_diffs(tiny, kernels, dtype=ms.float32, seed=0):
                                            kernels), dtype)
     assert isinstance(rp.teacher.backend, PortableBackend)
     assert rf.teacher.layers[0].attn.key_cache.shape == (NB + 1, B, cfg.num_kv_heads, cfg.head_dim)
-    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
-    assert len(ids) > CHUNK
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France? " * 3}]))
+    ids = ids[:40]                # chunk 1: 32 rows (FlashAttention), chunk 2: 8 rows in bucket 16 (PagedAttention)
     rng = np.random.default_rng(seed)
     out = {}
 
@@ -117,9 +119,10 @@ def test_fused_path_equals_portable(ms_runtime, tiny, dtype):
         key = (op, shapes.get("query", shapes.get("key")))
         seen.setdefault(key, set()).add(tuple(sorted(shapes.items())))
     assert all(len(v) == 1 for v in seen.values()), seen
-    rows = sorted({k[1][0] for k in seen})
-    assert rows == [1, 6, 12, 16], rows    # decode, commit move (D + 2), verify M, prefill chunk
-    assert len(calls) > 0 and {op for op, _ in calls} == {"reshape_and_cache", "paged_attention"}
+    rows = {op: sorted({k[1][1] if op == "flash_attention" else k[1][0] for k in seen if k[0] == op})
+            for op in ("reshape_and_cache", "paged_attention", "flash_attention")}
+    assert rows == {"reshape_and_cache": [1, 6, 12, 16, 32],   # decode, commit move (D + 2), verify M, chunks
+                    "paged_attention": [1, 12, 16], "flash_attention": [32]}, rows
 
 
 @pytest.mark.parametrize("mutation", MUTATIONS)
@@ -157,7 +160,7 @@ def test_speculative_engine_on_fused_path_is_lossless(ms_runtime, tiny_dir, tiny
     from test_spec import PROMPTS, tiny_drafter_dir, tiny_engine
 
     d = tiny_drafter_dir(tmp_path, tiny[0])
-    extra = ["speculative.M=10", "speculative.D_max=4", "speculative.top_k=3"]
+    extra = ["speculative.M=10", "speculative.D_max=4", "speculative.top_k=3", "cache.prefill_chunk=32"]
     ref, cfg = tiny_engine(tiny_dir, d, "eager", extra)
     assert isinstance(ref.target.teacher.backend, PortableBackend)
     gen = cfg.generation
@@ -175,6 +178,7 @@ def test_speculative_engine_on_fused_path_is_lossless(ms_runtime, tiny_dir, tiny
         assert spec.token_ids == want
         assert len(spec.steps) > 0
     assert any(s[1]["query"][0] == 10 for s in calls if s[0] == "paged_attention")     # tree verification ran
+    assert any(s[1]["query"][1] == 32 for s in calls if s[0] == "flash_attention")     # prefill / context pass
 
 
 def test_backend_selection(monkeypatch):
