@@ -1,5 +1,7 @@
 """model.dtype: float16 compute on CPU (weights, matmuls, residual, KV cache) with float32 norms / RoPE / softmax /
 logits; lossless speculative decoding in float16; float32 unchanged; bfloat16 refused on CPU with one line."""
+import os
+
 import numpy as np
 import pytest
 import mindspore as ms
@@ -69,3 +71,18 @@ def test_dtype_config_errors():
         load_config(None, ["model.dtype=float64"])
     assert load_config(None, ["model.dtype=bfloat16", "context.device_target=Ascend"]).model.dtype == "bfloat16"
     assert load_config(None, ["model.dtype=float16"]).model.dtype == "float16"
+
+
+@pytest.mark.parametrize("size", ["1b", "7b"])
+def test_ascend_presets(size):
+    """The openPangu Ascend presets layer on the model files: bfloat16, Ascend, verification width within the
+    fused attention's 16 rows per sequence."""
+    from mindspore_eagle.attention import PA_MAX_Q
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_config([os.path.join(root, "configs", f"openpangu_embedded_{size}.yaml"),
+                       os.path.join(root, "configs", "presets", f"ascend_openpangu_{size}.yaml")])
+    assert cfg.model.dtype == "bfloat16" and cfg.context.device_target == "Ascend"
+    assert cfg.speculative.M <= PA_MAX_Q and cfg.speculative.top_k <= PA_MAX_Q
+    assert cfg.model.teacher.endswith(f"openPangu-Embedded-{size.upper()}")
+    assert cfg.cache.max_seq_len % cfg.cache.block_size == 0
