@@ -21,7 +21,9 @@ the path every test and every CPU run has used; its graph is unchanged by this m
 ``FusedBackend`` (Ascend): MindFormers' paged layout ``[NB + 1, B, n_kv, hd]`` per layer (the layout in the
 docstrings of ``ops.auto_generate.ReshapeAndCache`` / ``PagedAttention``; byte-identical to MindFormers'
 ``[NB, B, n_kv * hd]``, ``modules/paged_attention_mgr.py``, plus our pad block). The write is
-``ReshapeAndCache(key, value, key_cache, value_cache, slot_mapping)``; the read + attention is one
+``ReshapeAndCache(key [k, n_kv * hd], value, key_cache, value_cache, slot_mapping [k])`` (the op's shape check
+counts tokens as the product of all but the last key dimension, so the key is flattened per token, as MindFormers'
+[B, S, H] key; the docstring's [T, n_kv, hd] would count T * n_kv tokens; half-precision keys only); the read + attention is one
 ``PagedAttention(query, key_cache, value_cache, block_tables [batch, w/B], context_lens [batch], None, None,
 attn_mask [k, w], q_seq_lens [batch])`` with ``head_num``, ``scale_value`` and ``kv_head_num`` fixed at
 construction: the call MindFormers makes for parallel decoding / chunked prefill (``paged_attn`` in
@@ -103,7 +105,7 @@ static row counts (prefill chunks, the drafter's context pass) go to FlashAttent
 documents for its fused attention with speculative masks (num_speculative_tokens + 1 <= 16)."""
 
 
-class AscendKernels:
+class AscendKernels(nn.Cell):
     """The real Ascend kernels; constructible anywhere, runnable on Ascend (Atlas A2 for FlashAttentionScore) only.
 
     ``reshape_and_cache`` / ``paged_attention``: ``mindspore.ops.auto_generate.ReshapeAndCache`` /
@@ -118,6 +120,7 @@ class AscendKernels:
     def __init__(self, head_num: int, scale_value: float, kv_head_num: int):
         from mindspore.ops import auto_generate as gen
 
+        super().__init__()                # a Cell, so that graph mode resolves its primitives and methods
         self.head_num, self.scale_value = head_num, scale_value
         self.reshape_and_cache = gen.ReshapeAndCache()
         self.paged_attention = gen.PagedAttention(head_num, scale_value, kv_head_num)
@@ -127,18 +130,24 @@ class AscendKernels:
                                          scalar_value=self.scale_value, input_layout="BSH")
 
 
-def select_backend(attention: str = "auto") -> str:
-    """Backend name for ``attention`` = auto | portable | fused (auto: $MSEAGLE_ATTENTION, else fused on Ascend).
+def select_backend(attention: str = "auto", dtype=ms.float16) -> str:
+    """Backend name for ``attention`` = auto | portable | fused.
 
+    auto: $MSEAGLE_ATTENTION when set, else fused on Ascend in a half dtype, else portable (float32 stays
+    portable everywhere: ReshapeAndCache takes float16 / bfloat16 / int8 / uint8 keys only, per its type check in
+    MindSpore 2.9).
     Raises:
-        ValueError: an unknown name (names the allowed values).
+        ValueError: an unknown name, or fused with float32 (names the allowed values).
     """
     name = attention
     if name == "auto":
         name = os.environ.get("MSEAGLE_ATTENTION", "") or (
-            "fused" if ms.get_context("device_target") == "Ascend" else "portable")
+            "fused" if ms.get_context("device_target") == "Ascend" and dtype != ms.float32 else "portable")
     if name not in BACKENDS:
         raise ValueError(f"attention backend = {name!r}: must be auto, portable or fused")
+    if name == "fused" and dtype == ms.float32:
+        raise ValueError("attention backend = 'fused' needs model.dtype float16 or bfloat16 (ReshapeAndCache takes "
+                         "no float32)")
     return name
 
 
@@ -154,7 +163,7 @@ def make_backend(attention, num_blocks: int, block_size: int, n_kv: int, nh: int
     """
     if isinstance(attention, (PortableBackend, FusedBackend)):
         return attention
-    if select_backend(attention) == "portable":
+    if select_backend(attention, dtype) == "portable":
         return PortableBackend(num_blocks, block_size, n_kv, hd, dtype)
     return FusedBackend(num_blocks, block_size, n_kv, nh, hd, dtype, scale, kernels or AscendKernels)
 
@@ -235,7 +244,8 @@ class FusedBackend(nn.Cell):
         block table's slots read back from the cache -> [k, nh * hd] (``scale`` is the kernels', fixed)."""
         slot_mapping, block_tables, context_lens, attn_mask, q_seq_lens = meta
         k_len = q.shape[0]
-        written = self.kernels.reshape_and_cache(k, v, key_cache, value_cache, slot_mapping)
+        written = self.kernels.reshape_and_cache(k.reshape(k_len, -1), v.reshape(k_len, -1), key_cache,
+                                                 value_cache, slot_mapping)
         q = ops.depend(q, written)
         if k_len <= PA_MAX_Q:
             out = self.kernels.paged_attention(q, key_cache, value_cache, block_tables, context_lens, None, None,
@@ -251,9 +261,9 @@ class FusedBackend(nn.Cell):
         return out.reshape(k_len, self.nh * self.hd)
 
     def move(self, key_cache, value_cache, src, dst):
-        """Gather slots ``src`` [P, n_kv, hd] from both caches, then ReshapeAndCache them at ``dst``."""
-        keys = ops.gather(key_cache.reshape(-1, self.n_kv, self.hd), src, 0)
-        vals = ops.gather(value_cache.reshape(-1, self.n_kv, self.hd), src, 0)
+        """Gather slots ``src`` [P, n_kv * hd] from both caches, then ReshapeAndCache them at ``dst``."""
+        keys = ops.gather(key_cache.reshape(-1, self.n_kv * self.hd), src, 0)
+        vals = ops.gather(value_cache.reshape(-1, self.n_kv * self.hd), src, 0)
         out = self.kernels.reshape_and_cache(keys, vals, key_cache, value_cache, dst)
         return out, out
 

@@ -175,6 +175,10 @@ def main(argv=None) -> int:
     import mindspore as ms
 
     runtime.configure(cfg.context.threads or None, cfg.context.device_target, cfg.context.device_id)
+    if cfg.model.dtype == "float32":
+        print("error: model.dtype = 'float32': the fused kernels take float16 or bfloat16 only (ReshapeAndCache); "
+              "use --set model.dtype=bfloat16", file=sys.stderr)
+        return 2
     tol = TOL[cfg.model.dtype]
     report = {"device_target": cfg.context.device_target, "mindspore": ms.__version__, "dtype": cfg.model.dtype,
               "tolerance": tol}

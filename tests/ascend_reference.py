@@ -16,6 +16,12 @@ dtype, i.e. additive, 0 = visible). Semantics modelled:
   ``scale_value * q . k`` + ``attn_mask[row, j]``, softmax over j (float32), times V; GQA: query head h reads KV head
   ``h // (head_num / kv_head_num)``.
 
+Measured on MindSpore 2.9 CPU (the ops have shape / type inference there but no kernel): ReshapeAndCache counts
+tokens as the product of all but the last key dimension, so the key is [T, n_kv * hd] (MindFormers passes
+[B, S, H]), not the docstring's [T, n_kv, hd]; it takes float16 / bfloat16 / int8 / uint8 keys only. With
+``infer_check=True`` every call is first handed to the real MindSpore primitive with the very same arguments:
+its inference must accept them and stop only at "kernel ... unregistered" (CPU), else KernelContractError.
+
 Every call checks that each index it is handed is in range (slots in [0, (NB + 1) B), block ids in [0, NB],
 context_lens <= table width x B, q_seq_lens summing to the query rows, mask shaped [rows, table width x B]) and
 logs the shapes it saw (``calls``), so tests can assert static shapes per bucket.
@@ -32,6 +38,8 @@ from __future__ import annotations
 import numpy as np
 import mindspore as ms
 
+from mindspore_eagle.attention import AscendKernels as _REAL_KERNELS    # bound now: tests monkeypatch the name
+
 MUTATIONS = ("transposed_layout", "mask_inverted", "slot_off_by_one")
 
 
@@ -47,16 +55,33 @@ class ReferenceKernels:
     """
 
     def __init__(self, head_num: int, scale_value: float, kv_head_num: int, mutation: str | None = None,
-                 calls: list | None = None):
+                 calls: list | None = None, infer_check: bool = False):
         if mutation not in (None,) + MUTATIONS:
             raise ValueError(f"mutation must be one of {MUTATIONS}, got {mutation!r}")
         self.nh, self.scale, self.nkv, self.mutation = head_num, float(scale_value), kv_head_num, mutation
         self.calls = calls if calls is not None else []
+        self.real = None
+        if infer_check:
+            self.real = _REAL_KERNELS(head_num, scale_value, kv_head_num)
 
     @staticmethod
-    def factory(mutation: str | None = None, calls: list | None = None):
+    def factory(mutation: str | None = None, calls: list | None = None, infer_check: bool = False):
         """A kernels factory for ``attention.FusedBackend(kernels=...)``."""
-        return lambda nh, scale, nkv: ReferenceKernels(nh, scale, nkv, mutation, calls)
+        return lambda nh, scale, nkv: ReferenceKernels(nh, scale, nkv, mutation, calls, infer_check)
+
+    def _infer(self, name: str, *args):
+        """Hand the call to the real primitive: its shape / type inference must pass (CPU has no kernel)."""
+        if self.real is None:
+            return
+        try:
+            getattr(self.real, name)(*args)
+        except RuntimeError as e:
+            if "unregistered" in str(e):
+                return
+            raise KernelContractError(f"{name}: MindSpore's inference refused the call: {str(e).splitlines()[0]}")
+        except (TypeError, ValueError) as e:
+            raise KernelContractError(f"{name}: MindSpore's inference refused the call: {str(e).splitlines()[0]}")
+        raise KernelContractError(f"{name} ran on this device: the reference is meant for CPU only")
 
     # ------------------------------------------------------------------ layout helpers
     def _slots_view(self, cache: np.ndarray) -> np.ndarray:
@@ -75,6 +100,7 @@ class ReferenceKernels:
     # ------------------------------------------------------------------ kernels
     def flash_attention(self, query, key, value, attn_mask):
         """query [1, S1, nh hd], key / value [1, S2, n_kv hd], attn_mask uint8 [S1, S2] -> [1, S1, nh hd]."""
+        self._infer("flash_attention", query, key, value, attn_mask)
         q, k, v = (t.asnumpy().astype(np.float32) for t in (query, key, value))
         m = attn_mask.asnumpy()
         self.calls.append(("flash_attention", {"query": q.shape, "key": k.shape, "attn_mask": m.shape}))
@@ -98,15 +124,18 @@ class ReferenceKernels:
         return ms.Tensor(out.reshape(1, q.shape[1], -1), query.dtype)
 
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
-        """key / value [T, n_kv, hd], caches [NB + 1, B, n_kv, hd] (updated in place), slot_mapping int32 [T]."""
+        """key / value [T, n_kv * hd], caches [NB + 1, B, n_kv, hd] (updated in place), slot_mapping int32 [T]."""
+        self._infer("reshape_and_cache", key, value, key_cache, value_cache, slot_mapping)
         k, v, slots = key.asnumpy(), value.asnumpy(), slot_mapping.asnumpy()
         kc, vc = key_cache.asnumpy().copy(), value_cache.asnumpy().copy()
         n_slots = kc.shape[0] * kc.shape[1]
         self.calls.append(("reshape_and_cache", {"key": k.shape, "cache": kc.shape, "slot_mapping": slots.shape}))
         if slots.dtype != np.int32:
             raise KernelContractError(f"slot_mapping must be int32, got {slots.dtype}")
-        if k.ndim != 3 or k.shape[1:] != kc.shape[2:] or v.shape != k.shape or slots.shape != (k.shape[0],):
+        if k.ndim != 2 or k.shape[1] != kc.shape[2] * kc.shape[3] or v.shape != k.shape or \
+                slots.shape != (k.shape[0],):
             raise KernelContractError(f"key {k.shape} / value {v.shape} / slots {slots.shape} vs cache {kc.shape}")
+        k, v = k.reshape(k.shape[0], kc.shape[2], kc.shape[3]), v.reshape(v.shape[0], kc.shape[2], kc.shape[3])
         if slots.min() < 0 or slots.max() >= n_slots:
             raise KernelContractError(f"slot_mapping outside [0, {n_slots}): {slots.min()}..{slots.max()}")
         if self.mutation == "slot_off_by_one":
@@ -120,6 +149,8 @@ class ReferenceKernels:
     def paged_attention(self, query, key_cache, value_cache, block_tables, context_lens, antiquant_scale=None,
                         antiquant_offset=None, attn_mask=None, q_seq_lens=None):
         """query [T, nh, hd] -> [T, nh, hd] in the query dtype (module docstring for the semantics)."""
+        self._infer("paged_attention", query, key_cache, value_cache, block_tables, context_lens, antiquant_scale,
+                    antiquant_offset, attn_mask, q_seq_lens)
         q = query.asnumpy().astype(np.float32)
         kc, vc = key_cache.asnumpy(), value_cache.asnumpy()
         tables, ctx_lens = block_tables.asnumpy(), context_lens.asnumpy()

@@ -109,7 +109,9 @@ TOL = {ms.float32: 1e-5, ms.float16: 1e-2}     # relative; float16: a few half u
 @pytest.mark.parametrize("dtype", [ms.float32, ms.float16], ids=["float32", "float16"])
 def test_fused_path_equals_portable(ms_runtime, tiny, dtype):
     calls = []
-    diffs = contract_diffs(tiny, ReferenceKernels.factory(None, calls), dtype)
+    # float16: every call also passes MindSpore's own shape / type inference of the real primitive (CPU has the
+    # inference, not the kernel); float32 is semantics only (ReshapeAndCache's type check refuses float32 keys).
+    diffs = contract_diffs(tiny, ReferenceKernels.factory(None, calls, infer_check=dtype != ms.float32), dtype)
     assert set(diffs) == {"prefill", "decode", "verify", "decode_after_commit", "decode_after_rollback", "cache"}
     tol = TOL[dtype]
     assert all(v < tol for v in diffs.values()), diffs
@@ -142,7 +144,7 @@ def test_kernels_refuse_out_of_range_indices(ms_runtime):
     kern = ReferenceKernels(2, 1.0, 1)
     kc = ms.Parameter(ms.Tensor(np.zeros((3, 4, 1, 8), np.float32)), name="kc")
     vc = ms.Parameter(ms.Tensor(np.zeros((3, 4, 1, 8), np.float32)), name="vc")
-    kv = ms.Tensor(np.ones((2, 1, 8), np.float32))
+    kv = ms.Tensor(np.ones((2, 8), np.float32))
     with pytest.raises(KernelContractError, match="slot_mapping outside"):
         kern.reshape_and_cache(kv, kv, kc, vc, ms.Tensor(np.array([0, -1], np.int32)))
     q = ms.Tensor(np.ones((2, 2, 8), np.float32))
@@ -154,36 +156,60 @@ def test_kernels_refuse_out_of_range_indices(ms_runtime):
 
 
 def test_speculative_engine_on_fused_path_is_lossless(ms_runtime, tiny_dir, tiny, tmp_path, monkeypatch):
-    """Teacher and drafter both on the fused path (reference kernels), eager: greedy speculative output equals
-    teacher-only greedy on the portable path, token for token."""
+    """float16, teacher and drafter both on the fused path (reference kernels with MindSpore's inference check),
+    eager: greedy speculative output equals teacher-only greedy on the same path and on the portable path."""
     from mindspore_eagle import attention
     from test_spec import PROMPTS, tiny_drafter_dir, tiny_engine
 
     d = tiny_drafter_dir(tmp_path, tiny[0])
-    extra = ["speculative.M=10", "speculative.D_max=4", "speculative.top_k=3", "cache.prefill_chunk=32"]
+    extra = ["model.dtype=float16", "speculative.M=10", "speculative.D_max=4", "speculative.top_k=3",
+             "cache.prefill_chunk=32"]
     ref, cfg = tiny_engine(tiny_dir, d, "eager", extra)
     assert isinstance(ref.target.teacher.backend, PortableBackend)
     gen = cfg.generation
     gen.max_new_tokens = 16
-    base = [ref.generate(p, gen, speculative=False).token_ids for p in PROMPTS[:2]]
+    portable = [ref.generate(p, gen, speculative=False).token_ids for p in PROMPTS[:2]]
     calls = []
     monkeypatch.setenv("MSEAGLE_ATTENTION", "fused")
-    monkeypatch.setattr(attention, "AscendKernels", ReferenceKernels.factory(None, calls))
+    monkeypatch.setattr(attention, "AscendKernels", ReferenceKernels.factory(None, calls, infer_check=True))
     assert select_backend() == "fused"
     eng, _ = tiny_engine(tiny_dir, d, "eager", extra)
     assert isinstance(eng.target.teacher.backend, FusedBackend) and isinstance(eng.drafter.drafter.backend,
                                                                               FusedBackend)
-    for p, want in zip(PROMPTS[:2], base):
+    for p, want in zip(PROMPTS[:2], portable):
+        base = eng.generate(p, gen, speculative=False)
         spec = eng.generate(p, gen, speculative=True)
-        assert spec.token_ids == want
+        assert spec.token_ids == base.token_ids == want
         assert len(spec.steps) > 0
     assert any(s[1]["query"][0] == 10 for s in calls if s[0] == "paged_attention")     # tree verification ran
     assert any(s[1]["query"][1] == 32 for s in calls if s[0] == "flash_attention")     # prefill / context pass
 
 
+def test_real_inference_refuses_docstring_key_layout(ms_runtime):
+    """MindSpore's own inference of ReshapeAndCache (run on CPU, where the kernel is missing) refuses the
+    docstring's [T, n_kv, hd] key for T slots and float32 keys: the infer check is able to fail."""
+    kern = ReferenceKernels(2, 1.0, 2, infer_check=True)
+    kc = ms.Parameter(ms.Tensor(np.zeros((3, 4, 2, 8), np.float16)), name="kc")
+    vc = ms.Parameter(ms.Tensor(np.zeros((3, 4, 2, 8), np.float16)), name="vc")
+    slots = ms.Tensor(np.array([1, 5], np.int32))
+    with pytest.raises(KernelContractError, match="num_tokens of slot mapping and key must be the same"):
+        kern.reshape_and_cache(ms.Tensor(np.ones((2, 2, 8), np.float16)), ms.Tensor(np.ones((2, 2, 8), np.float16)),
+                               kc, vc, slots)
+    with pytest.raises(KernelContractError, match="Float16"):
+        kern.reshape_and_cache(ms.Tensor(np.ones((2, 16), np.float32)), ms.Tensor(np.ones((2, 16), np.float32)),
+                               kc, vc, slots)
+    kern.reshape_and_cache(ms.Tensor(np.ones((2, 16), np.float16)), ms.Tensor(np.ones((2, 16), np.float16)),
+                           kc, vc, slots)
+    assert np.array_equal(kc.asnumpy().reshape(-1, 16)[[1, 5]], np.ones((2, 16)))
+
+
 def test_backend_selection(monkeypatch):
     monkeypatch.delenv("MSEAGLE_ATTENTION", raising=False)
-    assert select_backend() == ("fused" if ms.get_context("device_target") == "Ascend" else "portable")
+    on_ascend = ms.get_context("device_target") == "Ascend"
+    assert select_backend() == ("fused" if on_ascend else "portable")
+    assert select_backend("auto", ms.float32) == "portable"          # ReshapeAndCache takes no float32
+    with pytest.raises(ValueError, match=r"^attention backend = 'fused' needs model\.dtype float16 or bfloat16"):
+        select_backend("fused", ms.float32)
     assert select_backend("fused") == "fused"
     monkeypatch.setenv("MSEAGLE_ATTENTION", "portable")
     assert select_backend() == "portable"
