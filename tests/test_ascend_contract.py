@@ -215,3 +215,40 @@ def test_backend_selection(monkeypatch):
     assert select_backend() == "portable"
     with pytest.raises(ValueError, match=r"^attention backend = 'flash': must be auto, portable or fused$"):
         select_backend("flash")
+
+
+def test_fused_graphs_compile_up_to_kernel_selection(ms_runtime, tiny, monkeypatch):
+    """GRAPH_MODE with the real Ascend primitives on CPU: every fused graph (prefill chunk through
+    FlashAttention, decode and tree verification through PagedAttention, commit through ReshapeAndCache, a drafter
+    step) gets through parsing and MindSpore's whole-graph type / shape inference and stops only at kernel
+    selection, which has no CPU kernel for these ops."""
+    from mindspore_eagle.models.eagle3 import DrafterConfig, Eagle3Drafter, init_drafter_tensors
+    from mindspore_eagle.models.pangu import PanguTeacher
+    from mindspore_eagle.target import TargetRunner
+
+    cfg, tensors, _ = tiny
+    net = PanguTeacher(cfg, NB, B, S, ms.float16, attention="fused")
+    net.load_hf_weights(tensors)
+    r = TargetRunner(net, NB, B, S, "fused", CHUNK)
+    sid = r.new_seq()
+    tt = tensorize(tiny_tree(np.random.default_rng(0), 5, 12, 4, cfg.vocab_size), 12, 4)
+    not_on_cpu = r"Unsupported op \[(ReshapeAndCache|PagedAttention|FlashAttentionScore)\] on CPU"
+    calls = [lambda: r.prefill(sid, list(range(3, 30))), lambda: r.prefill(sid, list(range(3, 10))),
+             lambda: r.decode(sid, 5), lambda: r.verify(sid, tt),
+             lambda: (r.bm.branch(sid, 12), r.commit(sid, np.array([0, 2]), 6))]
+    for call in calls:
+        with pytest.raises(RuntimeError, match=not_on_cpu):
+            call()
+        r.bm.rollback(sid)
+    dcfg = DrafterConfig(hidden_size=cfg.hidden_size, intermediate_size=96, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=cfg.vocab_size, draft_vocab_size=64,
+                         target_hidden_size=cfg.hidden_size, aux_layers=cfg.aux_layers)
+    cell = Eagle3Drafter(dcfg, net.embed, 3, NB, B, S, attention="fused")
+    cell.load_tensors(init_drafter_tensors(dcfg))
+    step = ms.jit(cell.construct)
+    k = 3
+    args = (ms.Tensor(np.zeros((k, cfg.hidden_size), np.float16)), ms.Tensor(np.arange(k, dtype=np.int32)),
+            ms.Tensor(np.arange(k, dtype=np.int32)), ms.Tensor(np.arange(k, dtype=np.int32)),
+            ms.Tensor(np.full(S // B, NB, np.int32)), ms.Tensor(np.zeros((k, S), np.float32)))
+    with pytest.raises(RuntimeError, match=not_on_cpu):
+        step(*args)
