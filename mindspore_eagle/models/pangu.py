@@ -140,7 +140,6 @@ def apply_rope(x, cos, sin_signed, swap):
     return y
 
 
-
 COMPUTE_DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 """``model.dtype`` names -> MindSpore dtypes of weights, matmuls, residual stream and KV cache."""
 
