@@ -191,7 +191,7 @@ def main(argv=None) -> int:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
         from ascend_reference import ReferenceKernels
 
-        kernels = ReferenceKernels.factory()
+        kernels = ReferenceKernels.factory(infer_check=True)   # + MindSpore's own inference of each call
         attention.AscendKernels = kernels                     # model stage: FusedBackend's default kernels
         report["kernels_used"] = "numpy reference (dry run)"
     rows = kernel_cases(cfg.model.dtype, cfg.speculative.M, cfg.cache.prefill_chunk, kernels=kernels)
