@@ -63,11 +63,16 @@ def main():
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--out", default="")
+    ap.add_argument("--fp32-from", default="", help="reuse the float32 runs of an earlier --out JSON")
     a = ap.parse_args()
     from mindspore_eagle.evalsets import eval_turns
 
     prompts = [item.turns[0] for item in eval_turns()][: a.prompts]
-    r32 = run(a.config, "float32", prompts, a.tokens, False)
+    if a.fp32_from:
+        with open(a.fp32_from) as f:
+            r32 = json.load(f)["fp32"]
+    else:
+        r32 = run(a.config, "float32", prompts, a.tokens, False)
     r16 = run(a.config, "float16", prompts, a.tokens, True)
     rows, same, total = [], 0, 0
     for i, (x, y, s) in enumerate(zip(r32["base"], r16["base"], r16["spec"])):
