@@ -86,3 +86,27 @@ def test_ascend_presets(size):
     assert cfg.speculative.M <= PA_MAX_Q and cfg.speculative.top_k <= PA_MAX_Q
     assert cfg.model.teacher.endswith(f"openPangu-Embedded-{size.upper()}")
     assert cfg.cache.max_seq_len % cfg.cache.block_size == 0
+
+
+def test_float16_decode_rounds_like_verification(ms_runtime, real_loaded):
+    """Half precision, embedded teacher: a decode's logits equal, bit for bit, the root row of a tree
+    verification from the same context (M = 8), so greedy teacher-only decoding and speculative verification
+    cannot split on a near-tie. (With a one-row decode, MindSpore's CPU float16 MatMul rounds some outputs one
+    half ulp differently and this fails.)"""
+    from mindspore_eagle.models.pangu import PanguTeacher
+    from mindspore_eagle.target import TargetRunner
+    from mindspore_eagle.tree import DraftTree, tensorize
+
+    net = PanguTeacher(real_loaded.teacher_cfg, 20, 16, 256, ms.float16)
+    net.load_hf_weights(real_loaded.teacher_tensors)
+    r = TargetRunner(net, 20, 16, 256, "fused", 64)
+    tok = real_loaded.tokenizer
+    sid = r.new_seq()
+    last, _ = r.prefill(sid, tok.encode(tok.apply_chat_template([{"role": "user", "content": "Tell me a story."}])))
+    for step in range(3):
+        t = int(np.argmax(last))
+        tt = tensorize(DraftTree([t, 5, 6, 7, 8, 9, 10, 11], [0, 0, 0, 1, 1, 2, 3, 6]), 8, 4)
+        logits, _ = r.verify(sid, tt)
+        r.rollback(sid)
+        last, _ = r.decode(sid, t)
+        assert np.array_equal(last, logits[0]), step
