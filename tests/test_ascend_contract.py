@@ -123,8 +123,9 @@ def test_fused_path_equals_portable(ms_runtime, tiny, dtype):
     assert all(len(v) == 1 for v in seen.values()), seen
     rows = {op: sorted({k[1][1] if op == "flash_attention" else k[1][0] for k in seen if k[0] == op})
             for op in ("reshape_and_cache", "paged_attention", "flash_attention")}
-    assert rows == {"reshape_and_cache": [1, 6, 12, 16, 32],   # decode, commit move (D + 2), verify M, chunks
-                    "paged_attention": [1, 12, 16], "flash_attention": [32]}, rows
+    dec = 1 if dtype == ms.float32 else 2          # half-precision decode carries a padding row (target.decode)
+    assert rows == {"reshape_and_cache": [dec, 6, 12, 16, 32],  # decode, commit move (D + 2), verify M, chunks
+                    "paged_attention": [dec, 12, 16], "flash_attention": [32]}, rows
 
 
 @pytest.mark.parametrize("mutation", MUTATIONS)
