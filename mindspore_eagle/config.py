@@ -83,8 +83,8 @@ class ModelSection:
             raise ConfigError("model.teacher must be a path, or 'embedded'")
         if not isinstance(self.drafter, str) or not self.drafter:
             raise ConfigError("model.drafter must be a path, 'embedded', 'random' or 'none'")
-        if self.dtype not in ("float32",):
-            raise ConfigError(f"model.dtype = {self.dtype!r}: only float32 is supported on CPU")
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ConfigError(f"model.dtype = {self.dtype!r}: must be float32, float16 or bfloat16")
 
 
 @dataclass
@@ -169,6 +169,9 @@ class Config:
     def validate(self) -> "Config":
         for f in fields(self):
             getattr(self, f.name).validate()
+        if self.model.dtype == "bfloat16" and self.context.device_target == "CPU":
+            raise ConfigError("model.dtype = 'bfloat16' needs context.device_target: Ascend (MindSpore 2.9's CPU "
+                              "backend has no bfloat16 MatMul); use float16 or float32 on CPU")
         return self
 
     @property

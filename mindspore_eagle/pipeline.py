@@ -93,13 +93,14 @@ def build_engine(cfg: Config, loaded: Loaded | None = None, trace=None):
     from .drafting import DrafterRunner
     from .engine import Engine
     from .models.eagle3 import Eagle3Drafter
-    from .models.pangu import PanguTeacher
+    from .models.pangu import COMPUTE_DTYPES, PanguTeacher
     from .target import TargetRunner
     from .trace import TraceWriter
 
     loaded = loaded or load_models(cfg)
     c, sp, mode = cfg.cache, cfg.speculative, cfg.exec_mode
-    teacher = PanguTeacher(loaded.teacher_cfg, c.num_blocks, c.block_size, c.max_seq_len)
+    teacher = PanguTeacher(loaded.teacher_cfg, c.num_blocks, c.block_size, c.max_seq_len,
+                           COMPUTE_DTYPES[cfg.model.dtype])
     teacher.load_hf_weights(loaded.teacher_tensors)
     target = TargetRunner(teacher, c.num_blocks, c.block_size, c.max_seq_len, mode, c.prefill_chunk)
     drafter = None

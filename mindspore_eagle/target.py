@@ -67,7 +67,7 @@ class TargetRunner:
         self.widths = context_widths(max_seq_len, block_size)
         self._fwd = CompiledFn(teacher.construct, mode)
         self._hidden = CompiledFn(teacher.hidden, mode)
-        self._compact = CompiledFn(KVCompactor(teacher.caches(), teacher.head_base), mode)
+        self._compact = CompiledFn(KVCompactor(teacher.caches(), teacher.backend), mode)
 
     @property
     def compiles(self) -> int:
@@ -141,14 +141,22 @@ class TargetRunner:
         return (np.concatenate(outs) if hidden else outs[-1]), np.concatenate(auxes)
 
     def decode(self, sid: int, token: int) -> tuple[np.ndarray, np.ndarray]:
-        """Append one token; returns (logits float32 [V], aux float32 [1, 3H])."""
+        """Append one token; returns (logits float32 [V], aux float32 [1, 3H]).
+
+        In half precision the call carries one padding row (k = 2; it writes into the pad block and sees slot 0):
+        MindSpore's CPU float16 MatMul rounds a row differently at k = 1 than at k = 2..15 (docs/ascend.md), and
+        tree verification runs M rows, so a k = 1 decode could flip a greedy near-tie against verification.
+        float32 keeps k = 1.
+        """
         p = self.bm.length(sid)
-        slots = self.bm.append(sid, 1, 1)
-        mask = np.full((1, self.width(p + 1)), NEG_BIAS, np.float32)
+        rows = 1 if self.teacher.dtype == ms.float32 else 2
+        slots = self.bm.append(sid, 1, rows)
+        mask = np.full((rows, self.width(p + 1)), NEG_BIAS, np.float32)
         mask[0, :p + 1] = 0.0
-        out, aux = self._call(self._fwd, sid, [token], [p], slots, mask, [0])
+        mask[1:, 0] = 0.0
+        out, aux = self._call(self._fwd, sid, [token] + [0] * (rows - 1), [p] + [0] * (rows - 1), slots, mask, [0])
         self.bm.advance(sid, 1)
-        return out[0], aux
+        return out[0], aux[:1]
 
     def decode_batch(self, sids, tokens, rows: int, width_step: int = 512) -> np.ndarray:
         """Append one token to each of several sequences in a single forward (batched greedy generation).

@@ -28,8 +28,8 @@ import numpy as np
 import mindspore as ms
 from mindspore import nn, ops, Parameter, Tensor
 
-from ..kv import PortableKVOps, cache_index_constants, make_cache
-from .pangu import RMSNorm, apply_rope, paged_attention, rope_swap_index, rope_tables
+from ..attention import make_backend
+from .pangu import RMSNorm, apply_rope, rope_swap_index, rope_tables
 
 
 class DrafterCheckpointError(ValueError):
@@ -195,17 +195,19 @@ def load_fused_weights(cell, t: dict) -> None:
     hidden_norm, input_layernorm, post_attention_layernorm, norm. Raises KeyError naming a missing tensor.
     """
     f32 = lambda name: np.asarray(t[name], np.float32)
+    dt = cell.fc.dtype                                    # the matrices' compute dtype; norm weights stay float32
+    T = Tensor if dt == ms.float32 else (lambda arr: Tensor(arr, dt))
     p = "midlayer."
-    cell.fc.set_data(Tensor(f32("fc.weight")))
-    cell.wqkv.set_data(Tensor(np.concatenate([f32(p + "self_attn.q_proj.weight"), f32(p + "self_attn.k_proj.weight"),
-                                              f32(p + "self_attn.v_proj.weight")], 0)))
-    cell.wo.set_data(Tensor(f32(p + "self_attn.o_proj.weight")))
-    cell.w_gate_up.set_data(Tensor(np.concatenate([f32(p + "mlp.gate_proj.weight"), f32(p + "mlp.up_proj.weight")], 0)))
-    cell.w_down.set_data(Tensor(f32(p + "mlp.down_proj.weight")))
+    cell.fc.set_data(T(f32("fc.weight")))
+    cell.wqkv.set_data(T(np.concatenate([f32(p + "self_attn.q_proj.weight"), f32(p + "self_attn.k_proj.weight"),
+                                         f32(p + "self_attn.v_proj.weight")], 0)))
+    cell.wo.set_data(T(f32(p + "self_attn.o_proj.weight")))
+    cell.w_gate_up.set_data(T(np.concatenate([f32(p + "mlp.gate_proj.weight"), f32(p + "mlp.up_proj.weight")], 0)))
+    cell.w_down.set_data(T(f32(p + "mlp.down_proj.weight")))
     for name in ("hidden_norm", "input_layernorm", "post_attention_layernorm"):
         getattr(cell, name).weight.set_data(Tensor(f32(p + name + ".weight")))
     cell.norm.weight.set_data(Tensor(f32("norm.weight")))
-    cell.lm_head.set_data(Tensor(f32("lm_head.weight")))
+    cell.lm_head.set_data(T(f32("lm_head.weight")))
 
 
 class Eagle3Drafter(nn.Cell):
@@ -214,23 +216,29 @@ class Eagle3Drafter(nn.Cell):
     Calls (fixed shapes; the engine jits them from outside):
         fuse(aux [k, 3Ht] f32) -> [k, H]                         (``fc``)
         construct(h [k, H], tokens [k] i32, positions [k] i32, slots [k] i32, block_table [S/B] i32,
-                  mask [k, S] f32) -> (top_logp [k, K] f32, top_ids [k, K] i32 teacher ids, h_out [k, H] f32)
+                  mask [k, S] f32) -> (top_logp [k, K] f32, top_ids [k, K] i32 teacher ids, h_out [k, H])
     ``top_logp`` are log-softmax values over the draft vocabulary in fp32 (eagle3.md §2), ``top_ids`` already
-    mapped to teacher ids through d2t.
+    mapped to teacher ids through d2t. ``h`` / ``h_out`` are in the compute dtype.
+
+    Compute dtype = the shared embedding's dtype (``model.dtype``): weights, matmuls, residual and KV cache in it;
+    RMSNorm, RoPE, softmax and the logits in float32 (as the teacher, models/pangu.py); float32 adds no cast.
 
     Args:
-        cfg: drafter config; embed: the teacher's embedding Parameter [V, H] (shared, not copied);
-        top_k: K; num_blocks / block_size / max_seq_len: the drafter cache geometry.
+        cfg: drafter config; embed: the teacher's embedding Parameter [V, H] (shared, not copied; its dtype is
+        the drafter's compute dtype);
+        top_k: K; num_blocks / block_size / max_seq_len: the drafter cache geometry;
+        attention: cache / attention backend (``attention.py``): auto | portable | fused | a built backend.
     """
 
     def __init__(self, cfg: DrafterConfig, embed: Parameter, top_k: int, num_blocks: int, block_size: int,
-                 max_seq_len: int):
+                 max_seq_len: int, attention="auto"):
         super().__init__()
         H, F, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         self.cfg, self.top_k = cfg, top_k
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, hd
         self.group = self.nh // self.nkv
-        z = lambda *s: Tensor(np.zeros(s, np.float32))
+        dt = embed.dtype
+        z = lambda *s: Tensor(np.zeros(s, np.float32)) if dt == ms.float32 else Tensor(np.zeros(s, np.float16), dt)
         self.embed = embed
         self.fc = Parameter(z(H, 3 * cfg.target_hidden_size), name="fc")
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
@@ -243,17 +251,20 @@ class Eagle3Drafter(nn.Cell):
         self.w_down = Parameter(z(H, F), name="w_down")
         self.lm_head = Parameter(z(cfg.draft_vocab_size, H), name="lm_head")
         self.d2t = Parameter(Tensor(np.zeros(cfg.draft_vocab_size, np.int32)), name="d2t", requires_grad=False)
-        self.key_cache = make_cache(num_blocks, block_size, self.nkv, hd, ms.float32, "draft_key_cache")
-        self.value_cache = make_cache(num_blocks, block_size, self.nkv, hd, ms.float32, "draft_value_cache")
-        self.offsets, self.head_base = cache_index_constants(num_blocks, block_size, self.nkv)
+        self.scale = 1.0 / float(np.sqrt(hd))
+        self.backend = make_backend(attention, num_blocks, block_size, self.nkv, self.nh, hd, dt, self.scale)
+        self.key_cache = self.backend.make_cache("draft_key_cache")
+        self.value_cache = self.backend.make_cache("draft_value_cache")
         cos, sin = rope_tables(hd, max_seq_len, cfg.rope_theta)
         self.cos, self.sin = Tensor(cos), Tensor(sin)
         self.swap = rope_swap_index(hd)
         self.matmul_t = ops.MatMul(transpose_b=True)
-        self.scale = 1.0 / float(np.sqrt(hd))
         self.ffn = F
 
     def fuse(self, aux):
+        """aux f32 [k, 3Ht] -> fc(aux) [k, H] in the compute dtype."""
+        if aux.dtype != self.fc.dtype:
+            aux = aux.astype(self.fc.dtype)
         return self.matmul_t(aux, self.fc)
 
     def construct(self, h, tokens, positions, slots, block_table, mask):
@@ -268,13 +279,14 @@ class Eagle3Drafter(nn.Cell):
         qk = apply_rope(qk.reshape(k_len, self.nh + self.nkv, self.hd), cos, sin, self.swap)
         q, k = ops.split(qk, (self.nh, self.nkv), 1)
         v = v.reshape(k_len, self.nkv, self.hd)
-        write_idx, read_idx = PortableKVOps.indices(slots, block_table, self.offsets, self.head_base)
-        ctx = paged_attention(q, k, v, self.key_cache, self.value_cache, write_idx, read_idx, mask,
-                              self.scale)
+        meta = self.backend.prepare(slots, block_table, mask)
+        ctx = self.backend.attend(q, k, v, self.key_cache, self.value_cache, meta, self.scale)
         h = h + self.matmul_t(ctx, self.wo)
         gate, up = ops.split(self.matmul_t(self.post_attention_layernorm(h), self.w_gate_up), self.ffn, -1)
         h_out = h + self.matmul_t(ops.silu(gate) * up, self.w_down)
         logits = self.matmul_t(self.norm(h_out), self.lm_head)
+        if logits.dtype != ms.float32:
+            logits = logits.astype(ms.float32)
         logp = ops.log_softmax(logits, -1)
         top_logp, top_idx = ops.topk(logp, self.top_k)
         top_ids = top_idx + ops.gather(self.d2t, top_idx.reshape(-1), 0).reshape(top_idx.shape)
@@ -293,11 +305,10 @@ class Eagle3Drafter(nn.Cell):
         cos = ops.gather(self.cos, positions, 0).expand_dims(1)
         sin = ops.gather(self.sin, positions, 0).expand_dims(1)
         q = apply_rope(q.reshape(k_len, self.nh, self.hd), cos, sin, self.swap)
-        read_idx = PortableKVOps.read_rows(block_table, self.offsets, self.head_base)
-        keys = PortableKVOps.read(self.key_cache, read_idx)                       # [n_kv, S, hd]
+        keys = self.backend.read_keys(self.key_cache, block_table)                # [n_kv, S, hd]
         q = q.reshape(k_len, self.nkv, self.group, self.hd).transpose(1, 2, 0, 3).reshape(
             self.nkv, self.group * k_len, self.hd)
-        scores = ops.bmm(q, keys.transpose(0, 2, 1)) * self.scale
+        scores = (ops.bmm(q, keys.transpose(0, 2, 1)) * self.scale).astype(ms.float32)
         scores = scores.reshape(self.nkv, self.group, k_len, -1) + mask
         return ops.softmax(scores, -1).mean((0, 1))
 

@@ -32,7 +32,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import nn, ops, Parameter, Tensor
 
-from ..kv import PortableKVOps, cache_index_constants, make_cache
+from ..attention import make_backend, paged_attention  # noqa: F401  (paged_attention re-exported)
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -53,10 +53,12 @@ def rope_tables(head_dim: int, max_pos: int, theta: float) -> tuple[np.ndarray, 
 
 
 class RMSNorm(nn.Cell):
-    """y = x / sqrt(mean(x^2) + eps) * w, in float32 (``ops.rms_norm`` is Ascend-only).
+    """y = x / sqrt(mean(x^2) + eps) * w, always computed in float32 (``ops.rms_norm`` is Ascend-only).
 
-    x [..., dim] f32 -> same shape. ``weighted=False`` drops ``* w`` (no Parameter): for norms whose weight is
-    folded into the next matmul (see the module docstring).
+    x [..., dim] f32 / f16 / bf16 -> same shape and dtype: a half-precision x is cast to float32 first and the
+    result cast back (MindFormers' ``layernorm_compute_type: float32``); float32 input takes no cast.
+    ``weighted=False`` drops ``* w`` (no Parameter): for norms whose weight is folded into the next matmul (see
+    the module docstring). The weight stays float32.
     """
 
     def __init__(self, dim: int, eps: float, weighted: bool = True):
@@ -65,11 +67,16 @@ class RMSNorm(nn.Cell):
         self.eps = eps
 
     def construct(self, x):
+        dt = x.dtype
+        if dt != ms.float32:
+            x = x.astype(ms.float32)
         var = ops.mean(x * x, -1, keep_dims=True)
         y = x * ops.rsqrt(var + self.eps)
-        if self.weight is None:
-            return y
-        return y * self.weight
+        if self.weight is not None:
+            y = y * self.weight
+        if dt != ms.float32:
+            y = y.astype(dt)
+        return y
 
 
 WEIGHT_LEFT_ROWS = (8, 32)
@@ -94,14 +101,20 @@ def linear(x, w):
 
     (docs/results.md, "Session 3"; both forms give the same values up to float rounding.)
     """
-    if _weight_left(x.shape[0]):
+    if _weight_left(x.shape[0], x.dtype):
         return _MM(w, x.T).T
     return _MM_T(x, w)
 
 
-def _weight_left(k: int) -> bool:
-    """True when k query rows (static) take the weight-left form (WEIGHT_LEFT_ROWS)."""
-    return WEIGHT_LEFT_ROWS[0] <= k <= WEIGHT_LEFT_ROWS[1]
+def _weight_left(k: int, dtype=ms.float32) -> bool:
+    """True when k query rows (static) take the weight-left form (WEIGHT_LEFT_ROWS), in float32 only.
+
+    Half precision always takes ``x @ w.T``: the weight-left product is rounded to the half type after a
+    different accumulation order, one half ulp (1e-3 relative in float16) away from the k = 1 decode's row, which
+    flipped greedy near-ties between tree verification and teacher-only decoding on the embedded teacher
+    (scripts/dtype_agreement.py); ``x @ w.T`` gives a row the same value at k = 1 and k = M.
+    """
+    return dtype == ms.float32 and WEIGHT_LEFT_ROWS[0] <= k <= WEIGHT_LEFT_ROWS[1]
 
 
 def rope_swap_index(head_dim: int) -> Tensor:
@@ -111,66 +124,52 @@ def rope_swap_index(head_dim: int) -> Tensor:
 
 
 def apply_rope(x, cos, sin_signed, swap):
-    """x [..., hd]; cos / sin_signed broadcastable to x (rope_tables); swap = rope_swap_index(hd) -> rotated x.
+    """x [..., hd]; cos / sin_signed float32 broadcastable to x (rope_tables); swap = rope_swap_index(hd) ->
+    rotated x in x's dtype.
 
-    One gather instead of slice / slice / neg / concat: the same values, three fewer graph ops per call.
+    One gather instead of slice / slice / neg / concat: the same values, three fewer graph ops per call. A
+    half-precision x is rotated in float32 and cast back (MindFormers' ``rotary_dtype: float32``); float32 x
+    takes no cast.
     """
-    return x * cos + ops.gather(x, swap, x.ndim - 1) * sin_signed
+    dt = x.dtype
+    if dt != ms.float32:
+        x = x.astype(ms.float32)
+    y = x * cos + ops.gather(x, swap, x.ndim - 1) * sin_signed
+    if dt != ms.float32:
+        y = y.astype(dt)
+    return y
 
 
-def paged_attention(q, k, v, key_cache, value_cache, write_idx, read_idx, mask, scale=None):
-    """Write k/v into the paged caches, then attend from q over the sequence's slots.
-
-    q [k, nh, hd] (RoPE applied), k/v [k, n_kv, hd] (RoPE on k), caches [n_kv * slots, hd], write_idx
-    [k * n_kv] i32 and read_idx [n_kv, S] i32 (:meth:`PortableKVOps.indices`), mask [k, S] f32 additive,
-    scale: the score factor 1/sqrt(hd), or None when q already carries it (the teacher folds it into its q
-    weights) -> context [k, nh * hd] f32.
-    GQA: each KV head serves nh / n_kv query heads through one batched matmul. This is the portable stand-in for
-    Ascend's ReshapeAndCache + PagedAttention pair (pangu_mindformers.md §2.3).
-    """
-    k_len, nh, hd = q.shape
-    nkv = k.shape[1]
-    group = nh // nkv
-    k_out = PortableKVOps.write(key_cache, write_idx, k)
-    v_out = PortableKVOps.write(value_cache, write_idx, v)
-    keys = PortableKVOps.read(ops.depend(key_cache, k_out), read_idx)        # [n_kv, S, hd]
-    vals = PortableKVOps.read(ops.depend(value_cache, v_out), read_idx)
-    if k_len == 1:                                                           # decode: no transpose needed
-        q = q.reshape(nkv, group, hd)
-    else:
-        q = q.reshape(k_len, nkv, group, hd).transpose(1, 2, 0, 3).reshape(nkv, group * k_len, hd)
-    scores = _BMM_T(q, keys)                                                 # [n_kv, g*k, S]
-    if scale is not None:
-        scores = scores * scale
-    scores = scores.reshape(nkv, group, k_len, -1) + mask
-    probs = ops.softmax(scores, -1).reshape(nkv, group * k_len, -1)
-    ctx = ops.bmm(probs, vals)                                               # [n_kv, g*k, hd]
-    if k_len == 1:
-        return ctx.reshape(1, nh * hd)
-    return ctx.reshape(nkv, group, k_len, hd).transpose(2, 0, 1, 3).reshape(k_len, nh * hd)
+COMPUTE_DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
+"""``model.dtype`` names -> MindSpore dtypes of weights, matmuls, residual stream and KV cache."""
 
 
-_BMM_T = ops.BatchMatMul(transpose_b=True)
+def zeros_param(shape, dtype, name: str) -> Parameter:
+    """A zero Parameter of ``shape`` in ``dtype`` (placeholder until ``load_hf_weights`` sets the data)."""
+    if dtype == ms.float32:
+        return Parameter(Tensor(np.zeros(shape, np.float32)), name=name)
+    return Parameter(Tensor(np.zeros(shape, np.float16), dtype), name=name)
 
 
 class Attention(nn.Cell):
     """GQA self-attention over the paged cache; optional bias on qkv and on o."""
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, layer: int):
+    def __init__(self, cfg: ModelConfig, backend, layer: int, dtype=ms.float32):
         super().__init__()
+        self.backend = backend
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv_out = (self.nh + 2 * self.nkv) * self.hd
-        self.wqkv = Parameter(Tensor(np.zeros((qkv_out, cfg.hidden_size), np.float32)), name="wqkv")
-        self.bqkv = Parameter(Tensor(np.zeros(qkv_out, np.float32)), name="bqkv") if cfg.qkv_bias else None
-        self.wo = Parameter(Tensor(np.zeros((cfg.hidden_size, self.nh * self.hd), np.float32)), name="wo")
-        self.bo = Parameter(Tensor(np.zeros(cfg.hidden_size, np.float32)), name="bo") if cfg.o_bias else None
-        self.key_cache = make_cache(num_blocks, block_size, self.nkv, self.hd, ms.float32, f"key_cache_{layer}")
-        self.value_cache = make_cache(num_blocks, block_size, self.nkv, self.hd, ms.float32, f"value_cache_{layer}")
+        self.wqkv = zeros_param((qkv_out, cfg.hidden_size), dtype, "wqkv")
+        self.bqkv = zeros_param((qkv_out,), dtype, "bqkv") if cfg.qkv_bias else None
+        self.wo = zeros_param((cfg.hidden_size, self.nh * self.hd), dtype, "wo")
+        self.bo = zeros_param((cfg.hidden_size,), dtype, "bo") if cfg.o_bias else None
+        self.key_cache = backend.make_cache(f"key_cache_{layer}")
+        self.value_cache = backend.make_cache(f"value_cache_{layer}")
         self.qk_v = ((self.nh + self.nkv) * self.hd, self.nkv * self.hd)
         self.q_k = (self.nh, self.nkv)
         self.swap = rope_swap_index(self.hd)
 
-    def construct(self, x, cos, sin, write_idx, read_idx, mask):
+    def construct(self, x, cos, sin, meta):
         k_len = x.shape[0]
         qkv = linear(x, self.wqkv)
         if self.bqkv is not None:
@@ -178,8 +177,8 @@ class Attention(nn.Cell):
         qk, v = ops.split(qkv, self.qk_v, -1)
         qk = apply_rope(qk.reshape(k_len, self.nh + self.nkv, self.hd), cos, sin, self.swap)   # q and k together
         q, k = ops.split(qk, self.q_k, 1)
-        ctx = paged_attention(q, k, v.reshape(k_len, self.nkv, self.hd), self.key_cache, self.value_cache,
-                              write_idx, read_idx, mask)
+        ctx = self.backend.attend(q, k, v.reshape(k_len, self.nkv, self.hd), self.key_cache, self.value_cache,
+                                  meta)
         out = linear(ctx, self.wo)
         if self.bo is not None:
             out = out + self.bo
@@ -189,14 +188,14 @@ class Attention(nn.Cell):
 class MLP(nn.Cell):
     """SwiGLU with gate and up fused into one [2F, H] weight."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, dtype=ms.float32):
         super().__init__()
         self.ffn = cfg.intermediate_size
-        self.w_gate_up = Parameter(Tensor(np.zeros((2 * self.ffn, cfg.hidden_size), np.float32)), name="w_gate_up")
-        self.w_down = Parameter(Tensor(np.zeros((cfg.hidden_size, self.ffn), np.float32)), name="w_down")
+        self.w_gate_up = zeros_param((2 * self.ffn, cfg.hidden_size), dtype, "w_gate_up")
+        self.w_down = zeros_param((cfg.hidden_size, self.ffn), dtype, "w_down")
 
     def construct(self, x):
-        if _weight_left(x.shape[0]):          # weight-left (see linear): stay transposed between the two matmuls
+        if _weight_left(x.shape[0], x.dtype):  # weight-left (see linear): stay transposed between the two matmuls
             gate, up = ops.split(_MM(self.w_gate_up, x.T), self.ffn, 0)                 # [F, k] each
             return _MM(self.w_down, ops.silu(gate) * up).T
         gate, up = ops.split(_MM_T(x, self.w_gate_up), self.ffn, -1)
@@ -206,15 +205,15 @@ class MLP(nn.Cell):
 class DecoderLayer(nn.Cell):
     """Pre-norm block; both norm weights live folded in the next matmul (``load_hf_weights``)."""
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, layer: int):
+    def __init__(self, cfg: ModelConfig, backend, layer: int, dtype=ms.float32):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weighted=False)
-        self.attn = Attention(cfg, num_blocks, block_size, layer)
+        self.attn = Attention(cfg, backend, layer, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weighted=False)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, dtype)
 
-    def construct(self, x, cos, sin, write_idx, read_idx, mask):
-        x = x + self.attn(self.input_layernorm(x), cos, sin, write_idx, read_idx, mask)
+    def construct(self, x, cos, sin, meta):
+        x = x + self.attn(self.input_layernorm(x), cos, sin, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -226,38 +225,58 @@ class PanguTeacher(nn.Cell):
         num_blocks: KV blocks in the pool (the pad block is added on top).
         block_size: tokens per block.
         max_seq_len: RoPE table length; positions must be < max_seq_len.
+        dtype: compute dtype (``COMPUTE_DTYPES``: mindspore float32, float16 or bfloat16) of the weights, the
+            matmuls, the residual stream and the KV cache. RMSNorm, RoPE, the softmax and the returned logits /
+            features are float32 whatever ``dtype`` (MindFormers' layernorm_compute_type / rotary_dtype /
+            softmax_compute_type; the lm_head matmul runs in ``dtype`` and is cast, as MindFormers' head does).
+            float32 adds no cast anywhere.
+        attention: the cache write / read / attention backend (``attention.py``): auto (fused kernels when
+            ``context.device_target`` is Ascend, else portable), portable, fused, or a built backend Cell.
+            The fused backend's PagedAttention gets ``scale_value`` 1.0: the q weights carry 1/sqrt(hd).
     """
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, max_seq_len: int):
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, max_seq_len: int, dtype=ms.float32,
+                 attention="auto"):
         super().__init__()
-        self.cfg = cfg
-        self.embed = Parameter(Tensor(np.zeros((cfg.vocab_size, cfg.hidden_size), np.float32)), name="embed")
-        self.layers = nn.CellList([DecoderLayer(cfg, num_blocks, block_size, i) for i in range(cfg.num_layers)])
+        self.cfg, self.dtype = cfg, dtype
+        self.backend = make_backend(attention, num_blocks, block_size, cfg.num_kv_heads, cfg.num_heads,
+                                    cfg.head_dim, dtype, 1.0)
+        self.embed = zeros_param((cfg.vocab_size, cfg.hidden_size), dtype, "embed")
+        self.layers = nn.CellList([DecoderLayer(cfg, self.backend, i, dtype) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else Parameter(
-            Tensor(np.zeros((cfg.vocab_size, cfg.hidden_size), np.float32)), name="lm_head")
+        self.lm_head = None if cfg.tie_word_embeddings else zeros_param((cfg.vocab_size, cfg.hidden_size), dtype,
+                                                                         "lm_head")
         cos, sin = rope_tables(cfg.head_dim, max_seq_len, cfg.rope_theta)
         self.cos, self.sin = Tensor(cos), Tensor(sin)
         self.aux_layers = tuple(int(i) for i in cfg.aux_layers)
-        self.offsets, self.head_base = cache_index_constants(num_blocks, block_size, cfg.num_kv_heads)
 
     def head_weight(self):
         return self.embed if self.lm_head is None else self.lm_head
 
     def construct(self, tokens, positions, slots, block_table, mask, out_rows):
-        h, aux = self.hidden(tokens, positions, slots, block_table, mask, out_rows)
-        return linear(h, self.head_weight()), aux
+        h, aux = self._trunk(tokens, positions, slots, block_table, mask, out_rows)
+        logits = linear(h, self.head_weight())
+        if logits.dtype != ms.float32:
+            logits, aux = logits.astype(ms.float32), aux.astype(ms.float32)
+        return logits, aux
 
     def hidden(self, tokens, positions, slots, block_table, mask, out_rows):
-        """Like ``construct`` but returns the final-normed hidden rows [m, H] instead of logits [m, V]."""
+        """Like ``construct`` but returns the final-normed hidden rows f32 [m, H] instead of logits [m, V]."""
+        h, aux = self._trunk(tokens, positions, slots, block_table, mask, out_rows)
+        if h.dtype != ms.float32:
+            h, aux = h.astype(ms.float32), aux.astype(ms.float32)
+        return h, aux
+
+    def _trunk(self, tokens, positions, slots, block_table, mask, out_rows):
+        """Final-normed hidden rows [m, H] and captured features [k, 3H], both in the compute dtype."""
         x = ops.gather(self.embed, tokens, 0)
         cos = ops.gather(self.cos, positions, 0).expand_dims(1)
         sin = ops.gather(self.sin, positions, 0).expand_dims(1)
-        write_idx, read_idx = PortableKVOps.indices(slots, block_table, self.offsets, self.head_base)
+        meta = self.backend.prepare(slots, block_table, mask)
         inputs = ()                                    # residual stream entering each layer
         for layer in self.layers:
             inputs = inputs + (x,)
-            x = layer(x, cos, sin, write_idx, read_idx, mask)
+            x = layer(x, cos, sin, meta)
         a0, a1, a2 = self.aux_layers
         aux = ops.concat((inputs[a0], inputs[a1], inputs[a2]), -1)
         return self.norm(ops.gather(x, out_rows, 0)), aux
@@ -267,10 +286,13 @@ class PanguTeacher(nn.Cell):
         """Copy HF-named float32 numpy tensors into the fused Parameters, folding the per-layer norm weights and
         the attention scale into ``wqkv`` / ``bqkv`` / ``w_gate_up`` (module docstring).
 
+        Folding is done in float32; each fused matrix is then rounded once to the compute dtype (norm weights stay
+        float32).
         Raises:
             ValueError: a tensor is missing or its shape differs from the config (names the tensor, both shapes).
         """
-        cfg = self.cfg
+        cfg, dt = self.cfg, self.dtype
+        T = ms.Tensor if dt == ms.float32 else (lambda arr: ms.Tensor(arr, dt))   # one rounding to dt
 
         def get(name, shape):
             if name not in tensors:
@@ -282,29 +304,29 @@ class PanguTeacher(nn.Cell):
 
         H, F, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         qo, kvo = cfg.num_heads * hd, cfg.num_kv_heads * hd
-        self.embed.set_data(Tensor(get("model.embed_tokens.weight", (cfg.vocab_size, H))))
-        self.norm.weight.set_data(Tensor(get("model.norm.weight", (H,))))
+        self.embed.set_data(T(get("model.embed_tokens.weight", (cfg.vocab_size, H))))
+        self.norm.weight.set_data(ms.Tensor(get("model.norm.weight", (H,))))
         if self.lm_head is not None:
-            self.lm_head.set_data(Tensor(get("lm_head.weight", (cfg.vocab_size, H))))
+            self.lm_head.set_data(T(get("lm_head.weight", (cfg.vocab_size, H))))
         scale = np.float32(1.0 / np.sqrt(hd))           # softmax(q k^T / sqrt(hd)): folded into q
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = layer.attn
             g_in = get(p + "input_layernorm.weight", (H,))
             g_post = get(p + "post_attention_layernorm.weight", (H,))
-            a.wqkv.set_data(Tensor(np.concatenate([get(p + "self_attn.q_proj.weight", (qo, H)) * scale,
+            a.wqkv.set_data(T(np.concatenate([get(p + "self_attn.q_proj.weight", (qo, H)) * scale,
                                                    get(p + "self_attn.k_proj.weight", (kvo, H)),
                                                    get(p + "self_attn.v_proj.weight", (kvo, H))], 0) * g_in))
             if a.bqkv is not None:
-                a.bqkv.set_data(Tensor(np.concatenate([get(p + "self_attn.q_proj.bias", (qo,)) * scale,
+                a.bqkv.set_data(T(np.concatenate([get(p + "self_attn.q_proj.bias", (qo,)) * scale,
                                                        get(p + "self_attn.k_proj.bias", (kvo,)),
                                                        get(p + "self_attn.v_proj.bias", (kvo,))], 0)))
-            a.wo.set_data(Tensor(get(p + "self_attn.o_proj.weight", (H, qo))))
+            a.wo.set_data(T(get(p + "self_attn.o_proj.weight", (H, qo))))
             if a.bo is not None:
-                a.bo.set_data(Tensor(get(p + "self_attn.o_proj.bias", (H,))))
-            layer.mlp.w_gate_up.set_data(Tensor(np.concatenate([get(p + "mlp.gate_proj.weight", (F, H)),
+                a.bo.set_data(T(get(p + "self_attn.o_proj.bias", (H,))))
+            layer.mlp.w_gate_up.set_data(T(np.concatenate([get(p + "mlp.gate_proj.weight", (F, H)),
                                                                 get(p + "mlp.up_proj.weight", (F, H))], 0) * g_post))
-            layer.mlp.w_down.set_data(Tensor(get(p + "mlp.down_proj.weight", (H, F))))
+            layer.mlp.w_down.set_data(T(get(p + "mlp.down_proj.weight", (H, F))))
 
     def caches(self) -> list:
         """[(key_cache, value_cache)] per layer: the Parameters the cache manager compacts on commit."""
@@ -312,26 +334,25 @@ class PanguTeacher(nn.Cell):
 
 
 class KVCompactor(nn.Cell):
-    """Move K/V slots inside paged caches: gather every source row into a temporary, then scatter.
+    """Move K/V slots inside paged caches: gather every source slot into a temporary, then write it at dst.
 
     construct(src [P] i32, dst [P] i32) slots -> a dummy scalar (the caches update in place). Each slot is moved
-    for every KV head (rows slot + head_base). Gathering first makes overlapping source / destination ranges
-    safe (kv commit, eagle3.md §3).
+    for every KV head through ``backend.move`` (portable: row gather + ScatterUpdate; fused: gather +
+    ReshapeAndCache). Gathering first makes overlapping source / destination ranges safe (kv commit,
+    eagle3.md §3).
 
     Args:
-        caches: [(key_cache, value_cache)] per layer; head_base: int32 [n_kv] (``kv.cache_index_constants``).
+        caches: [(key_cache, value_cache)] per layer; backend: the caches' attention backend (``attention.py``).
     """
 
-    def __init__(self, caches: list, head_base):
+    def __init__(self, caches: list, backend):
         super().__init__()
-        self.params = ms.ParameterTuple([p for pair in caches for p in pair])
-        self.head_base = head_base
+        self.keys = ms.ParameterTuple([k for k, _ in caches])
+        self.values = ms.ParameterTuple([v for _, v in caches])
+        self.backend = backend
 
     def construct(self, src, dst):
-        src_rows = PortableKVOps.write_rows(src, self.head_base)
-        dst_rows = PortableKVOps.write_rows(dst, self.head_base)
         outs = ()
-        for p in self.params:
-            tmp = ops.gather(p, src_rows, 0)
-            outs = outs + (PortableKVOps.write(p, dst_rows, tmp),)
-        return outs[0][0, 0]
+        for kc, vc in zip(self.keys, self.values):
+            outs = outs + self.backend.move(kc, vc, src, dst)
+        return outs[0].reshape(-1)[0]

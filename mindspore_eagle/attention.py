@@ -1,0 +1,273 @@
+"""Attention backends: how a Cell writes K/V into its paged cache and attends over it.
+
+Legend: k = query rows of one call, nh / n_kv / hd = query heads / KV heads / head dim, NB / B = cache blocks /
+block size (block NB is the explicit pad block, so NB + 1 blocks are allocated), w = attended slots of the call
+(block-table width x B), P = slots moved by one commit.
+
+One small interface, chosen once per Cell (never a flag inside the math):
+
+    make_cache(name)                          -> cache Parameter (one for K, one for V)
+    prepare(slots [k] i32, block_table [w/B] i32, mask [k, w] f32 additive)
+                                              -> meta: everything the layers share in one forward
+    attend(q [k, nh, hd], k [k, n_kv, hd], v [k, n_kv, hd], key_cache, value_cache, meta, scale)
+                                              -> context [k, nh * hd]   (writes k / v first)
+    move(key_cache, value_cache, src [P] i32, dst [P] i32)  -> outputs to depend on (commit compaction)
+    read_keys(key_cache, block_table [w/B] i32) -> keys [n_kv, w, hd]  (read-only inspection)
+
+``PortableBackend`` (CPU, GPU, Ascend): the flat head-major layout of ``kv.make_cache`` written by
+``ScatterUpdate`` and read by ``gather``, attention by batched matmuls (``models.pangu.paged_attention``). It is
+the path every test and every CPU run has used; its graph is unchanged by this module.
+
+``FusedBackend`` (Ascend): MindFormers' paged layout ``[NB + 1, B, n_kv, hd]`` per layer (the layout in the
+docstrings of ``ops.auto_generate.ReshapeAndCache`` / ``PagedAttention``; byte-identical to MindFormers'
+``[NB, B, n_kv * hd]``, ``modules/paged_attention_mgr.py``, plus our pad block). The write is
+``ReshapeAndCache(key [k, n_kv * hd], value, key_cache, value_cache, slot_mapping [k])`` (the op's shape check
+counts tokens as the product of all but the last key dimension, so the key is flattened per token, as MindFormers'
+[B, S, H] key; the docstring's [T, n_kv, hd] would count T * n_kv tokens; half-precision keys only); the read + attention is one
+``PagedAttention(query, key_cache, value_cache, block_tables [batch, w/B], context_lens [batch], None, None,
+attn_mask [k, w], q_seq_lens [batch])`` with ``head_num``, ``scale_value`` and ``kv_head_num`` fixed at
+construction: the call MindFormers makes for parallel decoding / chunked prefill (``paged_attn`` in
+``paged_attention_mgr.py``); it serves calls of at most ``PA_MAX_Q`` = 16 query rows (decode, tree
+verification, drafter expansion). Each call is one sequence (batch 1, q_seq_lens = [k]); ``context_lens`` = last
+visible column + 1 of the additive mask; the mask is converted to MindFormers' convention: ``bool(hidden) *
+-10000`` in the compute dtype (0 = visible). Larger calls (prefill chunks, the drafter's context pass) read the
+block table's slots back from the cache (a gather of whole blocks, after the ReshapeAndCache write) and run
+``FlashAttentionScore`` (layout BSH, mask uint8 [k, w] with 1 = discard, GQA by head_num) over them, so a chunk
+after the first sees the earlier chunks. No index is ever -1: padding rows write into the pad block and block
+tables are padded with the pad block id.
+
+The kernels are injected (``kernels`` = a factory ``(head_num, scale_value, kv_head_num) -> object`` with
+``reshape_and_cache`` and ``paged_attention``), so the same backend runs Ascend's ops on a device and the numpy
+models of their documented semantics on CPU (``tests/ascend_reference.py``, eager mode only: numpy runs on the
+host). ``select_backend`` picks by ``context.device_target`` (``Ascend`` -> fused, else portable), overridable with
+the ``attention`` argument of the Cells or the ``MSEAGLE_ATTENTION`` environment variable (``portable`` /
+``fused``).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import mindspore as ms
+from mindspore import nn, ops
+
+from .kv import PortableKVOps, cache_index_constants, make_cache
+
+MASKED_SCORE = -10000.0
+"""The additive value PagedAttention's mask carries for a hidden key (MindFormers: ``bool(mask) * -10000``)."""
+
+BACKENDS = ("portable", "fused")
+
+_BMM_T = ops.BatchMatMul(transpose_b=True)
+
+
+def paged_attention(q, k, v, key_cache, value_cache, write_idx, read_idx, mask, scale=None):
+    """Write k/v into the paged caches, then attend from q over the sequence's slots.
+
+    q [k, nh, hd] (RoPE applied), k/v [k, n_kv, hd] (RoPE on k), caches [n_kv * slots, hd], all in the compute
+    dtype (float32 / float16 / bfloat16); write_idx [k * n_kv] i32 and read_idx [n_kv, S] i32
+    (:meth:`PortableKVOps.indices`), mask [k, S] f32 additive, scale: the score factor 1/sqrt(hd), or None when
+    q already carries it (the teacher folds it into its q weights) -> context [k, nh * hd] in the compute dtype.
+    Scores are cast to float32 before the mask and the softmax (MindFormers' ``softmax_compute_type``) and the
+    probabilities back to the compute dtype for the value matmul; float32 takes no cast.
+    GQA: each KV head serves nh / n_kv query heads through one batched matmul. This is the portable stand-in for
+    Ascend's ReshapeAndCache + PagedAttention pair (pangu_mindformers.md §2.3).
+    """
+    k_len, nh, hd = q.shape
+    nkv = k.shape[1]
+    group = nh // nkv
+    k_out = PortableKVOps.write(key_cache, write_idx, k)
+    v_out = PortableKVOps.write(value_cache, write_idx, v)
+    keys = PortableKVOps.read(ops.depend(key_cache, k_out), read_idx)        # [n_kv, S, hd]
+    vals = PortableKVOps.read(ops.depend(value_cache, v_out), read_idx)
+    if k_len == 1:                                                           # decode: no transpose needed
+        q = q.reshape(nkv, group, hd)
+    else:
+        q = q.reshape(k_len, nkv, group, hd).transpose(1, 2, 0, 3).reshape(nkv, group * k_len, hd)
+    scores = _BMM_T(q, keys)                                                 # [n_kv, g*k, S]
+    if scale is not None:
+        scores = scores * scale
+    if scores.dtype != ms.float32:                                           # softmax in float32
+        scores = scores.astype(ms.float32)
+    scores = scores.reshape(nkv, group, k_len, -1) + mask
+    probs = ops.softmax(scores, -1).reshape(nkv, group * k_len, -1)
+    if probs.dtype != vals.dtype:
+        probs = probs.astype(vals.dtype)
+    ctx = ops.bmm(probs, vals)                                               # [n_kv, g*k, hd]
+    if k_len == 1:
+        return ctx.reshape(1, nh * hd)
+    return ctx.reshape(nkv, group, k_len, hd).transpose(2, 0, 1, 3).reshape(k_len, nh * hd)
+
+
+PA_MAX_Q = 16
+"""Most query rows per sequence that go to PagedAttention (decode, tree verification, drafter expansion); larger
+static row counts (prefill chunks, the drafter's context pass) go to FlashAttention. 16 = the cap vllm-ascend
+documents for its fused attention with speculative masks (num_speculative_tokens + 1 <= 16)."""
+
+
+class AscendKernels(nn.Cell):
+    """The real Ascend kernels; constructible anywhere, runnable on Ascend (Atlas A2 for FlashAttentionScore) only.
+
+    ``reshape_and_cache`` / ``paged_attention``: ``mindspore.ops.auto_generate.ReshapeAndCache`` /
+    ``PagedAttention(head_num, scale_value, kv_head_num)``; ``flash_attention(query [1, S1, nh * hd], key /
+    value [1, S2, n_kv * hd], attn_mask uint8 [S1, S2] (1 = discard)) -> [1, S1, nh * hd]``:
+    ``ops.flash_attention_score`` in layout BSH, sparse_mode 0 (the prefill call of MindFormers'
+    ``InferAttention`` in PyNative, ``modules/infer_attention.py``).
+
+    Args: head_num (nh), scale_value (score factor; 1.0 when q already carries 1/sqrt(hd)), kv_head_num (n_kv).
+    """
+
+    def __init__(self, head_num: int, scale_value: float, kv_head_num: int):
+        from mindspore.ops import auto_generate as gen
+
+        super().__init__()                # a Cell, so that graph mode resolves its primitives and methods
+        self.head_num, self.scale_value = head_num, scale_value
+        self.reshape_and_cache = gen.ReshapeAndCache()
+        self.paged_attention = gen.PagedAttention(head_num, scale_value, kv_head_num)
+
+    def flash_attention(self, query, key, value, attn_mask):
+        return ops.flash_attention_score(query, key, value, self.head_num, attn_mask=attn_mask,
+                                         scalar_value=self.scale_value, input_layout="BSH")
+
+
+def select_backend(attention: str = "auto", dtype=ms.float16) -> str:
+    """Backend name for ``attention`` = auto | portable | fused.
+
+    auto: $MSEAGLE_ATTENTION when set, else fused on Ascend in a half dtype, else portable (float32 stays
+    portable everywhere: ReshapeAndCache takes float16 / bfloat16 / int8 / uint8 keys only, per its type check in
+    MindSpore 2.9).
+    Raises:
+        ValueError: an unknown name, or fused with float32 (names the allowed values).
+    """
+    name = attention
+    if name == "auto":
+        name = os.environ.get("MSEAGLE_ATTENTION", "") or (
+            "fused" if ms.get_context("device_target") == "Ascend" and dtype != ms.float32 else "portable")
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend = {name!r}: must be auto, portable or fused")
+    if name == "fused" and dtype == ms.float32:
+        raise ValueError("attention backend = 'fused' needs model.dtype float16 or bfloat16 (ReshapeAndCache takes "
+                         "no float32)")
+    return name
+
+
+def make_backend(attention, num_blocks: int, block_size: int, n_kv: int, nh: int, hd: int, dtype, scale: float,
+                 kernels=None):
+    """The backend Cell for one model's cache geometry.
+
+    Args:
+        attention: auto | portable | fused (see :func:`select_backend`), or an already built backend (returned).
+        scale: the score factor the fused kernel applies (1.0 when q carries 1/sqrt(hd)); the portable path
+            takes it per call.
+        kernels: factory for the fused backend (default :class:`AscendKernels`).
+    """
+    if isinstance(attention, (PortableBackend, FusedBackend)):
+        return attention
+    if select_backend(attention, dtype) == "portable":
+        return PortableBackend(num_blocks, block_size, n_kv, hd, dtype)
+    return FusedBackend(num_blocks, block_size, n_kv, nh, hd, dtype, scale, kernels or AscendKernels)
+
+
+class PortableBackend(nn.Cell):
+    """Flat head-major cache ``[n_kv * (NB + 1) * B, hd]``, ScatterUpdate write, gather read (``kv.py``)."""
+
+    name = "portable"
+
+    def __init__(self, num_blocks: int, block_size: int, n_kv: int, hd: int, dtype=ms.float32):
+        super().__init__()
+        self.num_blocks, self.block_size, self.n_kv, self.hd, self.dtype = num_blocks, block_size, n_kv, hd, dtype
+        self.offsets, self.head_base = cache_index_constants(num_blocks, block_size, n_kv)
+
+    def make_cache(self, name: str):
+        """Zero cache Parameter [n_kv * (NB + 1) * B, hd] in the compute dtype."""
+        return make_cache(self.num_blocks, self.block_size, self.n_kv, self.hd, self.dtype, name)
+
+    def prepare(self, slots, block_table, mask):
+        """(write rows [k * n_kv], read rows [n_kv, w], mask [k, w]) (``PortableKVOps.indices``)."""
+        write_idx, read_idx = PortableKVOps.indices(slots, block_table, self.offsets, self.head_base)
+        return write_idx, read_idx, mask
+
+    def attend(self, q, k, v, key_cache, value_cache, meta, scale=None):
+        """``models.pangu.paged_attention`` (write, gather, matmul attention) -> [k, nh * hd]."""
+        write_idx, read_idx, mask = meta
+        return paged_attention(q, k, v, key_cache, value_cache, write_idx, read_idx, mask, scale)
+
+    def move(self, key_cache, value_cache, src, dst):
+        """Copy slots src -> dst for every head (gather into a temporary first, so overlaps are safe)."""
+        src_rows = PortableKVOps.write_rows(src, self.head_base)
+        dst_rows = PortableKVOps.write_rows(dst, self.head_base)
+        k_out = PortableKVOps.write(key_cache, dst_rows, ops.gather(key_cache, src_rows, 0))
+        v_out = PortableKVOps.write(value_cache, dst_rows, ops.gather(value_cache, src_rows, 0))
+        return k_out, v_out
+
+    def read_keys(self, key_cache, block_table):
+        """keys [n_kv, w, hd] of the block table's slots."""
+        return PortableKVOps.read(key_cache, PortableKVOps.read_rows(block_table, self.offsets, self.head_base))
+
+
+class FusedBackend(nn.Cell):
+    """MindFormers layout ``[NB + 1, B, n_kv, hd]``; ReshapeAndCache + PagedAttention (see the module docstring).
+
+    Args:
+        num_blocks / block_size / n_kv / nh / hd: geometry; dtype: compute dtype of the cache and the query;
+        scale: PagedAttention's ``scale_value``; kernels: factory ``(head_num, scale_value, kv_head_num)``.
+    """
+
+    name = "fused"
+
+    def __init__(self, num_blocks: int, block_size: int, n_kv: int, nh: int, hd: int, dtype, scale: float,
+                 kernels=AscendKernels):
+        super().__init__()
+        self.num_blocks, self.block_size, self.n_kv, self.nh, self.hd = num_blocks, block_size, n_kv, nh, hd
+        self.dtype = dtype
+        self.kernels = kernels(nh, float(scale), n_kv)
+        self.cols = ms.Tensor(np.arange(1, 1 << 16, dtype=np.int32))     # column index + 1 (context length)
+
+    def make_cache(self, name: str):
+        """Zero cache Parameter [NB + 1, B, n_kv, hd] in the compute dtype (block NB = pad block)."""
+        shape = (self.num_blocks + 1, self.block_size, self.n_kv, self.hd)
+        zeros = np.zeros(shape, np.float32 if self.dtype == ms.float32 else np.float16)
+        return ms.Parameter(ms.Tensor(zeros, self.dtype), name=name, requires_grad=False)
+
+    def prepare(self, slots, block_table, mask):
+        """(slot_mapping [k], block_tables [1, w/B], context_lens [1], attn_mask [k, w] compute dtype,
+        q_seq_lens [1]) for one sequence; context_lens = 1 + the last column any row may see."""
+        k_len, w = mask.shape
+        visible = (mask > MASKED_SCORE).astype(ms.int32)                 # 0 / 1 [k, w]
+        context_lens = (visible * self.cols[:w].reshape(1, -1)).max().reshape(1)
+        attn_mask = (mask <= MASKED_SCORE).astype(self.dtype) * MASKED_SCORE
+        q_seq_lens = ops.ones((1,), ms.int32) * k_len
+        return slots, block_table.reshape(1, -1), context_lens, attn_mask, q_seq_lens
+
+    def attend(self, q, k, v, key_cache, value_cache, meta, scale=None):
+        """ReshapeAndCache(k, v), then PagedAttention(q) for k <= PA_MAX_Q rows, else FlashAttention over the
+        block table's slots read back from the cache -> [k, nh * hd] (``scale`` is the kernels', fixed)."""
+        slot_mapping, block_tables, context_lens, attn_mask, q_seq_lens = meta
+        k_len = q.shape[0]
+        written = self.kernels.reshape_and_cache(k.reshape(k_len, -1), v.reshape(k_len, -1), key_cache,
+                                                 value_cache, slot_mapping)
+        q = ops.depend(q, written)
+        if k_len <= PA_MAX_Q:
+            out = self.kernels.paged_attention(q, key_cache, value_cache, block_tables, context_lens, None, None,
+                                               attn_mask, q_seq_lens)
+            return out.reshape(k_len, self.nh * self.hd)
+        keys = ops.gather(ops.depend(key_cache, written), block_tables.reshape(-1), 0)      # [w/B, B, n_kv, hd]
+        vals = ops.gather(ops.depend(value_cache, written), block_tables.reshape(-1), 0)
+        width = keys.shape[0] * keys.shape[1]
+        discard = (attn_mask < 0).astype(ms.uint8)                                           # 1 = discard
+        out = self.kernels.flash_attention(q.reshape(1, k_len, self.nh * self.hd),
+                                           keys.reshape(1, width, self.n_kv * self.hd),
+                                           vals.reshape(1, width, self.n_kv * self.hd), discard)
+        return out.reshape(k_len, self.nh * self.hd)
+
+    def move(self, key_cache, value_cache, src, dst):
+        """Gather slots ``src`` [P, n_kv * hd] from both caches, then ReshapeAndCache them at ``dst``."""
+        keys = ops.gather(key_cache.reshape(-1, self.n_kv * self.hd), src, 0)
+        vals = ops.gather(value_cache.reshape(-1, self.n_kv * self.hd), src, 0)
+        out = self.kernels.reshape_and_cache(keys, vals, key_cache, value_cache, dst)
+        return out, out
+
+    def read_keys(self, key_cache, block_table):
+        """keys [n_kv, w, hd] of the block table's slots."""
+        keys = ops.gather(key_cache, block_table, 0)                      # [w/B, B, n_kv, hd]
+        return keys.reshape(-1, self.n_kv, self.hd).transpose(1, 0, 2)
