@@ -153,6 +153,8 @@ class Engine:
         budgets = self.verify_budgets()
         grow = (repeat + 1) * (2 * len(budgets) + 1)          # tokens the timed calls append
         context = min(context, tg.S - max(budgets) - grow)
+        if tg.widths[0] - max(budgets) - grow > 0:             # every call in the first attention-width bucket
+            context = min(context, tg.widths[0] - max(budgets) - grow)
         if context < 1:
             raise ValueError(f"cache.max_seq_len = {tg.S} is too small to time a tree of speculative.M = "
                              f"{max(budgets)}")

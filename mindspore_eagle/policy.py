@@ -378,10 +378,11 @@ class AdaptivePolicy:
         return L - self.rho * self.costs.step_ms(m)
 
     def after_draft(self, chosen: Choice) -> None:
-        """Fold the drafter's predicted advantage over plain decoding this step (>= 0) into the gate's EMA."""
+        """Fold the drafter's predicted advantage over plain decoding this step (>= 0) into the gate's EMA (weight
+        0.02: a ~50-step memory; on the replay a 10-step memory closed the gate on noise and cost 1.5 % speed)."""
         self.drafted += 1
         adv = chosen.profit - (1.0 - self.rho * self.costs.decode_ms)
-        self.gain = adv if not np.isfinite(self.gain) else 0.9 * self.gain + 0.1 * adv
+        self.gain = adv if not np.isfinite(self.gain) else 0.98 * self.gain + 0.02 * adv
 
     def observe(self, tree: DraftTree | None, accepted_path, tokens: int, cost_ms: float) -> None:
         """After a step: calibrate on the verified ``tree`` (None for a plain step) and its accepted node indices,

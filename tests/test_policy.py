@@ -173,16 +173,19 @@ def test_adaptive_random_drafter_rarely_speculates_and_is_lossless(ms_runtime, t
     eng, cfg = _engine(tiny_dir, drafter_dir, lambda m: 60.0 + 5 * m)
     assert eng.verify_budgets() == [2, 4, 8]
     gen = cfg.generation
-    gen.max_new_tokens = 40
+    gen.max_new_tokens = 60
     steps = []
-    for p in PROMPTS:
+    for p in PROMPTS + ["Tell me about the sea."]:
         base = eng.generate(p, gen, speculative=False)
         spec = eng.generate(p, gen, speculative=True)
         assert spec.token_ids == base.token_ids
         steps += spec.steps
     share = np.mean([s.budget > 1 for s in steps])
-    assert share < 0.2, share
-    assert sum(s.accept_len for s in steps) == sum(len(eng.generate(p, gen, False).token_ids) for p in PROMPTS) - 2
+    assert share < 0.3, share
+    assert np.mean([s.budget > 1 for s in steps[-30:]]) < 0.1            # once calibrated: plain decoding
+    assert np.mean([s.drafted for s in steps[-30:]]) < 0.3                 # and the drafter mostly idle
+    assert sum(s.accept_len for s in steps) == sum(len(eng.generate(p, gen, False).token_ids)
+                                                   for p in PROMPTS + ["Tell me about the sea."]) - 3
 
 
 def _oracle(eng, ref, prompt_len, rng, wrong_conf=0.3):
