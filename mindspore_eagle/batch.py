@@ -241,7 +241,7 @@ def run_record(engine, rec: InputRecord, gen, speculative: bool = True) -> dict:
         gens = [engine.generate(rec.payload, gen, speculative, turn_id=str(rec.id))]
     new = sum(len(g.token_ids) for g in gens)
     secs = sum(g.turn.prefill_ms + g.turn.decode_ms for g in gens) / 1e3
-    lens = [s.accept_len for g in gens for s in g.steps]
+    lens = [s.accept_len for g in gens for s in g.steps if s.budget != 1]     # tree-verifying steps (L_k)
     fields = {"text": [g.text for g in gens], "prompt_tokens": [g.prompt_tokens for g in gens],
               "new_tokens": [len(g.token_ids) for g in gens], "stop_reason": [g.stop_reason for g in gens]}
     if rec.kind != "turns":

@@ -158,7 +158,9 @@ def turn_summary(g, mode: str, speculative: bool) -> str:
         run_s = (t.prefill_ms + t.decode_ms - t.compile_ms) / 1e3
         rate += (f" ({t.new_tokens / run_s:.2f} tok/s without the {t.compile_ms / 1e3:.1f} s of compiling calls)"
                  if run_s > 0 else "")
-    accept = f"mean L_k {t.mean_accept_len:.2f} over {len(g.steps)} steps, " if g.steps else ""
+    tree = sum(1 for st in g.steps if st.budget != 1)
+    plain = f" (+{len(g.steps) - tree} plain)" if len(g.steps) > tree else ""
+    accept = f"mean L_k {t.mean_accept_len:.2f} over {tree} steps{plain}, " if g.steps else ""
     return (f"[{t.new_tokens} new tokens, {rate}, {accept}{t.compile_count} compiles, {mode}, {how}, "
             f"stop: {g.stop_reason}]")
 
