@@ -69,7 +69,7 @@ class FakeEngine:
                                   "cache.max_seq_len=256")
         self.calls.append(text)
         return SimpleNamespace(token_ids=[1, 2, 3, 4], text=text.upper(), stop_reason="eos", prompt_tokens=len(text),
-                               steps=[SimpleNamespace(accept_len=2), SimpleNamespace(accept_len=3)],
+                               steps=[SimpleNamespace(accept_len=2, budget=8), SimpleNamespace(accept_len=3, budget=8)],
                                turn=SimpleNamespace(prefill_ms=500.0, decode_ms=1500.0))
 
     def chat(self, turns, gen, speculative=True, turn_id="", on_token=None):
