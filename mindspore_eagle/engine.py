@@ -21,6 +21,8 @@ identical token ids. Sampling uses the multi-candidate rejection rule (verify.py
 """
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -99,16 +101,20 @@ class Engine:
         eos_ids: token ids that end a turn. drafter: DrafterRunner, or None for teacher-only only.
         spec: SpeculativeConfig (M, D_max, top_k, policy, validate_tree). trace: TraceWriter or None.
         costs: CostTable for the adaptive policy (measured on first use when None; tests inject one).
+        cost_file: optional JSON path: a CostTable measured there less than ``COST_MAX_AGE_S`` ago is reused, and a
+            fresh measurement is written there (``pipeline.build_engine`` keys it by machine, software and budget).
     """
 
+    COST_MAX_AGE_S = 24 * 3600
+
     def __init__(self, target, tokenizer, eos_ids, drafter=None, spec: SpeculativeConfig | None = None,
-                 trace: TraceWriter | None = None, costs: CostTable | None = None):
+                 trace: TraceWriter | None = None, costs: CostTable | None = None, cost_file: str | None = None):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.eos = set(int(e) for e in eos_ids)
         self.spec = spec or SpeculativeConfig()
         self.trace = trace or TraceWriter(None)
         self.validate = self.spec.validate_tree or target.mode == "eager"
-        self.costs = costs
+        self.costs, self.cost_file = costs, cost_file
         self._policy = None
 
     def verify_budgets(self) -> list[int]:
@@ -125,14 +131,43 @@ class Engine:
         if self._policy is None:
             if self.spec.policy == "adaptive":
                 if self.costs is None:
+                    self.costs = self._cached_costs()
+                if self.costs is None:
                     t0 = time.perf_counter()
                     self.costs = self.measure_costs()
                     print(f"speculation cost table measured in {time.perf_counter() - t0:.1f} s "
                           f"(decode {self.costs.decode_ms:.1f} ms)", file=sys.stderr, flush=True)
+                    self._save_costs()
                 self._policy = AdaptivePolicy(self.costs, self.verify_budgets())
             else:
                 self._policy = FixedPolicy(self.spec.M, self.spec.D_max)
         return self._policy
+
+    def _cached_costs(self) -> CostTable | None:
+        """The CostTable in ``cost_file`` if it exists, is younger than COST_MAX_AGE_S and readable, else None."""
+        if not self.cost_file or not os.path.isfile(self.cost_file):
+            return None
+        if time.time() - os.path.getmtime(self.cost_file) > self.COST_MAX_AGE_S:
+            return None
+        try:
+            with open(self.cost_file, encoding="utf-8") as f:
+                costs = CostTable(**json.load(f))
+        except (OSError, ValueError, TypeError):
+            return None
+        return costs if set(costs.verify_ms) >= set(self.verify_budgets()) else None
+
+    def _save_costs(self) -> None:
+        """Write the measured CostTable to ``cost_file`` atomically (no-op without one; unwritable: skipped)."""
+        if not self.cost_file:
+            return
+        try:
+            os.makedirs(os.path.dirname(self.cost_file) or ".", exist_ok=True)
+            tmp = f"{self.cost_file}.tmp{os.getpid()}"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(self.costs.to_dict(), f)
+            os.replace(tmp, self.cost_file)
+        except OSError:
+            pass
 
     def measure_costs(self, context: int = 192, repeat: int = 7) -> CostTable:
         """Time, in this process, each call a step can make, after a ``context``-token prefix: a plain step (teacher

@@ -112,7 +112,28 @@ def build_engine(cfg: Config, loaded: Loaded | None = None, trace=None):
         drafter = DrafterRunner(cell, d_len // c.block_size, c.block_size, d_len, mode, sp.window, c.prefill_chunk)
     if trace is None:
         trace = TraceWriter(sp.trace or None)
-    return Engine(target, loaded.tokenizer, loaded.teacher_cfg.eos_token_ids, drafter, sp, trace)
+    return Engine(target, loaded.tokenizer, loaded.teacher_cfg.eos_token_ids, drafter, sp, trace,
+                  cost_file=cost_file(cfg) if sp.policy == "adaptive" and drafter is not None else None)
+
+
+def cost_file(cfg: Config) -> str:
+    """Where the adaptive policy's measured CostTable of this machine and config is kept for a day:
+    $MSEAGLE_CACHE/costs/<key>.json, keyed by CPU, core count, MindSpore version, teacher, drafter, dtype, mode,
+    threads, cache geometry and M / D_max / top_k (anything that changes a call's cost)."""
+    import hashlib
+    import platform
+
+    import mindspore
+
+    from .fetch import cache_dir
+
+    cpu = next((line for line in open("/proc/cpuinfo", encoding="utf-8") if line.startswith("model name")), "") \
+        if os.path.exists("/proc/cpuinfo") else platform.processor()
+    sp = cfg.speculative
+    key = repr((cpu, os.cpu_count(), mindspore.__version__, cfg.model.teacher, cfg.model.drafter, cfg.model.dtype,
+                cfg.exec_mode, cfg.context.threads, os.environ.get("MSEAGLE_THREADS"), cfg.context.device_target,
+                cfg.cache.block_size, cfg.cache.max_seq_len, sp.M, sp.D_max, sp.top_k))
+    return str(cache_dir() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json"))
 
 
 __all__ = ["build_engine", "load_models", "random_drafter", "resolve_teacher", "EMBEDDED_DRAFTER",

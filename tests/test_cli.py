@@ -225,7 +225,7 @@ def test_error_prompt_longer_than_context(capsys, tiny):
     msg = expect_error(capsys, ["generate", "--set", f"model.teacher={tiny}", "--set", "model.drafter=random",
                                 "--set", "cache.max_seq_len=64", "--set", "cache.num_blocks=4", *TINY_FAST,
                                 "--prompt", "word " * 100], "prompt longer than the context (`generate`)")
-    assert "+ generation.max_new_tokens=6 = "  in msg and msg.endswith("cache.max_seq_len=64")
+    assert "+ generation.max_new_tokens=6 = " in msg and msg.endswith("cache.max_seq_len=64")
 
 
 def test_error_run_eagle_train_mode():

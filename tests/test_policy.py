@@ -302,3 +302,26 @@ def test_policy_key_is_checked():
     assert load_config(None).speculative.policy == "fixed"
     with pytest.raises(ConfigError, match="speculative.policy = 'smart': must be 'fixed' or 'adaptive'"):
         load_config(None, ["speculative.policy=smart"])
+
+
+def test_cost_table_reused_from_file_for_a_day(ms_runtime, tiny_dir, drafter_dir, tmp_path, monkeypatch):
+    """A measured CostTable is written to the engine's cost_file and the next engine reuses it (no measurement);
+    a stale or unreadable file is measured again."""
+    import os
+
+    from mindspore_eagle.engine import Engine
+
+    eng, cfg = _engine(tiny_dir, drafter_dir, lambda m: 60.0)
+    path = tmp_path / "costs.json"
+    table = eng.costs
+    eng.costs, eng.cost_file = None, str(path)
+    monkeypatch.setattr(Engine, "measure_costs", lambda self, *a, **k: table)
+    assert eng.policy.costs is table and path.exists()
+    monkeypatch.setattr(Engine, "measure_costs", lambda self, *a, **k: pytest.fail("measured again"))
+    again = Engine(eng.target, eng.tokenizer, eng.eos, eng.drafter, eng.spec, cost_file=str(path))
+    assert again.policy.costs.to_dict() == table.to_dict()
+    old = os.path.getmtime(path) - Engine.COST_MAX_AGE_S - 1
+    os.utime(path, (old, old))
+    stale = Engine(eng.target, eng.tokenizer, eng.eos, eng.drafter, eng.spec, cost_file=str(path))
+    with pytest.raises(pytest.fail.Exception, match="measured again"):
+        stale.policy
