@@ -4,12 +4,11 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from tiny_pangu import causal_mask, numpy_forward
+from tiny_pangu import causal_mask, exact_two_tokens, numpy_forward
 from mindspore_eagle.drafting import select_tree
 from mindspore_eagle.policy import (AcceptanceModel, AdaptivePolicy, CostTable, FixedPolicy, compiled_budgets,
                                     likeliest_child, node_values, top_nodes)
 from mindspore_eagle.tree import DraftTree, tensorize, validate_tree
-from mindspore_eagle.verify import warp_probs
 
 BUDGETS = compiled_budgets(16)
 
@@ -258,14 +257,7 @@ def test_adaptive_sampling_stays_exact(ms_runtime, tiny_dir, drafter_dir, tiny):
     gen.max_new_tokens = 3
     ids = eng.encode_chat(PROMPTS[0])
     n = len(ids)
-    l0, _ = numpy_forward(tcfg, tensors, ids, np.arange(n), causal_mask(n))
-    p1 = warp_probs(l0[-1:], 0.8, 1.0, 3)[0]
-    exact = {}
-    for x1 in np.flatnonzero(p1):
-        l1, _ = numpy_forward(tcfg, tensors, ids + [int(x1)], np.arange(n + 1), causal_mask(n + 1))
-        p2 = warp_probs(l1[-1:], 0.8, 1.0, 3)[0]
-        for x2 in np.flatnonzero(p2):
-            exact[(int(x1), int(x2))] = p1[x1] * p2[x2]
+    exact = exact_two_tokens(tcfg, tensors, ids, 0.8, 3)
     rng = np.random.default_rng(7)
 
     def build(dsid, root, first, M, D, grow=None):   # confident: the 3 likely tokens; else 3 impossible ones

@@ -7,13 +7,12 @@ import pytest
 from scipy import stats
 
 from conftest import tiny_tree
-from tiny_pangu import numpy_forward, causal_mask
+from tiny_pangu import causal_mask, exact_two_tokens, numpy_forward
 from mindspore_eagle.config import load_config
 from mindspore_eagle.models.eagle3 import (DrafterConfig, init_drafter_tensors, load_drafter, save_drafter,
                                            vocab_maps)
 from mindspore_eagle.tree import DraftTree
 from mindspore_eagle.trace import read_jsonl
-from mindspore_eagle.verify import warp_probs
 
 
 def tiny_drafter_dir(tmp_path, tcfg, seed=0, vd=96):
@@ -121,14 +120,7 @@ def test_sampling_follows_teacher_distribution(ms_runtime, tiny_dir, drafter_dir
     gen.temperature, gen.top_k, gen.max_new_tokens = 0.8, 3, 2
     ids = eng.encode_chat("Tell me a story.")
     n = len(ids)
-    l0, _ = numpy_forward(tcfg, tensors, ids, np.arange(n), causal_mask(n))
-    p1 = warp_probs(l0[-1:], 0.8, 1.0, 3)[0]
-    exact = {}
-    for x1 in np.flatnonzero(p1):
-        l1, _ = numpy_forward(tcfg, tensors, ids + [int(x1)], np.arange(n + 1), causal_mask(n + 1))
-        p2 = warp_probs(l1[-1:], 0.8, 1.0, 3)[0]
-        for x2 in np.flatnonzero(p2):
-            exact[(int(x1), int(x2))] = p1[x1] * p2[x2]
+    exact = exact_two_tokens(tcfg, tensors, ids, 0.8, 3)
     rng = np.random.default_rng(7)
 
     def build(dsid, root, first, M, D, grow=None):   # root's children: the likely tokens, shuffled, plus a wrong one

@@ -181,3 +181,21 @@ def numpy_forward(config, tensors, tokens, positions, mask_additive, dtype=np.fl
     head = W("model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight")
     logits = rms(x, W("model.norm.weight")) @ head.T
     return logits, np.concatenate([captured[a] for a in c.aux_layers], -1)
+
+
+def exact_two_tokens(cfg, tensors, ids, temperature: float, top_k: int) -> dict:
+    """{(x1, x2): probability} of the first two tokens sampled after ``ids`` from the teacher's warped distribution
+    (temperature, top_k; top_p 1), computed with the numpy reference forward: the ground truth of the sampling
+    chi-square tests."""
+    from mindspore_eagle.verify import warp_probs
+
+    n = len(ids)
+    l0, _ = numpy_forward(cfg, tensors, ids, np.arange(n), causal_mask(n))
+    p1 = warp_probs(l0[-1:], temperature, 1.0, top_k)[0]
+    exact = {}
+    for x1 in np.flatnonzero(p1):
+        l1, _ = numpy_forward(cfg, tensors, list(ids) + [int(x1)], np.arange(n + 1), causal_mask(n + 1))
+        p2 = warp_probs(l1[-1:], temperature, 1.0, top_k)[0]
+        for x2 in np.flatnonzero(p2):
+            exact[(int(x1), int(x2))] = p1[x1] * p2[x2]
+    return exact
