@@ -21,8 +21,6 @@ identical token ids. Sampling uses the multi-candidate rejection rule (verify.py
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -130,44 +128,19 @@ class Engine:
         from turn to turn."""
         if self._policy is None:
             if self.spec.policy == "adaptive":
-                if self.costs is None:
-                    self.costs = self._cached_costs()
+                if self.costs is None and self.cost_file:
+                    self.costs = CostTable.load(self.cost_file, self.COST_MAX_AGE_S, self.verify_budgets())
                 if self.costs is None:
                     t0 = time.perf_counter()
                     self.costs = self.measure_costs()
                     print(f"speculation cost table measured in {time.perf_counter() - t0:.1f} s "
                           f"(decode {self.costs.decode_ms:.1f} ms)", file=sys.stderr, flush=True)
-                    self._save_costs()
+                    if self.cost_file:
+                        self.costs.save(self.cost_file)
                 self._policy = AdaptivePolicy(self.costs, self.verify_budgets())
             else:
                 self._policy = FixedPolicy(self.spec.M, self.spec.D_max)
         return self._policy
-
-    def _cached_costs(self) -> CostTable | None:
-        """The CostTable in ``cost_file`` if it exists, is younger than COST_MAX_AGE_S and readable, else None."""
-        if not self.cost_file or not os.path.isfile(self.cost_file):
-            return None
-        if time.time() - os.path.getmtime(self.cost_file) > self.COST_MAX_AGE_S:
-            return None
-        try:
-            with open(self.cost_file, encoding="utf-8") as f:
-                costs = CostTable(**json.load(f))
-        except (OSError, ValueError, TypeError):
-            return None
-        return costs if set(costs.verify_ms) >= set(self.verify_budgets()) else None
-
-    def _save_costs(self) -> None:
-        """Write the measured CostTable to ``cost_file`` atomically (no-op without one; unwritable: skipped)."""
-        if not self.cost_file:
-            return
-        try:
-            os.makedirs(os.path.dirname(self.cost_file) or ".", exist_ok=True)
-            tmp = f"{self.cost_file}.tmp{os.getpid()}"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(self.costs.to_dict(), f)
-            os.replace(tmp, self.cost_file)
-        except OSError:
-            pass
 
     def measure_costs(self, context: int = 192, repeat: int = 7) -> CostTable:
         """Time, in this process, each call a step can make, after a ``context``-token prefix: a plain step (teacher
@@ -176,7 +149,7 @@ class Engine:
 
         Every call runs once uncounted (it compiles its shape), then the calls take turns ``repeat`` times and each
         cost is the median of its turns, so a machine that drifts while this runs shifts all of them alike. Takes
-        about ``repeat`` x (sum of the costs) plus the compiles: ~5 s on the 2-core CPU after warm-up.
+        about ``repeat`` x (sum of the costs) plus the compiles: ~3 s on the 2-core CPU after warm-up.
         Returns:
             CostTable (ms; host_ms = 0: host work is inside verify_ms).
         Raises:

@@ -25,6 +25,9 @@ by the tokens still to generate.
 """
 from __future__ import annotations
 
+import json
+import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,6 +86,31 @@ class CostTable:
     def to_dict(self) -> dict:
         return {"decode_ms": self.decode_ms, "verify_ms": {str(m): v for m, v in sorted(self.verify_ms.items())},
                 "draft_ctx_ms": self.draft_ctx_ms, "draft_step_ms": self.draft_step_ms, "host_ms": self.host_ms}
+
+    def save(self, path: str) -> None:
+        """Write the table as JSON to ``path`` atomically (temporary file, then rename); an unwritable path is
+        skipped (the table is only a cache)."""
+        try:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            tmp = f"{path}.tmp{os.getpid()}"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(self.to_dict(), f)
+            os.replace(tmp, path)
+        except OSError:
+            pass
+
+    @classmethod
+    def load(cls, path: str, max_age_s: float, budgets=()) -> "CostTable | None":
+        """The table saved at ``path`` if it is younger than ``max_age_s`` seconds, readable, and has a cost for
+        every budget in ``budgets``; else None (measure again)."""
+        try:
+            if time.time() - os.path.getmtime(path) > max_age_s:
+                return None
+            with open(path, encoding="utf-8") as f:
+                table = cls(**json.load(f))
+        except (OSError, ValueError, TypeError):
+            return None
+        return table if set(budgets) <= set(table.verify_ms) else None
 
     def describe(self) -> str:
         """One line per call, ms and multiple of a decode."""
