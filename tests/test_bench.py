@@ -70,6 +70,8 @@ def test_cli_policy_sweep_random_drafter(tmp_path):
     assert rep["identical_outputs"] is True and rep["policy"] == "adaptive"
     costs = rep["policy_state"]["costs"]
     assert sorted(costs["verify_ms"]) == ["2", "4", "8"] and costs["decode_ms"] > 0
+    v = [costs["verify_ms"][m] for m in ("2", "4", "8")]
+    assert v == sorted(v)                      # a smaller verification never costs more than a larger one
     assert 0.0 <= rep["spec_share"]["mean"] <= 1.0 and rep["speedup"]["min"] <= rep["speedup"]["p10"]
     assert "Speculation policy: adaptive" in (out / "report.md").read_text()
     assert (out / report_mod.FIGURES[8]).stat().st_size > 1000
