@@ -234,6 +234,8 @@ def run_record(engine, rec: InputRecord, gen, speculative: bool = True) -> dict:
         GenerationError / CacheExhaustedError: the record cannot run (too long, empty); ``run_batch`` turns
             them into the record's ``error``.
     """
+    from .engine import mean_accept_len
+
     head = {"id": rec.id, "line": rec.line}
     if rec.kind == "turns":
         gens = engine.chat(rec.payload, gen, speculative, turn_id=str(rec.id))
@@ -241,14 +243,13 @@ def run_record(engine, rec: InputRecord, gen, speculative: bool = True) -> dict:
         gens = [engine.generate(rec.payload, gen, speculative, turn_id=str(rec.id))]
     new = sum(len(g.token_ids) for g in gens)
     secs = sum(g.turn.prefill_ms + g.turn.decode_ms for g in gens) / 1e3
-    lens = [s.accept_len for g in gens for s in g.steps if s.budget != 1]     # tree-verifying steps (L_k)
     fields = {"text": [g.text for g in gens], "prompt_tokens": [g.prompt_tokens for g in gens],
               "new_tokens": [len(g.token_ids) for g in gens], "stop_reason": [g.stop_reason for g in gens]}
     if rec.kind != "turns":
         fields = {k: v[0] for k, v in fields.items()}
     return {**head, "text": fields["text"], "prompt_tokens": fields["prompt_tokens"],
             "new_tokens": fields["new_tokens"], "tok_per_s": round(new / secs, 3) if secs > 0 else 0.0,
-            "mean_accept_len": round(sum(lens) / len(lens), 4) if lens else 1.0,
+            "mean_accept_len": round(mean_accept_len([s for g in gens for s in g.steps]), 4),
             "stop_reason": fields["stop_reason"]}
 
 
