@@ -289,7 +289,7 @@ def prepare_output(records: list, output, resume: bool, overwrite: bool) -> set:
 
 
 def run_batch(engine, records: list, output, gen, speculative: bool = True, resume: bool = False,
-              overwrite: bool = False, progress: bool = True) -> BatchStats:
+              overwrite: bool = False, progress: bool = True, max_batch: int = 1) -> BatchStats:
     """Run every record not yet in ``output`` and append its result (or error) line.
 
     Args:
@@ -298,7 +298,12 @@ def run_batch(engine, records: list, output, gen, speculative: bool = True, resu
         records: InputRecords (``read_input``, possibly ``shard``-ed), processed in order.
         output: JSONL path, appended to. gen: GenerationConfig. speculative: False = teacher-only decoding.
         resume: skip records already in ``output`` (after cutting a partial last line).
-        overwrite: start ``output`` afresh if it exists. progress: tqdm bar on stderr.
+        overwrite: start ``output`` afresh if it exists. progress: tqdm bar on stderr (records, and tokens per
+            second with batching).
+        max_batch: > 1 serves up to that many records at once through one teacher forward per step
+            (``scheduler.BatchScheduler``, continuous batching; results are written as records finish, so in
+            finishing order). Sequences in a batch decode teacher-only: stacked draft-tree verification is not
+            built yet, so ``speculative`` applies to max_batch 1 only (a one-line note says so).
     Returns:
         BatchStats.
     Raises:
@@ -314,6 +319,21 @@ def run_batch(engine, records: list, output, gen, speculative: bool = True, resu
                dynamic_ncols=True, desc="batch")
     errors: tuple = ()
     with ResultWriter(output) as writer, bar:
+        def emit(result):
+            writer.write(result)
+            stats.written += 1
+            stats.errors += "error" in result
+            bar.update(1)
+
+        if max_batch > 1:
+            runnable = [r for r in todo if not r.error]
+            for rec in todo:
+                if rec.error:
+                    emit({"id": rec.id, "line": rec.line, "error": rec.error})
+            if runnable:
+                _run_batched(engine() if not hasattr(engine, "generate") else engine, runnable, gen, max_batch,
+                             speculative, emit, bar)
+            todo = []
         for rec in todo:
             result = {"id": rec.id, "line": rec.line, "error": rec.error} if rec.error else None
             if result is None:
@@ -324,12 +344,26 @@ def run_batch(engine, records: list, output, gen, speculative: bool = True, resu
                     result = run_record(engine, rec, gen, speculative)
                 except errors as e:
                     result = {"id": rec.id, "line": rec.line, "error": " ".join(str(e).split())}
-            writer.write(result)
-            stats.written += 1
-            stats.errors += "error" in result
-            bar.update(1)
+            emit(result)
     stats.seconds = time.perf_counter() - t0
     return stats
+
+
+def _run_batched(engine, records: list, gen, max_batch: int, speculative: bool, emit, bar) -> None:
+    """``run_batch`` with ``max_batch`` > 1: continuous batching (scheduler.py), tokens/s on the progress bar."""
+    from .scheduler import BatchScheduler
+
+    if speculative and engine.drafter is not None:
+        print(f"batch: batch.max_batch = {max_batch}: sequences decode teacher-only in batches (speculative "
+              "decoding runs with max_batch 1)", file=sys.stderr, flush=True)
+    sched = BatchScheduler(engine, gen, max_batch)
+    t0 = time.perf_counter()
+
+    def on_result(result):
+        emit(result)
+        bar.set_postfix(tok_s=f"{sched.new_tokens / max(time.perf_counter() - t0, 1e-9):.1f}", refresh=False)
+
+    sched.run(records, on_result)
 
 
 def shard_progress(records: list, output, size: int) -> dict:

@@ -80,6 +80,8 @@ def config_from_args(args) -> Config:
         cfg.model.drafter = "none"
     if getattr(args, "trace", None):
         cfg.speculative.trace = args.trace
+    if getattr(args, "max_batch", None) is not None:
+        cfg.batch.max_batch = args.max_batch
     return cfg.validate()
 
 
@@ -241,7 +243,7 @@ def cmd_batch(args) -> int:
         records = batch.shard(records, *_parse_shard(args.shard))
     stats = batch.run_batch(lambda: _engine(cfg, args.warmup), records, args.output, cfg.generation,
                             speculative=cfg.model.drafter != "none", resume=args.resume, overwrite=args.overwrite,
-                            progress=not args.no_progress)
+                            progress=not args.no_progress, max_batch=cfg.batch.max_batch)
     print(f"batch: {stats.written} record(s) written ({stats.errors} with an error), {stats.skipped} already done, "
           f"{stats.total} in total -> {args.output} in {stats.seconds:.1f} s", file=sys.stderr)
     return 0
@@ -415,6 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--overwrite", action="store_true", help="start OUT afresh if it exists")
     b.add_argument("--shard", metavar="RANK/SIZE", help="only records i with i %% SIZE == RANK (data parallel)")
     b.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    b.add_argument("--max-batch", type=int, metavar="N", help="sequences per teacher forward (continuous "
+                   "batching; = --set batch.max_batch=N; records are written as they finish)")
     _add_warmup_arg(b, "full", "Default full: the first record pays no compiling.")
     _add_config_args(b)
     b.set_defaults(func=cmd_batch)

@@ -159,12 +159,25 @@ class CacheConfig:
 
 
 @dataclass
+class BatchSection:
+    """Serving many sequences at once (``scheduler.py``). max_batch: sequences sharing one teacher forward (the
+    ``batch`` job and ``bench --max-batch``; 1 = one record at a time, speculative). The KV pool
+    (``cache.num_blocks``) must hold the sequences that run together: each admitted turn reserves
+    ceil((prompt + max_new_tokens) / block_size) blocks and waits while the pool is full."""
+    max_batch: int = 1
+
+    def validate(self):
+        _check_int("batch.max_batch", self.max_batch, 1, 256)
+
+
+@dataclass
 class Config:
     context: ContextConfig = field(default_factory=ContextConfig)
     model: ModelSection = field(default_factory=ModelSection)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    batch: BatchSection = field(default_factory=BatchSection)
 
     def validate(self) -> "Config":
         for f in fields(self):

@@ -164,7 +164,8 @@ class TargetRunner:
         The sequences' used blocks are concatenated into one block table and a block-diagonal additive mask
         lets row i see only its own sequence (positions 0..len_i), so the unchanged teacher Cell serves a batch
         the way it serves a tree. Shapes are fixed per (rows, width): the batch is padded to ``rows`` rows (pad
-        rows write to the pad block and see column 0) and the width to a multiple of ``width_step`` slots.
+        rows write to the pad block and see column 0) and the width to ``width_step`` x a power of two slots
+        (512, 1024, 2048, ...: at most log2(rows x S / width_step) + 1 graphs per row count).
 
         Args:
             sids: n <= rows live sequence ids; tokens: int [n], the token appended to each.
@@ -186,7 +187,9 @@ class TargetRunner:
             tables.append(self.bm.block_table(sid)[:nb])
             spans.append((off, p + 1))
             off += nb * self.B
-        width = -(-off // width_step) * width_step
+        width = width_step
+        while width < off:                                # power-of-two multiples: few graphs per row count
+            width *= 2
         table = np.full(width // self.B, self.bm.pad_block, np.int32)
         table[: off // self.B] = np.concatenate(tables)
         mask = np.full((rows, width), NEG_BIAS, np.float32)

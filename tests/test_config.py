@@ -85,12 +85,13 @@ def test_unknown_key_lists_allowed(tmp_path):
 
 def test_unknown_section(tmp_path):
     with pytest.raises(ConfigError, match="unknown section 'parallel'; allowed sections: context, model, "
-                                          "speculative, generation, cache"):
+                                          "speculative, generation, cache, batch$"):
         load_config(_yaml(tmp_path, "parallel:\n  data_parallel: 1\n"))
 
 
 @pytest.mark.parametrize("override, message", [
     ("speculative.M=1", "speculative.M = 1 is out of range: must be an int in [2, 512]"),
+    ("batch.max_batch=0", "batch.max_batch = 0 is out of range: must be an int in [1, 256]"),
     ("speculative.M=abc", "speculative.M = 'abc' is out of range: must be an int in [2, 512]"),
     ("speculative.M=16.0", "speculative.M = 16.0 is out of range: must be an int in [2, 512]"),
     ("speculative.D_max=0", "speculative.D_max = 0 is out of range: must be an int in [1, 64]"),
