@@ -83,11 +83,12 @@ class BatchScheduler:
             generator seeded by ``gen.seed`` per turn, as ``Engine.generate`` does).
         max_batch: N >= 1.
         stepper: how a step produces tokens (default :class:`TeacherStepper` with N rows).
+        keep_ids: also keep every turn's generated token ids in ``token_ids[record id]`` (list per turn).
     Raises:
         ValueError: max_batch < 1 (names the field).
     """
 
-    def __init__(self, engine: Engine, gen: GenerationConfig, max_batch: int, stepper=None):
+    def __init__(self, engine: Engine, gen: GenerationConfig, max_batch: int, stepper=None, keep_ids: bool = False):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"batch.max_batch must be an integer >= 1, got {max_batch!r}")
         self.engine, self.gen, self.N = engine, gen, max_batch
@@ -97,6 +98,7 @@ class BatchScheduler:
         self.reserved = 0                       # blocks promised to live sequences
         self.new_tokens = 0
         self.peak_live = 0
+        self.token_ids: dict | None = {} if keep_ids else None
 
     def blocks_for(self, n_tokens: int) -> int:
         """Blocks a sequence of ``n_tokens`` tokens can occupy: ceil(n / B)."""
@@ -186,6 +188,8 @@ class BatchScheduler:
         self.reserved -= s.blocks
         s.job.done.append({"text": s.emitter.text(), "prompt_tokens": s.prompt_tokens,
                            "new_tokens": len(s.emitter.ids), "stop_reason": s.emitter.reason})
+        if self.token_ids is not None:
+            self.token_ids.setdefault(s.job.rec.id, []).append(list(s.emitter.ids))
 
     @staticmethod
     def _settle(job: _Turn, queue: deque, on_result) -> None:

@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-mismatch", action="store_true",
                    help="record output mismatches instead of stopping (identical_outputs becomes false)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    p.add_argument("--batch-sizes", default=None, metavar="1,4,16",
+                   help="instead of the paired turns: total tok/s of --batch-prompts chat prompts at each max_batch "
+                        "(continuous batching, teacher-only; speculative at 1), texts checked against batch 1")
+    p.add_argument("--batch-prompts", type=int, default=64, help="prompts of --batch-sizes (default 64)")
+    p.add_argument("--batch-offset", type=int, default=9000,
+                   help="first ShareGPT conversation of --batch-sizes' prompts (evaluation prompts excluded)")
     return p
 
 
@@ -125,6 +131,8 @@ def cli_main(argv=None) -> int:
     if cfg.generation.temperature != 0:
         _log("generation.temperature forced to 0: the benchmark is greedy (identical-output check)")
     gen = dataclasses.replace(cfg.generation, max_new_tokens=args.max_new_tokens, temperature=0.0)
+    if args.batch_sizes:
+        return _batch_sizes_main(args, cfg, gen, argv)
     turns = turn_specs(items)
     main = sw.main_setting(cfg.speculative)
     points = {"budget": [], "window": [], "policy": []}
@@ -249,4 +257,47 @@ def cli_main(argv=None) -> int:
     if failed:
         print(f"error: OUTPUT MISMATCH: {failed}", file=sys.stderr)
         return 3
+    return 0
+
+
+def _batch_sizes_main(args, cfg, gen, argv) -> int:
+    """``bench --batch-sizes``: bench/batching.py on ``--batch-prompts`` prompts; writes batching.json / .md."""
+    from ..config import ConfigError
+    from ..pipeline import build_engine, load_models
+    from ..warmup import prepare
+    from . import batching
+    from . import sweeps as sw
+
+    try:
+        sizes = sorted(set(sw.parse_int_list(args.batch_sizes)) | {1})
+        if min(sizes) < 1 or max(sizes) > 256:
+            raise ValueError(f"--batch-sizes must lie in [1, 256], got {args.batch_sizes}")
+        if args.batch_prompts < 1:
+            raise ValueError(f"--batch-prompts = {args.batch_prompts} is out of range: must be >= 1")
+        prompts = batching.chat_prompts(args.batch_prompts, args.batch_offset)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    name = f"{time.strftime('%Y%m%d-%H%M%S')}_batching_{'-'.join(map(str, sizes))}_p{len(prompts)}"
+    out = args.out or os.path.join("runs", name)
+    loaded = load_models(cfg)
+    per_seq = cfg.cache.max_seq_len // cfg.cache.block_size
+    tcfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, drafter="none"),
+                               cache=dataclasses.replace(cfg.cache, num_blocks=max(cfg.cache.num_blocks,
+                                                                                    max(sizes) * per_seq)))
+    teacher_only = build_engine(tcfg, dataclasses.replace(loaded, drafter_cfg=None, drafter_tensors=None))
+    spec = build_engine(cfg, loaded) if loaded.drafter_cfg is not None else None
+    for eng, c in ((teacher_only, tcfg), (spec, cfg)):
+        if eng is not None and args.warmup != "none":
+            prepare(eng, c, gen, args.warmup, _log, graph_cache=c.context.graph_cache)
+    machine = machine_info()
+    command = "python -m mindspore_eagle bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None
+                                                                                    else sys.argv[1:]))
+    _log(f"{len(prompts)} prompts x {gen.max_new_tokens} new tokens at max_batch {', '.join(map(str, sizes))}")
+    result = batching.run_batch_sizes(teacher_only, spec, prompts, sizes, gen, _log)
+    meta = {"name": name, "command": command, "machine": machine["summary"], "loadavg_start":
+            machine["loadavg_start"], "loadavg_end": list(os.getloadavg()), "prompts": len(prompts),
+            "max_new_tokens": gen.max_new_tokens, "batch_offset": args.batch_offset, "config": cfg.to_dict()}
+    batching.write_report(result, meta, out)
+    _log(f"wrote {os.path.join(out, 'batching.md')}")
     return 0
