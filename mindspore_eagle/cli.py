@@ -239,6 +239,8 @@ def cmd_batch(args) -> int:
 
     cfg = config_from_args(args)
     records = batch.read_input(args.input)
+    if cfg.batch.max_batch > 1:
+        cfg = batch.batched_config(cfg)
     if args.shard:
         records = batch.shard(records, *_parse_shard(args.shard))
     stats = batch.run_batch(lambda: _engine(cfg, args.warmup), records, args.output, cfg.generation,

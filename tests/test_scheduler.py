@@ -171,3 +171,24 @@ def test_batch_job_with_max_batch_sigkill_and_resume(tiny_dir, tmp_path):
     assert sorted(ids) == sorted(o["id"] for o in objs) and len(ids) == len(set(ids))
     ref = {r["id"]: r["text"] for r in batch.read_results(ref_out)}
     assert {r["id"]: r["text"] for r in got} == ref
+
+
+def test_bench_batch_sizes_rows_and_report(ms_runtime, tiny_dir, tmp_path):
+    """bench/batching.py on the tiny teacher: one row per batch size, every text token-identical to the batch-1
+    reference, tokens counted from the sequences, x-vs-batch-1 relative to the teacher-only batch-1 row."""
+    from mindspore_eagle.bench import batching
+
+    eng, cfg = tiny_engine(tiny_dir)
+    logs = []
+    res = batching.run_batch_sizes(eng, None, PROMPTS[:5], [1, 3], cfg.generation, logs.append)
+    rows = res["rows"]
+    assert [(r["max_batch"], r["kind"]) for r in rows] == [(1, "teacher-only"), (3, "teacher-only")]
+    assert all(r["identical"] == 5 and r["mismatches"] == [] for r in rows)
+    assert rows[0]["new_tokens"] == rows[1]["new_tokens"] == 5 * cfg.generation.max_new_tokens
+    assert rows[0]["x_vs_batch1"] == 1.0
+    assert abs(rows[1]["x_vs_batch1"] - rows[1]["tok_s"] / rows[0]["tok_s"]) < 1e-2
+    assert res["texts"]["teacher-only@1"] == res["texts"]["teacher-only@3"]
+    batching.write_report(res, {"name": "t", "prompts": 5, "max_new_tokens": 24}, str(tmp_path))
+    md = (tmp_path / "batching.md").read_text()
+    assert "| 3 | teacher-only |" in md and "5 / 5" in md
+    assert json.loads((tmp_path / "batching.json").read_text())["rows"] == rows
