@@ -302,9 +302,9 @@ def run_batch(engine, records: list, output, gen, speculative: bool = True, resu
             second with batching).
         max_batch: > 1 serves up to that many records at once through one teacher forward per step
             (``scheduler.BatchScheduler``, continuous batching; results are written as records finish, so in
-            finishing order). Sequences in a batch decode teacher-only (stacked draft-tree verification is not
-            built yet): ``speculative`` applies to max_batch 1; the CLI builds the engine from
-            :func:`batched_config`.
+            finishing order). With ``speculative`` and an engine with a drafter, every sequence drafts a tree
+            of the fixed budget (speculative.M, D_max) and all trees are verified in one forward; else the
+            batch decodes teacher-only. The CLI builds the engine from :func:`batched_config`.
     Returns:
         BatchStats.
     Raises:
@@ -333,7 +333,7 @@ def run_batch(engine, records: list, output, gen, speculative: bool = True, resu
                     emit({"id": rec.id, "line": rec.line, "error": rec.error})
             if runnable:
                 _run_batched(engine() if not hasattr(engine, "generate") else engine, runnable, gen, max_batch,
-                             emit, bar)
+                             speculative, emit, bar)
             todo = []
         for rec in todo:
             result = {"id": rec.id, "line": rec.line, "error": rec.error} if rec.error else None
@@ -351,26 +351,27 @@ def run_batch(engine, records: list, output, gen, speculative: bool = True, resu
 
 
 def batched_config(cfg):
-    """The Config a ``batch.max_batch`` > 1 job runs with: teacher-only (no drafter is loaded: sequences in a batch
-    decode teacher-only) and a KV pool of at least max_batch sequences of ``cache.max_seq_len``
-    (``cache.num_blocks`` = max(its value, max_batch x max_seq_len / block_size)). A one-line note on stderr says
-    so when a drafter was configured."""
+    """The Config a ``batch.max_batch`` > 1 job runs with: a KV pool of at least max_batch sequences of
+    ``cache.max_seq_len`` (``cache.num_blocks`` = max(its value, max_batch x max_seq_len / block_size); the drafter
+    cache follows), and no drafter unless ``batch.speculative`` (a one-line note on stderr says so when one was
+    configured)."""
     import dataclasses
 
     n = cfg.batch.max_batch
-    if cfg.model.drafter != "none":
-        print(f"batch: batch.max_batch = {n}: sequences decode teacher-only in batches (speculative decoding runs "
-              "with max_batch 1)", file=sys.stderr, flush=True)
+    model = cfg.model
+    if model.drafter != "none" and not cfg.batch.speculative:
+        print(f"batch: batch.max_batch = {n}: sequences decode teacher-only in batches (batch.speculative: true "
+              "verifies a draft tree per sequence in one forward)", file=sys.stderr, flush=True)
+        model = dataclasses.replace(model, drafter="none")
     blocks = max(cfg.cache.num_blocks, n * (cfg.cache.max_seq_len // cfg.cache.block_size))
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, drafter="none"),
-                               cache=dataclasses.replace(cfg.cache, num_blocks=blocks)).validate()
+    return dataclasses.replace(cfg, model=model, cache=dataclasses.replace(cfg.cache, num_blocks=blocks)).validate()
 
 
-def _run_batched(engine, records: list, gen, max_batch: int, emit, bar) -> None:
+def _run_batched(engine, records: list, gen, max_batch: int, speculative: bool, emit, bar) -> None:
     """``run_batch`` with ``max_batch`` > 1: continuous batching (scheduler.py), tokens/s on the progress bar."""
     from .scheduler import BatchScheduler
 
-    sched = BatchScheduler(engine, gen, max_batch)
+    sched = BatchScheduler(engine, gen, max_batch, speculative=speculative and engine.drafter is not None)
     t0 = time.perf_counter()
 
     def on_result(result):

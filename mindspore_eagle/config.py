@@ -163,11 +163,17 @@ class BatchSection:
     """Serving many sequences at once (``scheduler.py``). max_batch: sequences sharing one teacher forward (the
     ``batch`` job and ``bench --max-batch``; 1 = one record at a time, speculative). The KV pool
     (``cache.num_blocks``) must hold the sequences that run together: each admitted turn reserves
-    ceil((prompt + max_new_tokens) / block_size) blocks and waits while the pool is full."""
+    ceil((prompt + max_new_tokens) / block_size) blocks and waits while the pool is full. speculative: with
+    max_batch > 1, draft a tree (the fixed budget speculative.M, D_max, top_k) for every sequence and verify all
+    trees in one forward; off by default: on a CPU, batching alone gives more tokens per second than trees in a
+    batch (``bench --batch-sizes`` measures both)."""
     max_batch: int = 1
+    speculative: bool = False
 
     def validate(self):
         _check_int("batch.max_batch", self.max_batch, 1, 256)
+        if not isinstance(self.speculative, bool):
+            raise ConfigError("batch.speculative must be true or false")
 
 
 @dataclass

@@ -107,9 +107,11 @@ def build_engine(cfg: Config, loaded: Loaded | None = None, trace=None):
     if loaded.drafter_cfg is not None:
         scratch = sp.top_k * max(0, sp.D_max - 1)
         d_len = -(-(c.max_seq_len + scratch) // c.block_size) * c.block_size
-        cell = Eagle3Drafter(loaded.drafter_cfg, teacher.embed, sp.top_k, d_len // c.block_size, c.block_size, d_len)
+        seqs = max(1, c.num_blocks // (c.max_seq_len // c.block_size))     # full sequences the teacher pool holds
+        d_blocks = seqs * (d_len // c.block_size)
+        cell = Eagle3Drafter(loaded.drafter_cfg, teacher.embed, sp.top_k, d_blocks, c.block_size, d_len)
         cell.load_tensors(loaded.drafter_tensors)
-        drafter = DrafterRunner(cell, d_len // c.block_size, c.block_size, d_len, mode, sp.window, c.prefill_chunk)
+        drafter = DrafterRunner(cell, d_blocks, c.block_size, d_len, mode, sp.window, c.prefill_chunk)
     if trace is None:
         trace = TraceWriter(sp.trace or None)
     return Engine(target, loaded.tokenizer, loaded.teacher_cfg.eos_token_ids, drafter, sp, trace,

@@ -16,9 +16,11 @@ Pool: admission reserves a turn's worst case (ceil(need / B) blocks) against NB,
 an exhausted pool and nothing is ever preempted; a turn waits while the pool is full and runs when others finish. A
 turn whose need exceeds S, or NB on its own, gets an error result (the record's ``error``), never a crash.
 
-The stepper is the one interface behind which the way tokens are produced lives: :class:`TeacherStepper` decodes
-every live sequence through ``TargetRunner.decode_batch`` (block-diagonal mask over their concatenated block
-tables, a fixed row count N per graph). Speculative steppers (stacked draft trees) plug in at the same place.
+The stepper is the one interface behind which the way tokens are produced lives (``start`` after a prefill,
+``step`` -> the tokens each live sequence emits, ``finish``): :class:`TeacherStepper` decodes every live sequence
+through ``TargetRunner.decode_batch`` (block-diagonal mask over their concatenated block tables, a fixed row count
+N per graph); :class:`SpeculativeStepper` drafts a tree per sequence and verifies all of them in one forward
+(``TargetRunner.verify_batch``, N x M rows), then accepts and commits per sequence.
 Greedy decoding of a sequence in a batch uses the same weights and the same per-row math as alone; only the
 attention width (masked columns) and the row count of the matmuls differ, so float32 results agree to summation
 order (tests/test_scheduler.py checks token equality with one-at-a-time greedy).
@@ -36,19 +38,90 @@ from .engine import Engine, GenerationError, _Emitter
 
 
 class TeacherStepper:
-    """Teacher-only batched decoding: one ``decode_batch`` call of ``rows`` rows per step.
+    """Teacher-only batched decoding: one ``decode_batch`` call of N rows per step, one token per sequence.
 
     Args:
-        target: the engine's TargetRunner. rows: N, the fixed row count of every call (padding rows write to the
-            pad block), so one graph serves each attention width bucket.
+        target: the engine's TargetRunner. gen: GenerationConfig (greedy or sampling per sequence RNG).
+        rows: N, the fixed row count of every call (padding rows write to the pad block), so one graph serves
+            each attention width bucket.
     """
 
-    def __init__(self, target, rows: int):
-        self.target, self.rows = target, rows
+    extra_slots = 0               # KV slots a sequence needs beyond prompt + max_new_tokens
 
-    def step(self, live: list) -> np.ndarray:
-        """Append each live sequence's pending token; returns logits float32 [len(live), V]."""
-        return self.target.decode_batch([s.sid for s in live], [s.next for s in live], rows=self.rows)
+    def __init__(self, target, gen: GenerationConfig, rows: int):
+        self.target, self.gen, self.rows = target, gen, rows
+
+    def start(self, s, ids: list, aux: np.ndarray) -> None:
+        """A sequence joined after its prefill (ids: prompt ids; aux float32 [T, 3H]): nothing to keep."""
+
+    def finish(self, s) -> None:
+        """A sequence left the batch."""
+
+    def step(self, live: list) -> list:
+        """Append each live sequence's pending token ``s.next``; returns one int64 [1] array per sequence."""
+        logits = self.target.decode_batch([s.sid for s in live], [s.next for s in live], rows=self.rows)
+        return [np.asarray([Engine._pick(row, self.gen, s.rng)], np.int64) for s, row in zip(live, logits)]
+
+
+class SpeculativeStepper:
+    """EAGLE-3 tree speculative decoding for a batch: per sequence the drafter's context pass and dynamic tree
+    (sequence by sequence, each in its own drafter cache sequence), then ONE teacher forward verifies every tree
+    (``TargetRunner.verify_batch``: N x M rows, block-diagonal tree masks), then per sequence acceptance
+    (greedy or multi-candidate rejection sampling, verify.py) and commit. Every tree has the config's budget M
+    and depth D_max (the fixed policy); a sequence whose cache has no room for M more slots is never admitted
+    (``extra_slots``). Greedy output equals teacher-only decoding token for token, as in the engine.
+
+    Args:
+        engine: an Engine with a drafter whose cache holds N sequences. gen: GenerationConfig. rows: N.
+    Raises:
+        ValueError: the engine has no drafter.
+    """
+
+    def __init__(self, engine: Engine, gen: GenerationConfig, rows: int):
+        if engine.drafter is None:
+            raise ValueError("speculative batching needs a drafter (model.drafter is 'none')")
+        self.engine, self.gen, self.rows = engine, gen, rows
+        self.M, self.D = engine.spec.M, engine.spec.D_max
+        self.extra_slots = self.M
+
+    def start(self, s, ids: list, aux: np.ndarray) -> None:
+        """Open the sequence's drafter cache sequence; its first context pairs are (aux[t], ids[t + 1])."""
+        s.state = {"dsid": self.engine.drafter.new_seq(),
+                   "pending": [(aux, np.asarray(list(ids[1:]) + [s.next], np.int64))]}
+
+    def finish(self, s) -> None:
+        if getattr(s, "state", None):
+            self.engine.drafter.free(s.state["dsid"])
+            s.state = None
+
+    def step(self, live: list) -> list:
+        """Draft, verify all trees in one forward, accept and commit; returns each sequence's emitted tokens
+        (int64 [L_k]: accepted drafts + the bonus token) and appends L_k to ``s.accept_lens``."""
+        from .tree import tensorize
+        from .verify import accept_greedy, accept_sampling, warp_probs
+
+        dr, tg, M, D = self.engine.drafter, self.engine.target, self.M, self.D
+        trees = []
+        for s in live:
+            st = s.state
+            first = dr.extend(st["dsid"], np.concatenate([a for a, _ in st["pending"]]),
+                              np.concatenate([t for _, t in st["pending"]]))
+            st["pending"] = []
+            trees.append(tensorize(dr.build_tree(st["dsid"], s.next, first, M, D), M, D))
+        logits, aux = tg.verify_batch([s.sid for s in live], trees, rows=self.rows * M)
+        out = []
+        for i, (s, tt) in enumerate(zip(live, trees)):
+            rows = slice(i * M, (i + 1) * M)
+            if self.gen.temperature == 0:
+                res = accept_greedy(tt, logits[rows].argmax(-1))
+            else:
+                g = self.gen
+                res = accept_sampling(tt, warp_probs(logits[rows], g.temperature, g.top_p, g.top_k), s.rng)
+            tg.commit(s.sid, res.path, D + 2)
+            s.state["pending"].append((aux[rows][res.path], res.tokens))
+            s.accept_lens.append(len(res.tokens))
+            out.append(np.asarray(res.tokens, np.int64))
+        return out
 
 
 @dataclass
@@ -72,6 +145,8 @@ class _Live:
     next: int
     prompt_tokens: int
     blocks: int
+    accept_lens: list = field(default_factory=list)
+    state: dict | None = None
 
 
 class BatchScheduler:
@@ -82,18 +157,22 @@ class BatchScheduler:
         gen: GenerationConfig (per-sequence EOS / stop strings / max_new_tokens; temperature > 0 samples with a
             generator seeded by ``gen.seed`` per turn, as ``Engine.generate`` does).
         max_batch: N >= 1.
-        stepper: how a step produces tokens (default :class:`TeacherStepper` with N rows).
+        speculative: tree speculative decoding for every sequence (:class:`SpeculativeStepper`; the engine's
+            drafter cache must hold N sequences) instead of teacher-only decoding (:class:`TeacherStepper`).
+        stepper: how a step produces tokens (overrides ``speculative``; tests inject one).
         keep_ids: also keep every turn's generated token ids in ``token_ids[record id]`` (list per turn).
     Raises:
         ValueError: max_batch < 1 (names the field).
     """
 
-    def __init__(self, engine: Engine, gen: GenerationConfig, max_batch: int, stepper=None, keep_ids: bool = False):
+    def __init__(self, engine: Engine, gen: GenerationConfig, max_batch: int, speculative: bool = False,
+                 stepper=None, keep_ids: bool = False):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"batch.max_batch must be an integer >= 1, got {max_batch!r}")
         self.engine, self.gen, self.N = engine, gen, max_batch
         self.target = engine.target
-        self.stepper = stepper or TeacherStepper(self.target, max_batch)
+        self.stepper = stepper or (SpeculativeStepper(engine, gen, max_batch) if speculative else
+                                   TeacherStepper(self.target, gen, max_batch))
         self.B, self.NB = self.target.B, self.target.bm.num_blocks
         self.reserved = 0                       # blocks promised to live sequences
         self.new_tokens = 0
@@ -126,12 +205,17 @@ class BatchScheduler:
                 self.peak_live = max(self.peak_live, len(live))
                 if not live:
                     continue
-                logits = self.stepper.step(live)
+                emitted = self.stepper.step(live)
                 still = []
-                for s, row in zip(live, logits):
-                    s.next = Engine._pick(row, self.gen, s.rng)
-                    self.new_tokens += 1
-                    if s.emitter.push(s.next):
+                for s, tokens in zip(live, emitted):
+                    done = False
+                    for t in tokens:
+                        s.next = int(t)
+                        self.new_tokens += 1
+                        done = s.emitter.push(s.next)
+                        if done:
+                            break
+                    if done:
                         self._end_turn(s)
                         self._settle(s.job, queue, on_result)
                     else:
@@ -139,6 +223,7 @@ class BatchScheduler:
                 live = still
         finally:
             for s in live:
+                self.stepper.finish(s)
                 self.target.free(s.sid)
                 self.reserved -= s.blocks
 
@@ -153,11 +238,16 @@ class BatchScheduler:
             job.error = str(e)
             return None
         need = len(ids) + self.gen.max_new_tokens
-        blocks = self.blocks_for(need)
         head = f"prompt of {len(ids)} tokens + generation.max_new_tokens={self.gen.max_new_tokens} = {need}"
         if need > self.target.S:
             job.error = f"{head} exceeds cache.max_seq_len={self.target.S}"
             return None
+        need += self.stepper.extra_slots
+        if need > self.target.S:
+            job.error = (f"{head} + speculative.M={self.stepper.extra_slots} (a tree verified in a batch) exceeds "
+                         f"cache.max_seq_len={self.target.S}")
+            return None
+        blocks = self.blocks_for(need)
         if blocks > self.NB:
             job.error = f"{head} tokens needs {blocks} KV blocks but cache.num_blocks={self.NB}"
             return None
@@ -169,7 +259,7 @@ class BatchScheduler:
         self.reserved += blocks
         try:
             rng = np.random.default_rng(self.gen.seed)
-            logits, _ = self.target.prefill(sid, ids)
+            logits, aux = self.target.prefill(sid, ids)
         except BaseException:
             self.target.free(sid)
             self.reserved -= blocks
@@ -180,14 +270,17 @@ class BatchScheduler:
         if s.emitter.push(s.next):
             self._end_turn(s)
             return None
+        self.stepper.start(s, ids, aux)
         return s
 
     def _end_turn(self, s: _Live) -> None:
         """Free the sequence's blocks and record its turn in its job."""
+        self.stepper.finish(s)
         self.target.free(s.sid)
         self.reserved -= s.blocks
         s.job.done.append({"text": s.emitter.text(), "prompt_tokens": s.prompt_tokens,
-                           "new_tokens": len(s.emitter.ids), "stop_reason": s.emitter.reason})
+                           "new_tokens": len(s.emitter.ids), "stop_reason": s.emitter.reason,
+                           "accept_lens": s.accept_lens})
         if self.token_ids is not None:
             self.token_ids.setdefault(s.job.rec.id, []).append(list(s.emitter.ids))
 
@@ -216,18 +309,20 @@ def _first_turn(rec) -> tuple[list, list]:
 
 
 def _result(job: _Turn) -> dict:
-    """The batch job's result dict of a finished record (``batch.run_record``'s fields; teacher-only: L_k 1)."""
+    """The batch job's result dict of a finished record (``batch.run_record``'s fields; mean L_k over the tree
+    verifications, 1.0 for teacher-only decoding)."""
     head = {"id": job.rec.id, "line": job.rec.line}
     if job.error:
         return {**head, "error": " ".join(job.error.split())}
     secs = time.perf_counter() - job.t0
     new = sum(t["new_tokens"] for t in job.done)
+    lens = [n for t in job.done for n in t["accept_lens"]]
     fields = {k: [t[k] for t in job.done] for k in ("text", "prompt_tokens", "new_tokens", "stop_reason")}
     if job.rec.kind != "turns":
         fields = {k: v[0] for k, v in fields.items()}
     return {**head, "text": fields["text"], "prompt_tokens": fields["prompt_tokens"],
             "new_tokens": fields["new_tokens"], "tok_per_s": round(new / secs, 3) if secs > 0 else 0.0,
-            "mean_accept_len": 1.0, "stop_reason": fields["stop_reason"]}
+            "mean_accept_len": round(float(np.mean(lens)), 4) if lens else 1.0, "stop_reason": fields["stop_reason"]}
 
 
 __all__ = ["BatchScheduler", "TeacherStepper"]

@@ -95,9 +95,13 @@ class TargetRunner:
         return next(w for w in self.widths if w >= need)
 
     def _call(self, fn, sid, tokens, positions, slots, mask, out_rows):
-        table = self.bm.block_table(sid)[: mask.shape[1] // self.B]
+        return self._run(fn, self.bm.block_table(sid)[: mask.shape[1] // self.B], tokens, positions, slots, mask,
+                         out_rows)
+
+    @staticmethod
+    def _run(fn, table, tokens, positions, slots, mask, out_rows):
         args = (ms.Tensor(np.asarray(tokens, np.int32)), ms.Tensor(np.asarray(positions, np.int32)),
-                ms.Tensor(np.asarray(slots, np.int32)), ms.Tensor(table),
+                ms.Tensor(np.asarray(slots, np.int32)), ms.Tensor(np.asarray(table, np.int32)),
                 ms.Tensor(mask), ms.Tensor(np.asarray(out_rows, np.int32)))
         out, aux = fn(*args)
         return out.asnumpy(), aux.asnumpy()
@@ -208,6 +212,55 @@ class TargetRunner:
         for sid in sids:
             self.bm.advance(sid, 1)
         return out.asnumpy()
+
+    def verify_batch(self, sids, trees, rows: int, width_step: int = 512) -> tuple[np.ndarray, np.ndarray]:
+        """Verify one draft tree per sequence in a single forward (speculative continuous batching).
+
+        Each sequence's used blocks plus its M-slot branch are concatenated into one block table; row block i
+        (rows i * M .. i * M + M - 1) carries tree i at positions n_i + depth and sees, through a block-diagonal
+        additive mask, only its own segment: its committed prefix and its own tree ancestors
+        (``tree_attention_bias`` shifted to the segment's first column). Rows past len(sids) * M are padding (pad
+        block, see column 0). Shapes are fixed per (rows, width): width = ``width_step`` x a power of two.
+
+        Args:
+            sids: n live sequence ids; trees: n TreeTensors of one budget M (n * M <= rows).
+        Returns:
+            (logits float32 [n * M, V], aux float32 [n * M, 3H]); follow with :meth:`commit` (or rollback) for
+            every sequence.
+        Raises:
+            ValueError: empty batch, mixed budgets, or more tree rows than ``rows``.
+            CacheExhaustedError: a sequence's branch does not fit (before any write).
+        """
+        n = len(sids)
+        if n == 0 or len(trees) != n or len({t.budget for t in trees}) != 1 or n * trees[0].budget > rows:
+            raise ValueError(f"verify_batch: need 1..{rows} tree rows from n trees of one budget, got {n} sequences, "
+                             f"{len(trees)} trees, budgets {sorted({t.budget for t in trees})}")
+        M = trees[0].budget
+        for sid in sids:
+            self.bm.reserve(sid, M)
+        tables, segs, off = [], [], 0
+        for sid in sids:
+            p = self.bm.length(sid)
+            nb = -(-(p + M) // self.B)
+            tables.append(self.bm.block_table(sid)[:nb])
+            segs.append((off, p, nb * self.B))
+            off += nb * self.B
+        width = width_step
+        while width < off:
+            width *= 2
+        table = np.full(width // self.B, self.bm.pad_block, np.int32)
+        table[: off // self.B] = np.concatenate(tables)
+        mask = np.full((rows, width), NEG_BIAS, np.float32)
+        mask[n * M:, 0] = 0.0
+        tokens = np.zeros(rows, np.int64)
+        positions = np.zeros(rows, np.int64)
+        slots = self.bm.pad_slots(rows)
+        for i, (sid, tt, (o, p, w)) in enumerate(zip(sids, trees, segs)):
+            r = slice(i * M, (i + 1) * M)
+            mask[r, o:o + w] = tree_attention_bias(tt, p, w)
+            tokens[r], positions[r] = tt.tokens, p + tt.depth
+            slots[r] = self.bm.branch(sid, M)
+        return self._run(self._fwd, table, tokens, positions, slots, mask, np.arange(n * M))
 
     def verify(self, sid: int, tt: TreeTensors, mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """One forward over the tensorized tree placed after the committed prefix (opens a branch).

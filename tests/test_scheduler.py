@@ -49,14 +49,14 @@ def one_at_a_time(eng, gen, recs) -> dict:
     return out
 
 
-def run_batched(eng, gen, recs, max_batch) -> tuple[dict, list, BatchScheduler]:
+def run_batched(eng, gen, recs, max_batch, speculative=False) -> tuple[dict, list, BatchScheduler]:
     out, order = {}, []
 
     def on_result(res):
         assert res["id"] not in out, "a record was handed out twice"
         out[res["id"]] = res
         order.append(res["id"])
-    sched = BatchScheduler(eng, gen, max_batch)
+    sched = BatchScheduler(eng, gen, max_batch, speculative=speculative)
     sched.run(recs, on_result)
     return out, order, sched
 
@@ -180,7 +180,7 @@ def test_bench_batch_sizes_rows_and_report(ms_runtime, tiny_dir, tmp_path):
 
     eng, cfg = tiny_engine(tiny_dir)
     logs = []
-    res = batching.run_batch_sizes(eng, None, PROMPTS[:5], [1, 3], cfg.generation, logs.append)
+    res = batching.run_batch_sizes(eng, PROMPTS[:5], [1, 3], cfg.generation, logs.append)
     rows = res["rows"]
     assert [(r["max_batch"], r["kind"]) for r in rows] == [(1, "teacher-only"), (3, "teacher-only")]
     assert all(r["identical"] == 5 and r["mismatches"] == [] for r in rows)
@@ -192,3 +192,55 @@ def test_bench_batch_sizes_rows_and_report(ms_runtime, tiny_dir, tmp_path):
     md = (tmp_path / "batching.md").read_text()
     assert "| 3 | teacher-only |" in md and "5 / 5" in md
     assert json.loads((tmp_path / "batching.json").read_text())["rows"] == rows
+
+
+def test_speculative_batch_equals_one_at_a_time_greedy(ms_runtime, tiny, tiny_dir, tmp_path):
+    """Trees of 3 sequences verified in one forward (verify_batch): with an untrained drafter and with an oracle
+    drafter that puts each sequence's true continuation into its tree at a random depth (long accepted paths,
+    multi-node commits), every record's tokens equal teacher-only one-at-a-time greedy decoding."""
+    import numpy as np
+    from test_spec import tiny_drafter_dir
+
+    from mindspore_eagle.tree import DraftTree
+
+    d = tiny_drafter_dir(tmp_path, tiny[0])
+    eng, cfg = tiny_engine(tiny_dir, [f"model.drafter={d}", "speculative.M=8", "speculative.D_max=4",
+                                      "cache.num_blocks=96"])
+    gen = cfg.generation
+    recs = records([{"id": i, "prompt": p} for i, p in enumerate(PROMPTS[:5])] +
+                   [{"id": "chat", "turns": ["Say hello.", "Bye?"]}])
+    ref = one_at_a_time(eng, gen, recs)
+    got, _, _ = run_batched(eng, gen, recs, max_batch=3, speculative=True)
+    same_answers(got, ref)
+
+    truth = {r.id: eng.generate(r.payload, gen, speculative=False).token_ids for r in recs[:5]}
+    sched = BatchScheduler(eng, gen, 3, speculative=True)
+    by_dsid, rng, V = {}, np.random.default_rng(0), tiny[0].vocab_size
+    start = sched.stepper.start
+
+    def spy_start(s, ids, aux):
+        start(s, ids, aux)
+        by_dsid[s.state["dsid"]] = s
+
+    def oracle(dsid, root, first, M, D, grow=None):
+        s = by_dsid[dsid]
+        done = eng.target.length(s.sid) - s.prompt_tokens + 1
+        want = truth[s.job.rec.id][done:done + D]
+        tokens, parents, node = [root], [0], 0
+        for t in want[: int(rng.integers(0, len(want) + 1))]:
+            kids = [int(w) for w in rng.choice(V, 2, replace=False) if w != t][: int(rng.integers(0, 2))] + [int(t)]
+            rng.shuffle(kids)
+            kids = kids[: M - len(tokens)]
+            if int(t) not in kids:
+                break
+            base = len(tokens)
+            tokens += kids
+            parents += [node] * len(kids)
+            node = base + kids.index(int(t))
+        return DraftTree(tokens, parents)
+    sched.stepper.start, eng.drafter.build_tree = spy_start, oracle
+    out = {}
+    sched.run(recs[:5], lambda res: out.setdefault(res["id"], res))
+    same_answers(out, {k: ref[k] for k in range(5)})
+    assert max(r["mean_accept_len"] for r in out.values()) > 2.0
+    assert eng.drafter.bm.free_blocks() == eng.drafter.bm.num_blocks and sched.reserved == 0

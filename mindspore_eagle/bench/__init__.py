@@ -280,21 +280,17 @@ def _batch_sizes_main(args, cfg, gen, argv) -> int:
         return 2
     name = f"{time.strftime('%Y%m%d-%H%M%S')}_batching_{'-'.join(map(str, sizes))}_p{len(prompts)}"
     out = args.out or os.path.join("runs", name)
-    loaded = load_models(cfg)
     per_seq = cfg.cache.max_seq_len // cfg.cache.block_size
-    tcfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, drafter="none"),
-                               cache=dataclasses.replace(cfg.cache, num_blocks=max(cfg.cache.num_blocks,
-                                                                                    max(sizes) * per_seq)))
-    teacher_only = build_engine(tcfg, dataclasses.replace(loaded, drafter_cfg=None, drafter_tensors=None))
-    spec = build_engine(cfg, loaded) if loaded.drafter_cfg is not None else None
-    for eng, c in ((teacher_only, tcfg), (spec, cfg)):
-        if eng is not None and args.warmup != "none":
-            prepare(eng, c, gen, args.warmup, _log, graph_cache=c.context.graph_cache)
+    bcfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, num_blocks=max(cfg.cache.num_blocks,
+                                                                                       max(sizes) * per_seq)))
+    engine = build_engine(bcfg, load_models(bcfg))
+    if args.warmup != "none":
+        prepare(engine, bcfg, gen, args.warmup, _log, graph_cache=bcfg.context.graph_cache)
     machine = machine_info()
     command = "python -m mindspore_eagle bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None
                                                                                     else sys.argv[1:]))
     _log(f"{len(prompts)} prompts x {gen.max_new_tokens} new tokens at max_batch {', '.join(map(str, sizes))}")
-    result = batching.run_batch_sizes(teacher_only, spec, prompts, sizes, gen, _log)
+    result = batching.run_batch_sizes(engine, prompts, sizes, gen, _log)
     meta = {"name": name, "command": command, "machine": machine["summary"], "loadavg_start":
             machine["loadavg_start"], "loadavg_end": list(os.getloadavg()), "prompts": len(prompts),
             "max_new_tokens": gen.max_new_tokens, "batch_offset": args.batch_offset, "config": cfg.to_dict()}

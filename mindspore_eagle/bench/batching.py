@@ -2,12 +2,14 @@
 
 Legend: N = sequences per teacher forward (``batch.max_batch``), P = prompts, T = new tokens per prompt.
 
-One run, one process, the same P prompts (ShareGPT first user turns from ``--batch-offset`` on, evaluation prompts
-excluded, or ``--batch-prompts-file`` JSONL records with "prompt"), greedy, T new tokens each:
+One run, one process, one engine, the same P prompts (ShareGPT first user turns from ``--batch-offset`` on,
+evaluation prompts excluded), greedy, T new tokens each:
     N = 1, teacher-only      every prompt alone through ``Engine.generate`` (what ``batch`` does at max_batch 1);
-                             its texts are the reference every other row is compared with
-    N = 1, speculative       the same with the config's speculative setting (when a drafter is configured)
+                             its tokens are the reference every other row is compared with
+    N = 1, speculative       the same with the config's speculative setting and policy (when a drafter is configured)
     N > 1, teacher-only      ``scheduler.BatchScheduler`` with N rows (continuous batching)
+    N > 1, speculative       the same with a tree of the fixed budget (speculative.M, D_max) per sequence, all
+                             verified in one forward (``batch.speculative: true``)
 Total tok/s = all new tokens / wall seconds of the row (prefill included); seconds spent compiling graphs on first
 use are measured (``TargetRunner.compile_ms``) and taken out, and reported. A text that differs from the N = 1
 reference is listed with the first differing token and, from a teacher-only replay of the reference prefix, the
@@ -64,60 +66,57 @@ def _near_tie(engine, prompt: str, ref_ids: list, at: int) -> float:
     return float(top[1] - top[0])
 
 
-def run_batch_sizes(engine, spec_engine, prompts: list, sizes: list, gen, log) -> dict:
+def run_batch_sizes(engine, prompts: list, sizes: list, gen, log, speculative: bool = True) -> dict:
     """Time every batch size of ``sizes`` over ``prompts`` (module docstring); returns the result dict.
 
     Args:
-        engine: a teacher-only Engine whose pool holds max(sizes) sequences of prompt + T tokens.
-        spec_engine: an Engine with a drafter for the N = 1 speculative row, or None.
+        engine: an Engine whose pool (and drafter cache) holds max(sizes) sequences of prompt + T (+ M) tokens.
         gen: GenerationConfig (greedy). log: callable(str).
+        speculative: also time speculative decoding at every N (needs a drafter): at N = 1 the engine's own
+            policy (``Engine.generate``), at N > 1 trees of the fixed budget speculative.M / D_max verified
+            together (``scheduler.SpeculativeStepper``).
     """
+    from ..batch import parse_record
     from ..scheduler import BatchScheduler
 
-    rows, ref = [], None
-    texts = {}
+    speculative = speculative and engine.drafter is not None
+    recs = [parse_record(i + 1, i, json.dumps({"id": i, "prompt": p})) for i, p in enumerate(prompts)]
+    rows, ref, texts = [], None, {}
     for n in sizes:
-        kinds = [("teacher-only", engine)] + ([("speculative", spec_engine)] if n == 1 and spec_engine else [])
-        for kind, eng in kinds:
+        for kind in ("teacher-only", "speculative") if speculative else ("teacher-only",):
+            spec = kind == "speculative"
+            lens = []
             if n == 1:
-                def go(eng=eng, spec=kind == "speculative"):
-                    return [eng.generate(p, gen, speculative=spec) for p in prompts]
-                gens, wall, comp = _timed(eng, go)
-                ids = [g.token_ids for g in gens]
-                got = [g.text for g in gens]
+                gens, wall, comp = _timed(engine, lambda: [engine.generate(p, gen, speculative=spec)
+                                                           for p in prompts])
+                ids, got = [g.token_ids for g in gens], [g.text for g in gens]
+                lens = [s.accept_len for g in gens for s in g.steps if s.budget != 1]
             else:
-                sched = BatchScheduler(engine, gen, n, keep_ids=True)
-                res = {}
-
-                def go(sched=sched, res=res):
-                    from ..batch import parse_record
-                    recs = [parse_record(i + 1, i, json.dumps({"id": i, "prompt": p})) for i, p in enumerate(prompts)]
-                    sched.run(recs, lambda r: res.__setitem__(r["id"], r))
-                _, wall, comp = _timed(engine, go)
+                sched, res = BatchScheduler(engine, gen, n, speculative=spec, keep_ids=True), {}
+                _, wall, comp = _timed(engine, lambda: sched.run(recs, lambda r: res.__setitem__(r["id"], r)))
                 got = [res[i].get("text", "") for i in range(len(prompts))]
                 ids = [sched.token_ids.get(i, [[]])[0] for i in range(len(prompts))]
+                lens = [res[i]["mean_accept_len"] for i in range(len(prompts)) if spec]
             new = sum(len(g) for g in ids)
             row = {"max_batch": n, "kind": kind, "prompts": len(prompts), "new_tokens": new,
                    "wall_s": round(wall, 2), "compile_s": round(comp, 2),
-                   "tok_s": round(new / max(wall - comp, 1e-9), 2)}
-            if kind == "teacher-only" and n == 1:
+                   "tok_s": round(new / max(wall - comp, 1e-9), 2),
+                   "mean_accept_len": round(float(np.mean(lens)), 3) if lens else None}
+            if ref is None:
                 ref = {"texts": got, "ids": ids}
-            if ref is not None:
-                diffs = [i for i in range(len(prompts)) if ids[i] != ref["ids"][i] or got[i] != ref["texts"][i]]
-                row["identical"] = len(prompts) - len(diffs)
-                row["mismatches"] = []
-                for i in diffs:
-                    r_ids = ref["ids"][i]
-                    t_ids = ids[i]
-                    at = next((j for j, (a, b) in enumerate(zip(r_ids, t_ids)) if a != b), min(len(r_ids),
-                                                                                               len(t_ids)))
-                    row["mismatches"].append({"prompt": i, "first_diff_token": at,
-                                              "top2_gap": round(_near_tie(engine, prompts[i], r_ids, at), 5)})
+            diffs = [i for i in range(len(prompts)) if ids[i] != ref["ids"][i] or got[i] != ref["texts"][i]]
+            row["identical"] = len(prompts) - len(diffs)
+            row["mismatches"] = []
+            for i in diffs:
+                r_ids, t_ids = ref["ids"][i], ids[i]
+                at = next((j for j, (a, b) in enumerate(zip(r_ids, t_ids)) if a != b), min(len(r_ids), len(t_ids)))
+                row["mismatches"].append({"prompt": i, "first_diff_token": at,
+                                          "top2_gap": round(_near_tie(engine, prompts[i], r_ids, at), 5)})
             rows.append(row)
             texts[f"{kind}@{n}"] = got
             log(f"max_batch {n:>3} {kind:<13} {row['tok_s']:7.2f} tok/s  ({new} tokens, {wall:.1f} s, "
-                f"compile {comp:.1f} s, identical {row.get('identical', '-')}/{len(prompts)})")
-    base = next(r["tok_s"] for r in rows if r["max_batch"] == 1 and r["kind"] == "teacher-only")
+                f"compile {comp:.1f} s, L_k {row['mean_accept_len']}, identical {row['identical']}/{len(prompts)})")
+    base = rows[0]["tok_s"]
     for r in rows:
         r["x_vs_batch1"] = round(r["tok_s"] / base, 3)
     return {"rows": rows, "texts": texts}
@@ -132,12 +131,12 @@ def write_report(result: dict, meta: dict, out: str) -> None:
              f"- Command: `{meta.get('command', '')}`", f"- Machine: {meta.get('machine', '')}",
              f"- {meta.get('prompts')} prompts x {meta.get('max_new_tokens')} new tokens, greedy; "
              f"compile seconds taken out of tok/s", "",
-             "| max_batch | decoding | tok/s | x batch 1 | new tokens | wall s | compile s | identical |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| max_batch | decoding | tok/s | x batch 1 teacher-only | L_k | new tokens | wall s | compile s | "
+             "identical |", "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['max_batch']} | {r['kind']} | {r['tok_s']:.2f} | {r['x_vs_batch1']:.2f}x | "
-                     f"{r['new_tokens']} | {r['wall_s']:.1f} | {r['compile_s']:.1f} | "
-                     f"{r.get('identical', '-')} / {r['prompts']} |")
+                     f"{r['mean_accept_len'] or '-'} | {r['new_tokens']} | {r['wall_s']:.1f} | "
+                     f"{r['compile_s']:.1f} | {r['identical']} / {r['prompts']} |")
     mism = [(r["max_batch"], r["kind"], m) for r in result["rows"] for m in r.get("mismatches", [])]
     if mism:
         lines += ["", "Texts that differ from one-at-a-time greedy (first differing token, top-2 logit gap there):"]
