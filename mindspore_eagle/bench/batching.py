@@ -80,6 +80,8 @@ def run_batch_sizes(engine, prompts: list, sizes: list, gen, log, speculative: b
     from ..scheduler import BatchScheduler
 
     speculative = speculative and engine.drafter is not None
+    if speculative:
+        engine.policy           # the adaptive policy measures its cost table now, not inside a timed row
     recs = [parse_record(i + 1, i, json.dumps({"id": i, "prompt": p})) for i, p in enumerate(prompts)]
     rows, ref, texts = [], None, {}
     for n in sizes:
