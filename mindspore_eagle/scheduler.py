@@ -69,20 +69,27 @@ class SpeculativeStepper:
     (``TargetRunner.verify_batch``: N x M rows, block-diagonal tree masks), then per sequence acceptance
     (greedy or multi-candidate rejection sampling, verify.py) and commit. Every tree has the config's budget M
     and depth D_max (the fixed policy); a sequence whose cache has no room for M more slots is never admitted
-    (``extra_slots``). Greedy output equals teacher-only decoding token for token, as in the engine.
+    (``extra_slots``). A :class:`~mindspore_eagle.policy.RateGate` picks each step between that and a plain
+    batched decode by measured tokens per ms, so speculation steps aside where, at this batch size, it does not
+    pay; plain steps keep their (feature, token) pairs and the drafter catches up in its next context pass.
+    Greedy output equals teacher-only decoding token for token either way, as in the engine.
 
     Args:
         engine: an Engine with a drafter whose cache holds N sequences. gen: GenerationConfig. rows: N.
+        gate: the step-kind chooser (default ``RateGate(("tree", "plain"))``; tests inject one).
     Raises:
         ValueError: the engine has no drafter.
     """
 
-    def __init__(self, engine: Engine, gen: GenerationConfig, rows: int):
+    def __init__(self, engine: Engine, gen: GenerationConfig, rows: int, gate=None):
+        from .policy import RateGate
+
         if engine.drafter is None:
             raise ValueError("speculative batching needs a drafter (model.drafter is 'none')")
         self.engine, self.gen, self.rows = engine, gen, rows
         self.M, self.D = engine.spec.M, engine.spec.D_max
         self.extra_slots = self.M
+        self.gate = gate or RateGate(("tree", "plain"))
 
     def start(self, s, ids: list, aux: np.ndarray) -> None:
         """Open the sequence's drafter cache sequence; its first context pairs are (aux[t], ids[t + 1])."""
@@ -95,8 +102,28 @@ class SpeculativeStepper:
             s.state = None
 
     def step(self, live: list) -> list:
-        """Draft, verify all trees in one forward, accept and commit; returns each sequence's emitted tokens
-        (int64 [L_k]: accepted drafts + the bonus token) and appends L_k to ``s.accept_lens``."""
+        """One step of the kind the gate picks (tree verification or plain batched decoding); returns each
+        sequence's emitted tokens (int64 [L_k] / [1]) and tells the gate how many tokens per ms it made."""
+        kind = self.gate.choose()
+        t0 = time.perf_counter()
+        out = self._trees(live) if kind == "tree" else self._plain(live)
+        self.gate.observe(kind, sum(len(t) for t in out), (time.perf_counter() - t0) * 1e3)
+        return out
+
+    def _plain(self, live: list) -> list:
+        """Batched teacher decode of every pending token; the (feature, token) pairs wait for the drafter."""
+        logits, aux = self.engine.target.decode_batch([s.sid for s in live], [s.next for s in live],
+                                                      rows=self.rows, with_aux=True)
+        out = []
+        for i, s in enumerate(live):
+            tok = np.asarray([Engine._pick(logits[i], self.gen, s.rng)], np.int64)
+            s.state["pending"].append((aux[i:i + 1], tok))
+            out.append(tok)
+        return out
+
+    def _trees(self, live: list) -> list:
+        """Draft a tree per sequence, verify all in one forward, accept and commit; appends L_k (accepted drafts
+        + bonus) to ``s.accept_lens``."""
         from .tree import tensorize
         from .verify import accept_greedy, accept_sampling, warp_probs
 

@@ -162,7 +162,7 @@ class TargetRunner:
         self.bm.advance(sid, 1)
         return out[0], aux[:1]
 
-    def decode_batch(self, sids, tokens, rows: int, width_step: int = 512) -> np.ndarray:
+    def decode_batch(self, sids, tokens, rows: int, width_step: int = 512, with_aux: bool = False):
         """Append one token to each of several sequences in a single forward (batched greedy generation).
 
         The sequences' used blocks are concatenated into one block table and a block-diagonal additive mask
@@ -174,7 +174,8 @@ class TargetRunner:
         Args:
             sids: n <= rows live sequence ids; tokens: int [n], the token appended to each.
         Returns:
-            logits float32 [n, V] of the appended tokens.
+            logits float32 [n, V] of the appended tokens; with ``with_aux`` also their captured features
+            float32 [n, 3H] (the drafter's context pairs).
         Raises:
             ValueError: more sequences than rows, or len(tokens) != len(sids).
             CacheExhaustedError: a sequence would not fit (raised before any write).
@@ -208,10 +209,10 @@ class TargetRunner:
             positions[i], toks[i] = lengths[i], tokens[i]
         args = (ms.Tensor(toks.astype(np.int32)), ms.Tensor(positions.astype(np.int32)), ms.Tensor(slots),
                 ms.Tensor(table), ms.Tensor(mask), ms.Tensor(np.arange(n, dtype=np.int32)))
-        out, _ = self._fwd(*args)
+        out, aux = self._fwd(*args)
         for sid in sids:
             self.bm.advance(sid, 1)
-        return out.asnumpy()
+        return (out.asnumpy(), aux.asnumpy()) if with_aux else out.asnumpy()
 
     def verify_batch(self, sids, trees, rows: int, width_step: int = 512) -> tuple[np.ndarray, np.ndarray]:
         """Verify one draft tree per sequence in a single forward (speculative continuous batching).

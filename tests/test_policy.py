@@ -317,3 +317,27 @@ def test_cost_table_reused_from_file_for_a_day(ms_runtime, tiny_dir, drafter_dir
     stale = Engine(eng.target, eng.tokenizer, eng.eos, eng.drafter, eng.spec, cost_file=str(path))
     with pytest.raises(pytest.fail.Exception, match="measured again"):
         stale.policy
+
+
+def test_rate_gate_picks_the_faster_kind_and_probes_the_other():
+    """Warm-up takes each kind twice; then the faster one runs, the other once every probe_every steps; when the
+    rates swap, the choice follows within a few probes."""
+    from mindspore_eagle.policy import RateGate
+
+    g = RateGate(("tree", "plain"), alpha=0.5, probe_every=4, warm=2)
+    rates = {"tree": 1.0, "plain": 2.0}              # tokens per ms
+    kinds = []
+    for _ in range(24):
+        k = g.choose()
+        kinds.append(k)
+        g.observe(k, 10, 10 / rates[k])
+    assert kinds[:4] == ["tree", "tree", "plain", "plain"]
+    assert kinds[4:].count("tree") == 5 and all(k == "tree" for k in kinds[7::4])   # probes only
+    assert g.best() == "plain" and abs(g.rate["plain"] - 2.0) < 1e-9
+    rates = {"tree": 3.0, "plain": 2.0}              # the drafter starts paying: trees win after a probe or two
+    for _ in range(12):
+        k = g.choose()
+        g.observe(k, 10, 10 / rates[k])
+    assert g.best() == "tree" and g.report()["steps"]["tree"] >= 7
+    with pytest.raises(ValueError, match="probe_every >= 2"):
+        RateGate(probe_every=1)

@@ -23,6 +23,21 @@ PROMPTS = ["What is the capital of France?", "Hi", "Write a short story about a 
            "Tell me about the sea."]
 
 
+class ScriptedGate:
+    """A RateGate stand-in that cycles through a fixed list of step kinds."""
+
+    def __init__(self, pattern):
+        self.pattern, self.i, self.seen = pattern, 0, set()
+
+    def choose(self):
+        kind = self.pattern[self.i % len(self.pattern)]
+        self.i += 1
+        return kind
+
+    def observe(self, kind, tokens, ms):
+        self.seen.add(kind)
+
+
 def tiny_engine(tiny_dir, extra=()):
     from mindspore_eagle.pipeline import build_engine
 
@@ -212,9 +227,17 @@ def test_speculative_batch_equals_one_at_a_time_greedy(ms_runtime, tiny, tiny_di
     ref = one_at_a_time(eng, gen, recs)
     got, _, _ = run_batched(eng, gen, recs, max_batch=3, speculative=True)
     same_answers(got, ref)
+    for pattern in (["tree"], ["plain", "plain", "tree"]):       # forced step kinds: trees only, and a mix
+        sched = BatchScheduler(eng, gen, 3, speculative=True)
+        sched.stepper.gate = ScriptedGate(pattern)
+        out = {}
+        sched.run(recs, lambda res: out.setdefault(res["id"], res))
+        same_answers(out, ref)
+        assert sched.stepper.gate.seen == {"tree", *pattern}
 
     truth = {r.id: eng.generate(r.payload, gen, speculative=False).token_ids for r in recs[:5]}
     sched = BatchScheduler(eng, gen, 3, speculative=True)
+    sched.stepper.gate = ScriptedGate(["tree"])
     by_dsid, rng, V = {}, np.random.default_rng(0), tiny[0].vocab_size
     start = sched.stepper.start
 
