@@ -4,8 +4,11 @@ Legend: N = ``max_batch`` (rows of one batched forward), S = cache.max_seq_len, 
 cache.num_blocks (the KV pool), need = prompt tokens + generation.max_new_tokens of one turn.
 
 One scheduler step (the loop of :meth:`BatchScheduler.run`):
-    admit    while a row is free and the pool can hold the next turn's ``need`` tokens: chat-template it, prefill
-             it (chunked, its own calls, between two batched steps) and pick its first token
+    admit    while a row is free and the pool can hold the next turn's ``need`` tokens: chat-template it and
+             reserve its blocks
+    prefill  every admitted sequence still filling runs ONE prefill chunk (``cache.prefill_chunk`` tokens) per
+             scheduler step, so a long prompt never stalls the others for more than a chunk; after its last
+             chunk it picks its first token and joins the batched steps
     step     ``stepper.step(live)``: one forward for every live sequence -> the next token of each
     emit     per sequence: EOS / stop strings / max_new_tokens (the engine's ``_Emitter``, so a sequence stops
              exactly where teacher-only decoding of it alone stops); a finished turn frees its blocks at once,
@@ -174,6 +177,9 @@ class _Live:
     blocks: int
     accept_lens: list = field(default_factory=list)
     state: dict | None = None
+    prompt: list = field(default_factory=list)       # prompt ids; prefilled chunk by chunk
+    filled: int = 0
+    auxes: list = field(default_factory=list)
 
 
 class BatchScheduler:
@@ -201,9 +207,11 @@ class BatchScheduler:
         self.stepper = stepper or (SpeculativeStepper(engine, gen, max_batch) if speculative else
                                    TeacherStepper(self.target, gen, max_batch))
         self.B, self.NB = self.target.B, self.target.bm.num_blocks
+        self.chunk = self.target.buckets[-1]
         self.reserved = 0                       # blocks promised to live sequences
         self.new_tokens = 0
         self.peak_live = 0
+        self.interleaved_steps = 0        # batched steps taken while another sequence was still prefilling
         self.token_ids: dict | None = {} if keep_ids else None
 
     def blocks_for(self, n_tokens: int) -> int:
@@ -225,16 +233,23 @@ class BatchScheduler:
                     if out is _WAIT:              # the pool is full: wait for a sequence to finish
                         break
                     job = queue.popleft()
-                    if out is None:               # ended at its first token, or cannot run
+                    if out is None:               # cannot run: its error is the record's result
                         self._settle(job, queue, on_result)
                     else:
                         live.append(out)
                 self.peak_live = max(self.peak_live, len(live))
-                if not live:
+                filling = [s for s in live if s.filled < len(s.prompt)]
+                for s in filling:                 # one prefill chunk each, between two batched steps
+                    if self._prefill_chunk(s):
+                        live.remove(s)
+                        self._settle(s.job, queue, on_result)
+                ready = [s for s in live if s.filled == len(s.prompt)]
+                if not ready:
                     continue
-                emitted = self.stepper.step(live)
-                still = []
-                for s, tokens in zip(live, emitted):
+                emitted = self.stepper.step(ready)
+                still = [s for s in live if s.filled < len(s.prompt)]
+                self.interleaved_steps += bool(still)
+                for s, tokens in zip(ready, emitted):
                     done = False
                     for t in tokens:
                         s.next = int(t)
@@ -256,8 +271,8 @@ class BatchScheduler:
 
     # ------------------------------------------------------------------ internals
     def _admit(self, job: _Turn, others_live: bool):
-        """Prefill ``job``'s current turn and pick its first token. Returns its _Live; None when the turn ended
-        at that token or cannot run (``job.error`` set); ``_WAIT`` when the pool cannot hold it yet."""
+        """Template ``job``'s current turn and reserve its blocks. Returns its _Live (to be prefilled chunk by
+        chunk); None when the turn cannot run (``job.error`` set); ``_WAIT`` when the pool cannot hold it yet."""
         job.t0 = job.t0 or time.perf_counter()
         try:
             ids = self.engine.encode_chat(job.messages)
@@ -282,23 +297,27 @@ class BatchScheduler:
             if not others_live:
                 raise RuntimeError(f"KV pool accounting error: {self.reserved} blocks reserved, no sequence live")
             return _WAIT
-        sid = self.target.new_seq()
         self.reserved += blocks
-        try:
-            rng = np.random.default_rng(self.gen.seed)
-            logits, aux = self.target.prefill(sid, ids)
-        except BaseException:
-            self.target.free(sid)
-            self.reserved -= blocks
-            raise
-        s = _Live(job, sid, _Emitter(self.engine.tokenizer, self.engine.eos, self.gen), rng,
-                  Engine._pick(logits, self.gen, rng), len(ids), blocks)
+        return _Live(job, self.target.new_seq(), _Emitter(self.engine.tokenizer, self.engine.eos, self.gen),
+                     np.random.default_rng(self.gen.seed), -1, len(ids), blocks, prompt=ids)
+
+    def _prefill_chunk(self, s: _Live) -> bool:
+        """Prefill the next chunk (``cache.prefill_chunk`` tokens) of ``s``'s prompt; after the last one pick the
+        first token and hand the sequence to the stepper. Returns True when the turn ended at that token."""
+        part = s.prompt[s.filled: s.filled + self.chunk]
+        logits, aux = self.target.prefill(s.sid, part)
+        s.filled += len(part)
+        s.auxes.append(aux)
+        if s.filled < len(s.prompt):
+            return False
+        s.next = Engine._pick(logits, self.gen, s.rng)
         self.new_tokens += 1
         if s.emitter.push(s.next):
             self._end_turn(s)
-            return None
-        self.stepper.start(s, ids, aux)
-        return s
+            return True
+        self.stepper.start(s, s.prompt, np.concatenate(s.auxes))
+        s.auxes = []
+        return False
 
     def _end_turn(self, s: _Live) -> None:
         """Free the sequence's blocks and record its turn in its job."""

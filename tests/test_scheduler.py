@@ -106,6 +106,7 @@ def test_batched_greedy_equals_one_at_a_time_with_eos_at_different_steps(ms_runt
     got, order, sched = run_batched(eng, gen, recs, max_batch=3)
     same_answers(got, ref)
     assert sched.peak_live == 3 and sched.reserved == 0
+    assert sched.interleaved_steps > 0            # prompts of several 16-token chunks prefilled between steps
     assert order != [r.id for r in recs]          # records finished out of order: admission happened mid-run
     assert eng.target.bm.free_blocks() == eng.target.bm.num_blocks
 
