@@ -31,7 +31,7 @@ def test_ttt_layout_matches_hand_written_t4_s3():
 
 def _numpy_ttt_losses(t, embed, head_rows, b, cfg, S):
     """Expanded-form reference of the TTT forward (ttt_layout masks over all keys of steps 0..s), float64."""
-    T = b.ids.shape[1]
+    T = b.ids.shape[2]
     nh, nkv, hd, F = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
     W = {k: np.asarray(v, np.float64) for k, v in t.items() if k not in ("d2t", "t2d")}
     rms = lambda x, w: x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.rms_norm_eps) * w  # noqa: E731
@@ -42,13 +42,14 @@ def _numpy_ttt_losses(t, embed, head_rows, b, cfg, S):
         return x * np.cos(ang) + np.concatenate([-x[..., hd // 2:], x[..., :hd // 2]], -1) * np.sin(ang)
 
     p = "midlayer."
-    h = b.aux.astype(np.float64) @ W["fc.weight"].T
-    logits_t = b.hid.astype(np.float64) @ head_rows.T
+    ids, pos_mask = b.ids[:, 0], b.pos_mask[:, 0]                 # the batch's single row
+    h = b.aux[0].astype(np.float64) @ W["fc.weight"].T
+    logits_t = b.hid[0].astype(np.float64) @ head_rows.T
     tp = np.exp(logits_t - logits_t.max(-1, keepdims=True))
     tp /= tp.sum(-1, keepdims=True)
     ks, vs, out = [], [], []
     for s in range(S):
-        x = np.concatenate([rms(embed[b.ids[s]], W[p + "input_layernorm.weight"]),
+        x = np.concatenate([rms(embed[ids[s]], W[p + "input_layernorm.weight"]),
                             rms(h, W[p + "hidden_norm.weight"])], -1)
         pos = np.arange(T) + s
         q = rope((x @ W[p + "self_attn.q_proj.weight"].T).reshape(T, nh, hd), pos)
@@ -67,7 +68,7 @@ def _numpy_ttt_losses(t, embed, head_rows, b, cfg, S):
         lg = rms(h, W["norm.weight"]) @ W["lm_head.weight"].T
         logp = lg - lg.max(-1, keepdims=True)
         logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
-        out.append(float((-(tp[s + 1:s + 1 + T] * logp).sum(-1) * b.pos_mask[s]).sum() / T))
+        out.append(float((-(tp[s + 1:s + 1 + T] * logp).sum(-1) * pos_mask[s]).sum() / T))
     return np.array(out)
 
 
@@ -102,11 +103,81 @@ def test_make_batch_shifts_ids_targets_and_mask_together():
     t2d = np.ones(30, bool)
     t2d[23] = False
     b = make_batch(x, m, np.ones((5, 6), np.float32), np.ones((5, 2), np.float32), g, t2d, T=5, S=3)
-    np.testing.assert_array_equal(b.ids, [[11, 12, 13, 14, 0], [12, 13, 14, 0, 0], [13, 14, 0, 0, 0]])
-    np.testing.assert_array_equal(b.tgt, [[21, 22, 23, 24, 0], [22, 23, 24, 0, 0], [23, 24, 0, 0, 0]])
-    np.testing.assert_array_equal(b.loss_mask, [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0]])
-    np.testing.assert_array_equal(b.pos_mask, [[1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]])  # 23 not in Vd
-    assert b.hid.shape == (8, 2) and b.hid[5:].sum() == 0 and b.aux.shape == (5, 6) and b.n_valid == 5
+    np.testing.assert_array_equal(b.ids[:, 0], [[11, 12, 13, 14, 0], [12, 13, 14, 0, 0], [13, 14, 0, 0, 0]])
+    np.testing.assert_array_equal(b.tgt[:, 0], [[21, 22, 23, 24, 0], [22, 23, 24, 0, 0], [23, 24, 0, 0, 0]])
+    np.testing.assert_array_equal(b.loss_mask[:, 0], [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(b.pos_mask[:, 0], [[1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]])  # 23 ∉ Vd
+    assert b.hid.shape == (1, 8, 2) and b.hid[0, 5:].sum() == 0 and b.aux.shape == (1, 5, 6) and b.n_valid == 5
+    np.testing.assert_array_equal(b.seg, [[1, 1, 1, 1, 1]])
+    np.testing.assert_array_equal(b.pos, [[0, 1, 2, 3, 4]])
+    assert b.n_samples == 1
+
+
+def test_packed_row_keeps_each_sample_shift_inside_its_segment():
+    """Two samples packed in one row: each segment carries exactly its own single-sample arrays (ids / targets /
+    masks shifted inside the sample, zero past its end), positions restart at 0, segment ids 1, 2, pad 0."""
+    from mindspore_eagle.train.batching import assemble, sample_arrays
+
+    t2d = np.ones(40, bool)
+    a = sample_arrays([10, 11, 12], [0, 1, 1], np.ones((3, 2)), np.ones((3, 1)), [20, 21, 22], t2d, 8, 2)
+    b = sample_arrays([30, 31, 32, 33], [1, 1, 1, 1], 2 * np.ones((4, 2)), 2 * np.ones((4, 1)),
+                      [34, 35, 36, 37], t2d, 8, 2)
+    p = assemble([[a, b]], T=9, S=2)
+    np.testing.assert_array_equal(p.ids[:, 0], [[11, 12, 0, 31, 32, 33, 0, 0, 0], [12, 0, 0, 32, 33, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(p.tgt[:, 0], [[21, 22, 0, 35, 36, 37, 0, 0, 0], [22, 0, 0, 36, 37, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(p.loss_mask[:, 0], [[1, 0, 0, 1, 1, 0, 0, 0, 0], [0, 0, 0, 1, 0, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(p.seg, [[1, 1, 1, 2, 2, 2, 2, 0, 0]])
+    np.testing.assert_array_equal(p.pos, [[0, 1, 2, 0, 1, 2, 3, 0, 1]])
+    np.testing.assert_array_equal(p.aux[0, :, 0], [1, 1, 1, 2, 2, 2, 2, 0, 0])
+    np.testing.assert_array_equal(p.hid[0, :, 0], [1, 1, 1, 2, 2, 2, 2, 0, 0, 0, 0])
+    assert (p.n_samples, p.n_valid) == (2, 7)
+    with pytest.raises(ValueError, match="row 0 holds 7 tokens"):
+        assemble([[a, b]], T=6, S=2)
+
+
+def test_plan_rows_first_fit_in_stream_order():
+    from mindspore_eagle.train.batching import plan_rows
+
+    assert plan_rows([5, 3, 4, 2, 1, 2], 8, 2, pack=True) == [[0, 1], [2, 3, 4]]  # last 2: rows hold 8 and 7
+    assert plan_rows([5, 4, 6, 1], 8, 2, pack=True) == [[0], [1]]              # 6 fits no row: next step
+    assert plan_rows([2, 7, 5, 1, 3], 8, 2, pack=True) == [[0, 2, 3], [1]]    # first fit, not next fit
+    assert plan_rows([5, 4, 6], 8, 2, pack=False) == [[0], [1]]
+    with pytest.raises(ValueError, match="at least B"):
+        plan_rows([5], 8, 2, pack=False)
+    with pytest.raises(ValueError, match="1..8"):
+        plan_rows([9, 1], 8, 2, pack=True)
+
+
+def test_topk_coverage_and_implied_accept_length_hand_computed():
+    from mindspore_eagle.train.coverage import coverage_counts, coverage_report, implied_accept_length, topk_ids
+
+    used = np.array([2, 5, 7, 9])
+    d2t = used - np.arange(4)                                  # offsets: draft id i -> teacher id used[i]
+    logits = np.array([[0.1, 0.5, 0.3, -1.0],                 # teacher ids by rank: 5, 7, 2, 9
+                       [2.0, 1.0, 0.0, 3.0],                  # 9, 2, 5, 7
+                       [0.0, 0.0, 1.0, 0.0],                  # 7, then the ties 2, 5, 9 in draft-id order
+                       [9.0, 0.0, 0.0, 0.0]])
+    top = topk_ids(logits, d2t, 4)
+    np.testing.assert_array_equal(top, [[5, 7, 2, 9], [9, 2, 5, 7], [7, 2, 5, 9], [2, 5, 7, 9]])
+    target = np.array([7, 9, 4, 2])                            # rank 2, rank 1, not in the draft vocab, masked
+    mask = np.array([1, 1, 1, 0])
+    hits, n = coverage_counts(top, target, mask, ks=(1, 2, 4))
+    np.testing.assert_array_equal(hits, [1, 2, 2])
+    assert n == 3
+    hits2, n2 = coverage_counts(top[:, :2], target, np.array([1, 1, 0, 0]), ks=(1, 2))
+    np.testing.assert_array_equal(hits2, [1, 2])
+    assert n2 == 2
+    # chain: 1 + a1 + a1 a2 + a1 a2 a3; a constant alpha gives (1 - alpha^(D+1)) / (1 - alpha) (Leviathan Eq. 1)
+    assert implied_accept_length([0.5, 0.5, 0.5]) == pytest.approx(1.875) == (1 - 0.5 ** 4) / (1 - 0.5)
+    assert implied_accept_length([1.0, 0.0, 1.0]) == 2.0
+    assert implied_accept_length([]) == 1.0
+    with pytest.raises(ValueError):
+        implied_accept_length([1.2])
+    rep = coverage_report(np.array([[1, 2, 2], [0, 1, 2]]), np.array([3, 2]), ks=(1, 2, 4), depths=(1, 2, 3))
+    assert rep["cov"] == {"k1": [0.3333, 0.0], "k2": [0.6667, 0.5], "k4": [0.6667, 1.0]}
+    assert rep["positions"] == [3, 2]
+    assert rep["L_implied"] == {"D1": {"k1": 1.3333, "k2": 1.6667, "k4": 1.6667},
+                                "D2": {"k1": 1.3333, "k2": 2.0, "k4": 2.3333}}   # D3 > S = 2: left out
 
 
 def test_select_vocab_top_counts_sorted_and_padded():
@@ -359,14 +430,14 @@ def test_export_loads_and_inference_cell_matches_training_step0(tiny, tiny_featu
     train_net = TTTDrafter(dcfg, embed, head_weight(cfg, tensors)[used], dt["d2t"], T, 3)
     train_net.load_tensors(dt)
     b = make_batch(d["input_ids"], d["loss_mask"], d["aux"], d["hidden"], d["argmax"], dt["t2d"], T, 3)
-    ref = ms.jit(train_net.step0_logp)(Tensor(b.aux), Tensor(b.ids[0])).asnumpy()[:n]
+    ref = ms.jit(train_net.step0_logp)(Tensor(b.aux[0]), Tensor(b.ids[0, 0])).asnumpy()[:n]
 
     inf = Eagle3Drafter(dcfg, Parameter(Tensor(embed), name="shared_embed", requires_grad=False), top_k=K,
                         num_blocks=T // B, block_size=B, max_seq_len=T)
     inf.load_tensors(dt)
     mask = np.where(np.tri(n, T, dtype=bool), 0.0, -1e9).astype(np.float32)
-    h = inf.fuse(Tensor(b.aux[:n]))
-    top_logp, top_ids, _ = inf(h, Tensor(b.ids[0][:n]), Tensor(np.arange(n, dtype=np.int32)),
+    h = inf.fuse(Tensor(b.aux[0, :n]))
+    top_logp, top_ids, _ = inf(h, Tensor(b.ids[0, 0][:n]), Tensor(np.arange(n, dtype=np.int32)),
                                Tensor(np.arange(n, dtype=np.int32)), Tensor(np.arange(T // B, dtype=np.int32)),
                                Tensor(mask))
     want_idx = np.argsort(-ref, -1, kind="stable")[:, :K]
