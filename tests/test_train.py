@@ -290,6 +290,89 @@ def trained(tiny, tiny_features, tmp_path_factory):
     return out, train(_tc(out, tiny_features), cfg, tensors)
 
 
+def test_batched_and_packed_steps_equal_mean_of_single_sample_steps(tiny, tiny_features):
+    """One optimiser step on 3 samples (3 rows; and the same 3 packed into 2 rows) has the mean of the 3
+    single-sample gradients, and its AdamW update is the one of that mean gradient (numpy AdamW, eps = 1 so the
+    update is smooth in g); eval_topk's ids are the numpy top-k of step 0's log-probs."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from mindspore_eagle.models.eagle3 import vocab_maps
+    from mindspore_eagle.train.batching import assemble, sample_arrays
+    from mindspore_eagle.train.coverage import topk_ids
+    from mindspore_eagle.train.features import FeatureSet, head_weight
+    from mindspore_eagle.train.trainer import drafter_config, initial_tensors
+    from mindspore_eagle.train.ttt import TTTDrafter, TrainStep
+
+    cfg, tensors, _ = tiny
+    fs = FeatureSet(tiny_features)
+    T, S, vd = 64, 3, 96
+    ds = [fs[i] for i in (3, 4, 5)]
+    used = select_vocab(np.bincount(np.concatenate([d["argmax"] for d in ds]), minlength=cfg.vocab_size), vd)
+    vocab = vocab_maps(used, cfg.vocab_size)
+    dcfg = drafter_config(cfg, vd)
+    t0 = initial_tensors(dcfg, 0, used, "teacher", cfg, tensors)
+    t0 = {k: (v * 10 if k.endswith("proj.weight") or k == "fc.weight" else v) for k, v in t0.items()}
+    arrs = [sample_arrays(d["input_ids"], d["loss_mask"], d["aux"], d["hidden"], d["argmax"], vocab["t2d"], T, S)
+            for d in ds]
+    assert len({a["n"] for a in arrs}) > 1 and all(a["pm"].sum() > 0 for a in arrs)
+
+    def net_for(R):
+        net = TTTDrafter(dcfg, tensors["model.embed_tokens.weight"], head_weight(cfg, tensors)[used],
+                         vocab["d2t"], R, S, max_len=T)
+        net.load_tensors(t0)
+        return net
+
+    single = [TrainStep(net_for(T)).grads(assemble([[a]], T, S)) for a in arrs]
+    want = [np.mean(g, 0) for g in zip(*single)]
+    R = max(arrs[0]["n"] + arrs[1]["n"], arrs[2]["n"])
+    layouts = {"rows": ([[a] for a in arrs], T), "packed": ([[arrs[0], arrs[1]], [arrs[2]]], R)}
+    for name, (rows, width) in layouts.items():
+        net = net_for(width)
+        batch = assemble(rows, width, S)
+        got = TrainStep(net).grads(batch)
+        for p, g, w in zip(net.trainable(), got, want):
+            np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-6 * np.abs(w).max(), err_msg=f"{name} {p.name}")
+    # the optimiser step of the batch = AdamW (no bias correction, betas 0.9 / 0.95) on the clipped mean
+    lr, clip, eps = 0.05, 0.5, 1.0
+    net = net_for(T)
+    w0 = [p.asnumpy().copy() for p in net.trainable()]
+    TrainStep(net, clip=clip, eps=eps)(assemble([[a] for a in arrs], T, S), lr)
+    norm = np.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in want))
+    for p, w, g in zip(net.trainable(), w0, want):
+        g = g * clip / max(norm, clip)
+        m, v = 0.1 * g, 0.05 * g * g
+        np.testing.assert_allclose(p.asnumpy(), w - lr * m / (np.sqrt(v) + eps), rtol=1e-5, atol=1e-6,
+                                   err_msg=p.name)
+    # eval_topk (the coverage metric's input) = numpy top-k of the step-0 log-probs, mapped through d2t
+    net = net_for(T)
+    b = assemble([[arrs[0]]], T, S)
+    top = ms.jit(net.eval_topk)(*b.tensors())[3].asnumpy()
+    ref = ms.jit(net.step0_logp)(Tensor(b.aux[0]), Tensor(b.ids[0, 0])).asnumpy()
+    np.testing.assert_array_equal(top[0, 0], topk_ids(ref, vocab["d2t"], 4))
+
+
+def test_teacher_init_takes_head_rows_and_final_norm(tiny):
+    from mindspore_eagle.models.eagle3 import init_drafter_tensors
+    from mindspore_eagle.train.features import head_weight
+    from mindspore_eagle.train.trainer import drafter_config, initial_tensors
+
+    cfg, tensors, _ = tiny
+    dcfg = drafter_config(cfg, 96)
+    used = np.arange(0, 192, 2)
+    t = initial_tensors(dcfg, 5, used, "teacher", cfg, tensors)
+    r = initial_tensors(dcfg, 5, used, "random", cfg, tensors)
+    np.testing.assert_array_equal(t["lm_head.weight"], head_weight(cfg, tensors)[used])
+    np.testing.assert_array_equal(t["norm.weight"], tensors["model.norm.weight"])
+    ref = init_drafter_tensors(dcfg, 5, used)
+    for k in ref:
+        np.testing.assert_array_equal(r[k], ref[k])
+        if k not in ("lm_head.weight", "norm.weight"):
+            np.testing.assert_array_equal(t[k], ref[k])
+    with pytest.raises(ValueError, match="--init"):
+        initial_tensors(dcfg, 5, used, "zeros", cfg, tensors)
+
+
 def test_init_from_fine_tunes_the_given_drafter(tiny, tiny_features, trained, tmp_path):
     """--init-from starts from the given drafter's weights and keeps its draft vocabulary (a vd mismatch is an
     error); with a vanishing learning rate the export equals the source up to fp16 storage."""
@@ -394,19 +477,41 @@ def test_training_loss_falls_and_accuracy_rises(trained):
     # chance is 1 / Vd ~ 0.01; measured: step-0 accuracy ~0.13 over the first 50 steps, ~0.6 over the last 50
     assert acc(log[-50:]) > acc(log[:20]) + 0.25 and acc(log[-50:]) > 0.4, (acc(log[:20]), acc(log[-50:]))
     assert summary["heldout"]["acc"][0] > 0.25
+    # held-out coverage: top-1 coverage is the accuracy; coverage grows with k; L_implied from the formula
+    held = summary["heldout"]
+    np.testing.assert_allclose(held["cov"]["k1"], held["acc"], atol=1e-4)
+    assert all(a <= b <= c for a, b, c in zip(held["cov"]["k1"], held["cov"]["k2"], held["cov"]["k4"]))
+    c = held["cov"]["k4"]
+    assert held["L_implied"]["D3"]["k4"] == pytest.approx(1 + c[0] + c[0] * c[1] + c[0] * c[1] * c[2], abs=2e-4)
+    evals = [json.loads(ln) for ln in open(out / "eval_log.jsonl")]
+    assert [e["step"] for e in evals] == [100, 200, 300] and evals[-1]["cov"] == held["cov"]
 
 
-def test_resume_reproduces_uninterrupted_losses(tiny, tiny_features, tmp_path):
+@pytest.mark.parametrize("batch_size,pack_len,steps", [(1, 0, 30), (3, 0, 10), (2, 160, 10)])
+def test_resume_reproduces_uninterrupted_losses(tiny, tiny_features, tmp_path, batch_size, pack_len, steps):
+    """Stopping half-way and resuming repeats the uninterrupted loss curve, with one sample per step, with B rows
+    per step, and with packed rows (the stream cursor is part of the resume state)."""
     from mindspore_eagle.train.trainer import train
 
     cfg, tensors, _ = tiny
-    full = train(_tc(tmp_path / "a", tiny_features, steps=30, checkpoint_every=15, n_eval=0), cfg, tensors)
-    part = train(_tc(tmp_path / "b", tiny_features, steps=30, stop_at=15, n_eval=0), cfg, tensors)
-    assert len(part["losses_this_run"]) == 15
-    rest = train(_tc(tmp_path / "b", tiny_features, steps=30, n_eval=0), cfg, tensors, resume=True)
-    assert rest["resumed_from"] == 15
-    np.testing.assert_allclose(rest["losses_this_run"], full["losses_this_run"][15:], atol=1e-5, rtol=0)
-    np.testing.assert_allclose(part["losses_this_run"], full["losses_this_run"][:15], atol=1e-5, rtol=0)
+    half = steps // 2
+    kw = dict(steps=steps, n_eval=0, batch_size=batch_size, pack_len=pack_len)
+    full = train(_tc(tmp_path / "a", tiny_features, checkpoint_every=half, **kw), cfg, tensors)
+    part = train(_tc(tmp_path / "b", tiny_features, stop_at=half, **kw), cfg, tensors)
+    assert len(part["losses_this_run"]) == half
+    rest = train(_tc(tmp_path / "b", tiny_features, **kw), cfg, tensors, resume=True)
+    assert rest["resumed_from"] == half
+    np.testing.assert_allclose(rest["losses_this_run"], full["losses_this_run"][half:], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(part["losses_this_run"], full["losses_this_run"][:half], atol=1e-5, rtol=0)
+    log = [json.loads(ln) for ln in open(tmp_path / "b" / "train_log.jsonl")]
+    assert [r["step"] for r in log] == list(range(steps))
+    if pack_len:                                          # packed: more samples than rows in some step
+        assert max(r["samples"] for r in log) > batch_size
+    else:
+        assert all(r["samples"] == batch_size for r in log) and log[-1]["cursor"] == steps * batch_size
+    if batch_size > 1:
+        with pytest.raises(ValueError, match="--batch-size"):
+            train(_tc(tmp_path / "b", tiny_features, **{**kw, "batch_size": 1}), cfg, tensors, resume=True)
 
 
 def test_export_loads_and_inference_cell_matches_training_step0(tiny, tiny_features, trained):

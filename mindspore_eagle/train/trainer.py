@@ -115,7 +115,7 @@ def next_batch(fs: FeatureSet, cursor: int, lengths: np.ndarray, tc: "TrainConfi
         (Batch of B rows x T tokens (T = pack_len or max_len), cursor after the step).
     """
     n, B, T = len(lengths), tc.batch_size, tc.pack_len or tc.max_len
-    look = B if not tc.pack_len else B * (T // max(1, int(lengths.min()))) + 1
+    look = B if not tc.pack_len else B * (T // max(1, int(lengths.min())) + 1)  # more than B rows can hold
     idx = [stream_sample(cursor + j, n, tc.seed) for j in range(look)]
     rows = plan_rows([int(lengths[i]) for i in idx], T, B, bool(tc.pack_len))
 
