@@ -41,14 +41,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from <out>/resume")
     p.add_argument("--init-from", default=None,
                    help="fine-tune this SpecForge drafter directory (keeps its draft vocabulary; --vd must match)")
-    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--checkpoint-every", type=int, default=100,
+                   help="steps between checkpoints; each checkpoint also scores the held-out samples")
+    p.add_argument("--n-eval", type=int, default=32,
+                   help="held-out samples (the last ones; at most a quarter of the samples; 0 = none)")
     p.add_argument("--stage", choices=("all", "features", "train"), default="all")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shard-size", type=int, default=32)
     a = p.parse_args(argv)
     for name, val, lo in (("--batch-size", a.batch_size, 1), ("--ttt-length", a.ttt_length, 1),
                           ("--steps", a.steps, 1), ("--checkpoint-every", a.checkpoint_every, 1),
-                          ("--max-len", a.max_len, 8)):
+                          ("--max-len", a.max_len, 8), ("--n-eval", a.n_eval, 0)):
         if val < lo:
             p.error(f"{name} must be >= {lo}, got {val}")
     if a.pack_len and a.pack_len < a.max_len:
@@ -152,7 +155,7 @@ def main(argv=None) -> int:
                      lr=args.lr, warmup=args.warmup, schedule=args.schedule, max_len=args.max_len,
                      intermediate=args.intermediate, seed=args.seed, checkpoint_every=args.checkpoint_every,
                      init_from=args.init_from, batch_size=args.batch_size, pack_len=args.pack_len,
-                     init=args.init,
+                     init=args.init, n_eval=args.n_eval,
                      command=" ".join(["python -m mindspore_eagle.train"] + list(sys.argv[1:] if argv is None
                                                                                   else argv)))
     train(tc, cfg, tensors, resume=args.resume)

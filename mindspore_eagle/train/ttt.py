@@ -35,6 +35,7 @@ The embedding and the teacher head rows are frozen (never trained, never exporte
 from __future__ import annotations
 
 import math
+
 import numpy as np
 import mindspore as ms
 from mindspore import nn, ops, Parameter, Tensor
@@ -82,7 +83,7 @@ class TTTDrafter(nn.Cell):
         -> (loss f32 scalar, step_losses f32 [S], step_correct f32 [S])
     (the inputs are ``Batch.tensors()``; any B, one compiled graph per shape).
     ``eval_topk(same inputs)`` -> the same three plus topk int32 [S, B, T, kmax]: the teacher ids (d2t-mapped)
-    of the kmax largest draft logits at each position, best first (for ``coverage.topk_coverage``).
+    of the kmax largest draft logits at each position, best first (for ``coverage.coverage_counts``).
     ``step0_logp(aux [T, 3Ht], ids0 [T])`` -> log-softmax [T, Vd] of step 0 (used by the consistency test).
 
     Args:
@@ -92,7 +93,7 @@ class TTTDrafter(nn.Cell):
         T: row length; S: ttt_length; max_len: the per-sample loss normaliser (default T; the sample length
         limit when rows are packed longer than one sample); kmax: top-k width of ``eval_topk``.
     Raises:
-        ValueError: H differs from the embedding width, or max_len > T.
+        ValueError: H differs from the embedding width, max_len outside 1..T, or kmax outside 1..Vd.
     """
 
     def __init__(self, cfg: DrafterConfig, embed: np.ndarray, head_rows: np.ndarray, d2t: np.ndarray,
@@ -104,6 +105,8 @@ class TTTDrafter(nn.Cell):
         max_len = T if max_len is None else max_len
         if not 1 <= max_len <= T:
             raise ValueError(f"max_len {max_len} must be in 1..T = {T}")
+        if not 1 <= kmax <= cfg.draft_vocab_size:
+            raise ValueError(f"kmax {kmax} must be in 1..Vd = {cfg.draft_vocab_size}")
         self.cfg, self.T, self.S, self.max_len, self.kmax = cfg, T, S, max_len, kmax
         self.nh, self.nkv, self.hd, self.ffn = cfg.num_attention_heads, cfg.num_key_value_heads, hd, F
         self.group = self.nh // self.nkv
