@@ -267,6 +267,10 @@ def lr_at(step: int, peak: float, warmup: int, total: int, schedule: str = "cosi
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+def _identity(grads):
+    return grads
+
+
 class TrainStep:
     """``value_and_grad`` + global-norm clipping + ``nn.AdamWeightDecay`` (betas 0.9/0.95, wd 0) in one ms.jit.
 
@@ -295,7 +299,7 @@ class TrainStep:
                                       beta2=0.95, eps=eps, weight_decay=0.0)
         grad_fn = ms.value_and_grad(net, None, self.opt.parameters, has_aux=True)
         opt = self.opt
-        reduce = grad_reduce if grad_reduce is not None else (lambda g: g)
+        reduce = grad_reduce if grad_reduce is not None else _identity
 
         def step(aux, ids, hid, tgt, pos_mask, seg, pos, n_samples, lr):
             (loss, losses, correct), grads = grad_fn(aux, ids, hid, tgt, pos_mask, seg, pos, n_samples)
