@@ -31,7 +31,7 @@ def test_ttt_layout_matches_hand_written_t4_s3():
 
 def _numpy_ttt_losses(t, embed, head_rows, b, cfg, S):
     """Expanded-form reference of the TTT forward (ttt_layout masks over all keys of steps 0..s), float64."""
-    T = b.ids.shape[1]
+    T = b.ids.shape[2]
     nh, nkv, hd, F = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
     W = {k: np.asarray(v, np.float64) for k, v in t.items() if k not in ("d2t", "t2d")}
     rms = lambda x, w: x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.rms_norm_eps) * w  # noqa: E731
@@ -42,13 +42,14 @@ def _numpy_ttt_losses(t, embed, head_rows, b, cfg, S):
         return x * np.cos(ang) + np.concatenate([-x[..., hd // 2:], x[..., :hd // 2]], -1) * np.sin(ang)
 
     p = "midlayer."
-    h = b.aux.astype(np.float64) @ W["fc.weight"].T
-    logits_t = b.hid.astype(np.float64) @ head_rows.T
+    ids, pos_mask = b.ids[:, 0], b.pos_mask[:, 0]                 # the batch's single row
+    h = b.aux[0].astype(np.float64) @ W["fc.weight"].T
+    logits_t = b.hid[0].astype(np.float64) @ head_rows.T
     tp = np.exp(logits_t - logits_t.max(-1, keepdims=True))
     tp /= tp.sum(-1, keepdims=True)
     ks, vs, out = [], [], []
     for s in range(S):
-        x = np.concatenate([rms(embed[b.ids[s]], W[p + "input_layernorm.weight"]),
+        x = np.concatenate([rms(embed[ids[s]], W[p + "input_layernorm.weight"]),
                             rms(h, W[p + "hidden_norm.weight"])], -1)
         pos = np.arange(T) + s
         q = rope((x @ W[p + "self_attn.q_proj.weight"].T).reshape(T, nh, hd), pos)
@@ -67,7 +68,7 @@ def _numpy_ttt_losses(t, embed, head_rows, b, cfg, S):
         lg = rms(h, W["norm.weight"]) @ W["lm_head.weight"].T
         logp = lg - lg.max(-1, keepdims=True)
         logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
-        out.append(float((-(tp[s + 1:s + 1 + T] * logp).sum(-1) * b.pos_mask[s]).sum() / T))
+        out.append(float((-(tp[s + 1:s + 1 + T] * logp).sum(-1) * pos_mask[s]).sum() / T))
     return np.array(out)
 
 
@@ -102,11 +103,81 @@ def test_make_batch_shifts_ids_targets_and_mask_together():
     t2d = np.ones(30, bool)
     t2d[23] = False
     b = make_batch(x, m, np.ones((5, 6), np.float32), np.ones((5, 2), np.float32), g, t2d, T=5, S=3)
-    np.testing.assert_array_equal(b.ids, [[11, 12, 13, 14, 0], [12, 13, 14, 0, 0], [13, 14, 0, 0, 0]])
-    np.testing.assert_array_equal(b.tgt, [[21, 22, 23, 24, 0], [22, 23, 24, 0, 0], [23, 24, 0, 0, 0]])
-    np.testing.assert_array_equal(b.loss_mask, [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0]])
-    np.testing.assert_array_equal(b.pos_mask, [[1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]])  # 23 not in Vd
-    assert b.hid.shape == (8, 2) and b.hid[5:].sum() == 0 and b.aux.shape == (5, 6) and b.n_valid == 5
+    np.testing.assert_array_equal(b.ids[:, 0], [[11, 12, 13, 14, 0], [12, 13, 14, 0, 0], [13, 14, 0, 0, 0]])
+    np.testing.assert_array_equal(b.tgt[:, 0], [[21, 22, 23, 24, 0], [22, 23, 24, 0, 0], [23, 24, 0, 0, 0]])
+    np.testing.assert_array_equal(b.loss_mask[:, 0], [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(b.pos_mask[:, 0], [[1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]])  # 23 ∉ Vd
+    assert b.hid.shape == (1, 8, 2) and b.hid[0, 5:].sum() == 0 and b.aux.shape == (1, 5, 6) and b.n_valid == 5
+    np.testing.assert_array_equal(b.seg, [[1, 1, 1, 1, 1]])
+    np.testing.assert_array_equal(b.pos, [[0, 1, 2, 3, 4]])
+    assert b.n_samples == 1
+
+
+def test_packed_row_keeps_each_sample_shift_inside_its_segment():
+    """Two samples packed in one row: each segment carries exactly its own single-sample arrays (ids / targets /
+    masks shifted inside the sample, zero past its end), positions restart at 0, segment ids 1, 2, pad 0."""
+    from mindspore_eagle.train.batching import assemble, sample_arrays
+
+    t2d = np.ones(40, bool)
+    a = sample_arrays([10, 11, 12], [0, 1, 1], np.ones((3, 2)), np.ones((3, 1)), [20, 21, 22], t2d, 8, 2)
+    b = sample_arrays([30, 31, 32, 33], [1, 1, 1, 1], 2 * np.ones((4, 2)), 2 * np.ones((4, 1)),
+                      [34, 35, 36, 37], t2d, 8, 2)
+    p = assemble([[a, b]], T=9, S=2)
+    np.testing.assert_array_equal(p.ids[:, 0], [[11, 12, 0, 31, 32, 33, 0, 0, 0], [12, 0, 0, 32, 33, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(p.tgt[:, 0], [[21, 22, 0, 35, 36, 37, 0, 0, 0], [22, 0, 0, 36, 37, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(p.loss_mask[:, 0], [[1, 0, 0, 1, 1, 0, 0, 0, 0], [0, 0, 0, 1, 0, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(p.seg, [[1, 1, 1, 2, 2, 2, 2, 0, 0]])
+    np.testing.assert_array_equal(p.pos, [[0, 1, 2, 0, 1, 2, 3, 0, 1]])
+    np.testing.assert_array_equal(p.aux[0, :, 0], [1, 1, 1, 2, 2, 2, 2, 0, 0])
+    np.testing.assert_array_equal(p.hid[0, :, 0], [1, 1, 1, 2, 2, 2, 2, 0, 0, 0, 0])
+    assert (p.n_samples, p.n_valid) == (2, 7)
+    with pytest.raises(ValueError, match="row 0 holds 7 tokens"):
+        assemble([[a, b]], T=6, S=2)
+
+
+def test_plan_rows_first_fit_in_stream_order():
+    from mindspore_eagle.train.batching import plan_rows
+
+    assert plan_rows([5, 3, 4, 2, 1, 2], 8, 2, pack=True) == [[0, 1], [2, 3, 4]]  # last 2: rows hold 8 and 7
+    assert plan_rows([5, 4, 6, 1], 8, 2, pack=True) == [[0], [1]]              # 6 fits no row: next step
+    assert plan_rows([2, 7, 5, 1, 3], 8, 2, pack=True) == [[0, 2, 3], [1]]    # first fit, not next fit
+    assert plan_rows([5, 4, 6], 8, 2, pack=False) == [[0], [1]]
+    with pytest.raises(ValueError, match="at least B"):
+        plan_rows([5], 8, 2, pack=False)
+    with pytest.raises(ValueError, match="1..8"):
+        plan_rows([9, 1], 8, 2, pack=True)
+
+
+def test_topk_coverage_and_implied_accept_length_hand_computed():
+    from mindspore_eagle.train.coverage import coverage_counts, coverage_report, implied_accept_length, topk_ids
+
+    used = np.array([2, 5, 7, 9])
+    d2t = used - np.arange(4)                                  # offsets: draft id i -> teacher id used[i]
+    logits = np.array([[0.1, 0.5, 0.3, -1.0],                 # teacher ids by rank: 5, 7, 2, 9
+                       [2.0, 1.0, 0.0, 3.0],                  # 9, 2, 5, 7
+                       [0.0, 0.0, 1.0, 0.0],                  # 7, then the ties 2, 5, 9 in draft-id order
+                       [9.0, 0.0, 0.0, 0.0]])
+    top = topk_ids(logits, d2t, 4)
+    np.testing.assert_array_equal(top, [[5, 7, 2, 9], [9, 2, 5, 7], [7, 2, 5, 9], [2, 5, 7, 9]])
+    target = np.array([7, 9, 4, 2])                            # rank 2, rank 1, not in the draft vocab, masked
+    mask = np.array([1, 1, 1, 0])
+    hits, n = coverage_counts(top, target, mask, ks=(1, 2, 4))
+    np.testing.assert_array_equal(hits, [1, 2, 2])
+    assert n == 3
+    hits2, n2 = coverage_counts(top[:, :2], target, np.array([1, 1, 0, 0]), ks=(1, 2))
+    np.testing.assert_array_equal(hits2, [1, 2])
+    assert n2 == 2
+    # chain: 1 + a1 + a1 a2 + a1 a2 a3; a constant alpha gives (1 - alpha^(D+1)) / (1 - alpha) (Leviathan Eq. 1)
+    assert implied_accept_length([0.5, 0.5, 0.5]) == pytest.approx(1.875) == (1 - 0.5 ** 4) / (1 - 0.5)
+    assert implied_accept_length([1.0, 0.0, 1.0]) == 2.0
+    assert implied_accept_length([]) == 1.0
+    with pytest.raises(ValueError):
+        implied_accept_length([1.2])
+    rep = coverage_report(np.array([[1, 2, 2], [0, 1, 2]]), np.array([3, 2]), ks=(1, 2, 4), depths=(1, 2, 3))
+    assert rep["cov"] == {"k1": [0.3333, 0.0], "k2": [0.6667, 0.5], "k4": [0.6667, 1.0]}
+    assert rep["positions"] == [3, 2]
+    assert rep["L_implied"] == {"D1": {"k1": 1.3333, "k2": 1.6667, "k4": 1.6667},
+                                "D2": {"k1": 1.3333, "k2": 2.0, "k4": 2.3333}}   # D3 > S = 2: left out
 
 
 def test_select_vocab_top_counts_sorted_and_padded():
@@ -219,6 +290,95 @@ def trained(tiny, tiny_features, tmp_path_factory):
     return out, train(_tc(out, tiny_features), cfg, tensors)
 
 
+def test_batched_and_packed_steps_equal_mean_of_single_sample_steps(tiny, tiny_features):
+    """One optimiser step on 3 samples (3 rows; and the same 3 packed into 2 rows) has the mean of the 3
+    single-sample gradients, and its AdamW update is the one of that mean gradient (numpy AdamW, eps = 1 so the
+    update is smooth in g); eval_topk's ids are the numpy top-k of step 0's log-probs."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from mindspore_eagle.models.eagle3 import vocab_maps
+    from mindspore_eagle.train.batching import assemble, sample_arrays
+    from mindspore_eagle.train.coverage import topk_ids
+    from mindspore_eagle.train.features import FeatureSet, head_weight
+    from mindspore_eagle.train.trainer import drafter_config, initial_tensors
+    from mindspore_eagle.train.ttt import TTTDrafter, TrainStep
+
+    cfg, tensors, _ = tiny
+    fs = FeatureSet(tiny_features)
+    T, S, vd = 64, 3, 96
+    ds = [fs[i] for i in range(40)]
+    used = select_vocab(np.bincount(np.concatenate([d["argmax"] for d in ds]), minlength=cfg.vocab_size), vd)
+    vocab = vocab_maps(used, cfg.vocab_size)
+    dcfg = drafter_config(cfg, vd)
+    t0 = initial_tensors(dcfg, 0, used, "teacher", cfg, tensors)
+    t0 = {k: (v * 10 if k.endswith("proj.weight") or k == "fc.weight" else v) for k, v in t0.items()}
+    arrs = []                          # three lengths (the fixture's samples fill 64), each with loss positions
+    for d in ds:
+        if len(arrs) == 3:
+            break
+        a = sample_arrays(d["input_ids"], d["loss_mask"], d["aux"], d["hidden"], d["argmax"], vocab["t2d"],
+                          (T, 60, 55)[len(arrs)], S)
+        if a["pm"].sum() > 0:
+            arrs.append(a)
+    assert [a["n"] for a in arrs] == [T, 60, 55]
+
+    def net_for(R):
+        net = TTTDrafter(dcfg, tensors["model.embed_tokens.weight"], head_weight(cfg, tensors)[used],
+                         vocab["d2t"], R, S, max_len=T)
+        net.load_tensors(t0)
+        return net
+
+    single = [TrainStep(net_for(T)).grads(assemble([[a]], T, S)) for a in arrs]
+    want = [np.mean(g, 0) for g in zip(*single)]
+    R = max(arrs[0]["n"] + arrs[1]["n"], arrs[2]["n"])
+    layouts = {"rows": ([[a] for a in arrs], T), "packed": ([[arrs[0], arrs[1]], [arrs[2]]], R)}
+    for name, (rows, width) in layouts.items():
+        net = net_for(width)
+        batch = assemble(rows, width, S)
+        got = TrainStep(net).grads(batch)
+        for p, g, w in zip(net.trainable(), got, want):
+            np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-6 * np.abs(w).max(), err_msg=f"{name} {p.name}")
+    # the optimiser step of the batch = AdamW (no bias correction, betas 0.9 / 0.95) on the clipped mean
+    lr, clip, eps = 0.05, 0.5, 1.0
+    net = net_for(T)
+    w0 = [p.asnumpy().copy() for p in net.trainable()]
+    TrainStep(net, clip=clip, eps=eps)(assemble([[a] for a in arrs], T, S), lr)
+    norm = np.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in want))
+    for p, w, g in zip(net.trainable(), w0, want):
+        g = g * clip / max(norm, clip)
+        m, v = 0.1 * g, 0.05 * g * g
+        np.testing.assert_allclose(p.asnumpy(), w - lr * m / (np.sqrt(v) + eps), rtol=1e-5, atol=1e-6,
+                                   err_msg=p.name)
+    # eval_topk (the coverage metric's input) = numpy top-k of the step-0 log-probs, mapped through d2t
+    net = net_for(T)
+    b = assemble([[arrs[0]]], T, S)
+    top = ms.jit(net.eval_topk)(*b.tensors())[3].asnumpy()
+    ref = ms.jit(net.step0_logp)(Tensor(b.aux[0]), Tensor(b.ids[0, 0])).asnumpy()
+    np.testing.assert_array_equal(top[0, 0], topk_ids(ref, vocab["d2t"], 4))
+
+
+def test_teacher_init_takes_head_rows_and_final_norm(tiny):
+    from mindspore_eagle.models.eagle3 import init_drafter_tensors
+    from mindspore_eagle.train.features import head_weight
+    from mindspore_eagle.train.trainer import drafter_config, initial_tensors
+
+    cfg, tensors, _ = tiny
+    dcfg = drafter_config(cfg, 96)
+    used = np.arange(0, 192, 2)
+    t = initial_tensors(dcfg, 5, used, "teacher", cfg, tensors)
+    r = initial_tensors(dcfg, 5, used, "random", cfg, tensors)
+    np.testing.assert_array_equal(t["lm_head.weight"], head_weight(cfg, tensors)[used])
+    np.testing.assert_array_equal(t["norm.weight"], tensors["model.norm.weight"])
+    ref = init_drafter_tensors(dcfg, 5, used)
+    for k in ref:
+        np.testing.assert_array_equal(r[k], ref[k])
+        if k not in ("lm_head.weight", "norm.weight"):
+            np.testing.assert_array_equal(t[k], ref[k])
+    with pytest.raises(ValueError, match="--init"):
+        initial_tensors(dcfg, 5, used, "zeros", cfg, tensors)
+
+
 def test_init_from_fine_tunes_the_given_drafter(tiny, tiny_features, trained, tmp_path):
     """--init-from starts from the given drafter's weights and keeps its draft vocabulary (a vd mismatch is an
     error); with a vanishing learning rate the export equals the source up to fp16 storage."""
@@ -323,19 +483,41 @@ def test_training_loss_falls_and_accuracy_rises(trained):
     # chance is 1 / Vd ~ 0.01; measured: step-0 accuracy ~0.13 over the first 50 steps, ~0.6 over the last 50
     assert acc(log[-50:]) > acc(log[:20]) + 0.25 and acc(log[-50:]) > 0.4, (acc(log[:20]), acc(log[-50:]))
     assert summary["heldout"]["acc"][0] > 0.25
+    # held-out coverage: top-1 coverage is the accuracy; coverage grows with k; L_implied from the formula
+    held = summary["heldout"]
+    np.testing.assert_allclose(held["cov"]["k1"], held["acc"], atol=1e-4)
+    assert all(a <= b <= c for a, b, c in zip(held["cov"]["k1"], held["cov"]["k2"], held["cov"]["k4"]))
+    c = held["cov"]["k4"]
+    assert held["L_implied"]["D3"]["k4"] == pytest.approx(1 + c[0] + c[0] * c[1] + c[0] * c[1] * c[2], abs=2e-4)
+    evals = [json.loads(ln) for ln in open(out / "eval_log.jsonl")]
+    assert [e["step"] for e in evals] == [100, 200, 300] and evals[-1]["cov"] == held["cov"]
 
 
-def test_resume_reproduces_uninterrupted_losses(tiny, tiny_features, tmp_path):
+@pytest.mark.parametrize("batch_size,pack_len,steps", [(1, 0, 30), (3, 0, 10), (2, 160, 10)])
+def test_resume_reproduces_uninterrupted_losses(tiny, tiny_features, tmp_path, batch_size, pack_len, steps):
+    """Stopping half-way and resuming repeats the uninterrupted loss curve, with one sample per step, with B rows
+    per step, and with packed rows (the stream cursor is part of the resume state)."""
     from mindspore_eagle.train.trainer import train
 
     cfg, tensors, _ = tiny
-    full = train(_tc(tmp_path / "a", tiny_features, steps=30, checkpoint_every=15, n_eval=0), cfg, tensors)
-    part = train(_tc(tmp_path / "b", tiny_features, steps=30, stop_at=15, n_eval=0), cfg, tensors)
-    assert len(part["losses_this_run"]) == 15
-    rest = train(_tc(tmp_path / "b", tiny_features, steps=30, n_eval=0), cfg, tensors, resume=True)
-    assert rest["resumed_from"] == 15
-    np.testing.assert_allclose(rest["losses_this_run"], full["losses_this_run"][15:], atol=1e-5, rtol=0)
-    np.testing.assert_allclose(part["losses_this_run"], full["losses_this_run"][:15], atol=1e-5, rtol=0)
+    half = steps // 2
+    kw = dict(steps=steps, n_eval=0, batch_size=batch_size, pack_len=pack_len)
+    full = train(_tc(tmp_path / "a", tiny_features, checkpoint_every=half, **kw), cfg, tensors)
+    part = train(_tc(tmp_path / "b", tiny_features, stop_at=half, **kw), cfg, tensors)
+    assert len(part["losses_this_run"]) == half
+    rest = train(_tc(tmp_path / "b", tiny_features, **kw), cfg, tensors, resume=True)
+    assert rest["resumed_from"] == half
+    np.testing.assert_allclose(rest["losses_this_run"], full["losses_this_run"][half:], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(part["losses_this_run"], full["losses_this_run"][:half], atol=1e-5, rtol=0)
+    log = [json.loads(ln) for ln in open(tmp_path / "b" / "train_log.jsonl")]
+    assert [r["step"] for r in log] == list(range(steps))
+    if pack_len:                                          # packed: more samples than rows in some step
+        assert max(r["samples"] for r in log) > batch_size
+    else:
+        assert all(r["samples"] == batch_size for r in log) and log[-1]["cursor"] == steps * batch_size
+    if batch_size > 1:
+        with pytest.raises(ValueError, match="--batch-size"):
+            train(_tc(tmp_path / "b", tiny_features, **{**kw, "batch_size": 1}), cfg, tensors, resume=True)
 
 
 def test_export_loads_and_inference_cell_matches_training_step0(tiny, tiny_features, trained):
@@ -359,14 +541,14 @@ def test_export_loads_and_inference_cell_matches_training_step0(tiny, tiny_featu
     train_net = TTTDrafter(dcfg, embed, head_weight(cfg, tensors)[used], dt["d2t"], T, 3)
     train_net.load_tensors(dt)
     b = make_batch(d["input_ids"], d["loss_mask"], d["aux"], d["hidden"], d["argmax"], dt["t2d"], T, 3)
-    ref = ms.jit(train_net.step0_logp)(Tensor(b.aux), Tensor(b.ids[0])).asnumpy()[:n]
+    ref = ms.jit(train_net.step0_logp)(Tensor(b.aux[0]), Tensor(b.ids[0, 0])).asnumpy()[:n]
 
     inf = Eagle3Drafter(dcfg, Parameter(Tensor(embed), name="shared_embed", requires_grad=False), top_k=K,
                         num_blocks=T // B, block_size=B, max_seq_len=T)
     inf.load_tensors(dt)
     mask = np.where(np.tri(n, T, dtype=bool), 0.0, -1e9).astype(np.float32)
-    h = inf.fuse(Tensor(b.aux[:n]))
-    top_logp, top_ids, _ = inf(h, Tensor(b.ids[0][:n]), Tensor(np.arange(n, dtype=np.int32)),
+    h = inf.fuse(Tensor(b.aux[0, :n]))
+    top_logp, top_ids, _ = inf(h, Tensor(b.ids[0, 0][:n]), Tensor(np.arange(n, dtype=np.int32)),
                                Tensor(np.arange(n, dtype=np.int32)), Tensor(np.arange(T // B, dtype=np.int32)),
                                Tensor(mask))
     want_idx = np.argsort(-ref, -1, kind="stable")[:, :K]

@@ -21,7 +21,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=256, help="tokens per sample (truncation); also T of a batch")
     p.add_argument("--vd", type=int, default=8192, help="draft vocabulary size")
     p.add_argument("--ttt-length", type=int, default=7)
-    p.add_argument("--steps", type=int, default=1000, help="optimiser steps (one sample per step)")
+    p.add_argument("--steps", type=int, default=1000, help="optimiser steps")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="rows per optimiser step (one sample per row; several when packed); the loss is the mean"
+                        " of the per-sample losses")
+    p.add_argument("--pack-len", type=int, default=0,
+                   help="0 = one sample per row padded to --max-len; N >= --max-len = pack whole samples into"
+                        " rows of N tokens (block-diagonal attention, per-sample positions)")
+    p.add_argument("--init", choices=("random", "teacher"), default="random",
+                   help="drafter init: random, or lm_head / final norm from the teacher's head / final norm")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--warmup", type=int, default=None, help="warmup steps (default 3%% of --steps)")
     p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
@@ -33,11 +41,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from <out>/resume")
     p.add_argument("--init-from", default=None,
                    help="fine-tune this SpecForge drafter directory (keeps its draft vocabulary; --vd must match)")
-    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--checkpoint-every", type=int, default=100,
+                   help="steps between checkpoints; each checkpoint also scores the held-out samples")
+    p.add_argument("--n-eval", type=int, default=32,
+                   help="held-out samples (the last ones; at most a quarter of the samples; 0 = none)")
     p.add_argument("--stage", choices=("all", "features", "train"), default="all")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shard-size", type=int, default=32)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    for name, val, lo in (("--batch-size", a.batch_size, 1), ("--ttt-length", a.ttt_length, 1),
+                          ("--steps", a.steps, 1), ("--checkpoint-every", a.checkpoint_every, 1),
+                          ("--max-len", a.max_len, 8), ("--n-eval", a.n_eval, 0)):
+        if val < lo:
+            p.error(f"{name} must be >= {lo}, got {val}")
+    if a.pack_len and a.pack_len < a.max_len:
+        p.error(f"--pack-len must be 0 (off) or >= --max-len {a.max_len}, got {a.pack_len}")
+    return a
 
 
 def features_dir(args) -> str:
@@ -135,7 +154,8 @@ def main(argv=None) -> int:
     tc = TrainConfig(out=args.out, features_dir=fdir, vd=args.vd, ttt_length=args.ttt_length, steps=args.steps,
                      lr=args.lr, warmup=args.warmup, schedule=args.schedule, max_len=args.max_len,
                      intermediate=args.intermediate, seed=args.seed, checkpoint_every=args.checkpoint_every,
-                     init_from=args.init_from,
+                     init_from=args.init_from, batch_size=args.batch_size, pack_len=args.pack_len,
+                     init=args.init, n_eval=args.n_eval,
                      command=" ".join(["python -m mindspore_eagle.train"] + list(sys.argv[1:] if argv is None
                                                                                   else argv)))
     train(tc, cfg, tensors, resume=args.resume)

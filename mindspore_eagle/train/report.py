@@ -14,6 +14,25 @@ def _fmt_acc(acc) -> str:
     return ", ".join(f"s{i}: {a:.3f}" for i, a in enumerate(acc or []))
 
 
+def _fmt_batch(summary: dict) -> str:
+    B, pack = summary.get("batch_size", 1), summary.get("pack_len", 0)
+    if pack:
+        return f"{B} rows of {pack} tokens packed with whole samples (each truncated to {summary['max_len']})"
+    return f"{B} sequence{'s' if B > 1 else ''} ({summary['max_len']} tokens, padded)"
+
+
+def _coverage_lines(held: dict) -> list:
+    """Held-out top-k coverage per TTT step and the implied L_k (coverage.py), when the summary has them."""
+    if not held.get("cov"):
+        return []
+    out = [f"- Held-out top-{k[1:]} coverage of the teacher argmax, per TTT step: {_fmt_acc(v)}."
+           for k, v in held["cov"].items()]
+    for D, row in held.get("L_implied", {}).items():
+        out.append(f"- Implied mean accepted length at depth {D[1:]} (coverage.py): chain {row['k1']:.2f}; "
+                   + "; ".join(f"top-{k[1:]} tree {v:.2f}" for k, v in row.items() if k != "k1") + ".")
+    return out
+
+
 def training_md(summary: dict, data: dict, title: str, extra: str = "", wall: str | None = None) -> str:
     """Markdown text of the training record (see the module docstring)."""
     d = summary["drafter"]
@@ -48,16 +67,17 @@ def training_md(summary: dict, data: dict, title: str, extra: str = "", wall: st
         " positions (training set).",
         "",
         "## Training",
-        f"- TTT length {summary['ttt_length']}, {summary['steps']} optimiser steps of one sequence"
-        f" ({summary['max_len']} tokens, padded), AdamW (betas 0.9/0.95, wd 0, no bias correction), clip 0.5,"
+        f"- TTT length {summary['ttt_length']}, {summary['steps']} optimiser steps of {_fmt_batch(summary)},"
+        f" AdamW (betas 0.9/0.95, wd 0, no bias correction), clip 0.5,"
         f" lr {summary['lr']} with {summary['warmup']} warmup steps then {summary['schedule']}.",
         f"- Throughput: {summary['steps_per_s']:.3f} steps/s in the last run"
-        f" ({summary['steps_per_s'] * summary['max_len']:.0f} padded tokens/s).",
+        f" ({summary.get('tokens_per_s', summary['steps_per_s'] * summary['max_len']):.0f} tokens/s).",
         f"- Wall time: {wall or str(summary['wall_seconds_this_run']) + ' s (training process)'}.",
         f"- Final training accuracy (last 100 steps), per TTT step: {_fmt_acc(summary['train_acc_last100'])};"
         f" loss {summary['train_loss_last100']:.3f}.",
         f"- Held-out accuracy ({held.get('samples')} samples, {held.get('masked_tokens_step0')} loss-masked"
         f" positions at step 0), per TTT step: {_fmt_acc(held.get('acc'))}.",
+    ] + _coverage_lines(held) + [
         "",
         "Accuracy = the draft argmax mapped through d2t equals the teacher argmax, over loss-masked positions"
         " (positions whose teacher argmax is outside the draft vocabulary count as misses).",

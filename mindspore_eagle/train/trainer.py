@@ -5,14 +5,21 @@ Legend: T = max_len, S = ttt_length, N = training samples, Vd = draft vocab, V =
 Layout of ``<out>`` (the drafter directory):
     config.json, model.safetensors   SpecForge / EAGLE-3 drafter (fp16 weights, d2t int64, t2d bool, no
                                      embedding; ``models.eagle3.save_drafter``), rewritten at every checkpoint
-    train_log.jsonl                  one line per step: step, lr, loss, step losses [S], correct [S], masked [S]
-    summary.json                     final numbers (accuracies, wall time, data counts, vocab mass, command)
-    resume/state.npz                 float32 weights, optimiser moments, step, vocab ids, sample count, RNG state
+    train_log.jsonl                  one line per step: step, lr, loss, step losses [S], correct [S], masked [S],
+                                     samples and real tokens of the step, stream cursor after it
+    eval_log.jsonl                   one line per checkpoint: held-out loss, top-1 accuracy, top-k coverage per
+                                     TTT step and the implied L_k (coverage.py)
+    summary.json                     final numbers (accuracies, coverage, throughput, wall time, data counts,
+                                     vocab mass, command)
+    resume/state.npz                 float32 weights, optimiser moments, step, stream cursor, batch layout, vocab
+                                     ids, sample count
 
-Sample order is a pure function of (seed, epoch) (a permutation per epoch), the learning rate a pure function
-of the step (``ttt.lr_at``), so a resumed run repeats the uninterrupted loss curve. One optimiser step = one
-sample padded to T (fixed shapes: the step compiles once). The last ``n_eval`` samples are held out and
-scored at the end (per-step top-1 accuracy, eagle3.md §4 "Accuracy metric").
+The training stream is a pure function of (seed, epoch) (a permutation per epoch, batching.stream_sample); a
+step takes the next samples of the stream (``batch_size`` rows of one sample each, or first-fit packed rows of
+``pack_len`` tokens, batching.plan_rows) and the stream cursor is saved with the weights; the learning rate is
+a pure function of the step (``ttt.lr_at``). So a resumed run repeats the uninterrupted loss curve. Shapes are
+fixed (B x T), the step compiles once. The last ``n_eval`` samples are held out and scored at every checkpoint
+and at the end (per-step top-1 accuracy, eagle3.md §4 "Accuracy metric", and top-k coverage, coverage.py).
 """
 from __future__ import annotations
 
@@ -24,9 +31,13 @@ from dataclasses import dataclass, asdict
 import numpy as np
 
 from ..models.eagle3 import DrafterConfig, init_drafter_tensors, save_drafter
+from .batching import assemble, make_batch, plan_rows, sample_arrays, stream_sample
+from .coverage import KS, coverage_counts, coverage_report
 from .features import FeatureSet, head_weight
-from .ttt import TTTDrafter, TrainStep, lr_at, make_batch
+from .ttt import TTTDrafter, TrainStep, lr_at
 from .vocab import build_vocab
+
+INITS = ("random", "teacher")
 
 
 @dataclass
@@ -34,7 +45,10 @@ class TrainConfig:
     """Options of :func:`train` (CLI names in ``__main__``). ``warmup`` None = 3 % of steps; ``intermediate``
     None = the teacher's FFN width; ``n_eval`` held-out samples; ``max_samples`` caps the samples used;
     ``stop_at`` ends the loop early (as if killed there; the schedule still spans ``steps``); ``init_from`` a
-    SpecForge drafter directory to fine-tune (its weights and its draft vocabulary; ``vd`` must match)."""
+    SpecForge drafter directory to fine-tune (its weights and its draft vocabulary; ``vd`` must match);
+    ``batch_size`` rows per optimiser step; ``pack_len`` 0 = one sample per row of ``max_len`` tokens, else the
+    row length (>= max_len) into which whole samples are packed; ``init`` "random" | "teacher" (see
+    :func:`initial_tensors`; ignored with ``init_from``)."""
     out: str
     features_dir: str
     vd: int = 8192
@@ -53,6 +67,22 @@ class TrainConfig:
     command: str = ""
     progress: bool = True
     init_from: str | None = None
+    batch_size: int = 1
+    pack_len: int = 0
+    init: str = "random"
+
+    def check(self) -> None:
+        """Raise ValueError naming the first out-of-range option (CLI names)."""
+        if self.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.pack_len and self.pack_len < self.max_len:
+            raise ValueError(f"--pack-len must be 0 (off) or >= --max-len {self.max_len}, got {self.pack_len}")
+        if self.ttt_length < 1:
+            raise ValueError(f"--ttt-length must be >= 1, got {self.ttt_length}")
+        if self.init not in INITS:
+            raise ValueError(f"--init must be one of {INITS}, got {self.init!r}")
+        if self.steps < 1 or self.checkpoint_every < 1:
+            raise ValueError("--steps and --checkpoint-every must be >= 1")
 
 
 def drafter_config(cfg, vd: int, intermediate: int | None = None) -> DrafterConfig:
@@ -66,14 +96,56 @@ def drafter_config(cfg, vd: int, intermediate: int | None = None) -> DrafterConf
 
 
 def sample_order(step: int, n: int, seed: int) -> int:
-    """Index of the sample used at ``step``: permutation (seed, epoch) of range(n), position step % n."""
-    epoch, i = divmod(step, n)
-    return int(np.random.default_rng([seed, epoch]).permutation(n)[i])
+    """Sample of ``step`` when every step takes one sample (batch 1, unpacked): ``stream_sample(step, n, seed)``."""
+    return stream_sample(step, n, seed)
 
 
 def sample_batch(fs: FeatureSet, i: int, t2d: np.ndarray, T: int, S: int):
     d = fs[i]
     return make_batch(d["input_ids"], d["loss_mask"], d["aux"], d["hidden"], d["argmax"], t2d, T, S)
+
+
+def next_batch(fs: FeatureSet, cursor: int, lengths: np.ndarray, tc: "TrainConfig", t2d: np.ndarray):
+    """The batch of the step that starts at stream position ``cursor``.
+
+    Args:
+        lengths: int [n_train] sample lengths truncated to max_len; tc: batch_size, pack_len, max_len,
+        ttt_length, seed.
+    Returns:
+        (Batch of B rows x T tokens (T = pack_len or max_len), cursor after the step).
+    """
+    n, B, T = len(lengths), tc.batch_size, tc.pack_len or tc.max_len
+    look = B if not tc.pack_len else B * (T // max(1, int(lengths.min())) + 1)  # more than B rows can hold
+    idx = [stream_sample(cursor + j, n, tc.seed) for j in range(look)]
+    rows = plan_rows([int(lengths[i]) for i in idx], T, B, bool(tc.pack_len))
+
+    def arrays(i):
+        d = fs[i]
+        return sample_arrays(d["input_ids"], d["loss_mask"], d["aux"], d["hidden"], d["argmax"], t2d,
+                             tc.max_len, tc.ttt_length)
+    batch = assemble([[arrays(idx[j]) for j in row] for row in rows], T, tc.ttt_length)
+    return batch, cursor + sum(len(r) for r in rows)
+
+
+def initial_tensors(dcfg: DrafterConfig, seed: int, used: np.ndarray, init: str, cfg, tensors: dict) -> dict:
+    """Starting drafter tensors (SpecForge keys).
+
+    "random": ``init_drafter_tensors`` (normal std 0.02, norms 1). "teacher": the same, then ``lm_head.weight``
+    = the teacher's lm_head rows at the draft ids (the tied embedding for SmolLM2) and ``norm.weight`` = the
+    teacher's final norm weight, so the drafter starts with the teacher's output head applied to its own hidden
+    state (the drafter's output plays the role of the teacher's last hidden state, eagle3.md §1).
+    Raises:
+        ValueError: unknown ``init`` or a drafter hidden size different from the teacher's.
+    """
+    if init not in INITS:
+        raise ValueError(f"--init must be one of {INITS}, got {init!r}")
+    t = init_drafter_tensors(dcfg, seed, used)
+    if init == "teacher":
+        if dcfg.hidden_size != cfg.hidden_size:
+            raise ValueError(f"--init teacher needs drafter hidden {dcfg.hidden_size} == teacher {cfg.hidden_size}")
+        t["lm_head.weight"] = np.array(head_weight(cfg, tensors)[np.asarray(used)], np.float32)
+        t["norm.weight"] = np.array(tensors["model.norm.weight"], np.float32)
+    return t
 
 
 def save_resume(path: str, net: TTTDrafter, ts: TrainStep, step: int, extra: dict) -> None:
@@ -94,20 +166,36 @@ def export(out: str, dcfg: DrafterConfig, net: TTTDrafter, vocab) -> None:
     save_drafter(out, dcfg, tensors, dtype=np.float16)
 
 
-def evaluate(net: TTTDrafter, fs: FeatureSet, idx: list, t2d: np.ndarray, T: int, S: int) -> dict:
-    """Held-out per-step accuracy and loss (forward only, one jitted graph)."""
+def evaluate(net: TTTDrafter, fs: FeatureSet, idx: list, t2d: np.ndarray, max_len: int, S: int,
+             fwd=None, ks=KS) -> dict:
+    """Held-out per-step top-1 accuracy, top-k coverage with the implied L_k (coverage.py), and loss.
+
+    One sample per row of the net's T tokens (forward only, ``net.eval_topk`` jitted once: pass the same
+    ``fwd = ms.jit(net.eval_topk)`` on every call to avoid recompiling). Returns a dict with acc [S], loss,
+    samples, masked_tokens_step0 and coverage_report's cov / positions / L_implied.
+    """
     import mindspore as ms
 
-    fwd = ms.jit(net.construct)
+    fwd = fwd or ms.jit(net.eval_topk)
     correct, masked, losses = np.zeros(S), np.zeros(S), []
+    hits, counts = np.zeros((S, len(ks)), np.int64), np.zeros(S, np.int64)
     for i in idx:
-        b = sample_batch(fs, i, t2d, T, S)
-        loss, _, c = fwd(*b.tensors())
+        d = fs[i]
+        b = assemble([[sample_arrays(d["input_ids"], d["loss_mask"], d["aux"], d["hidden"], d["argmax"], t2d,
+                                     max_len, S)]], net.T, S)
+        loss, _, c, top = fwd(*b.tensors())
+        top = top.asnumpy()
+        for s in range(S):
+            h, n = coverage_counts(top[s], b.tgt[s], b.loss_mask[s], ks)
+            hits[s] += h
+            counts[s] += n
         correct += c.asnumpy()
-        masked += b.loss_mask.sum(1)
+        masked += b.loss_mask.sum((1, 2))
         losses.append(float(loss.asnumpy()))
-    return {"acc": (correct / np.maximum(masked, 1)).round(4).tolist(), "loss": float(np.mean(losses)),
-            "samples": len(idx), "masked_tokens_step0": int(masked[0])}
+    out = {"acc": (correct / np.maximum(masked, 1)).round(4).tolist(), "loss": float(np.mean(losses)),
+           "samples": len(idx), "masked_tokens_step0": int(masked[0])}
+    out.update(coverage_report(hits, counts, ks, depths=tuple(D for D in (1, 2, 3, S) if D <= S)))
+    return out
 
 
 def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False) -> dict:
@@ -117,10 +205,12 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False) -> dict:
         the summary dict (also written to ``<out>/summary.json``).
     Raises:
         FileNotFoundError: no feature shards, or ``resume`` without ``<out>/resume/state.npz``.
-        ValueError: fewer than 2 samples.
+        ValueError: fewer than 2 samples, an option out of range (TrainConfig.check), or --resume with a
+            different --batch-size / --pack-len than the run it continues.
     """
     from tqdm import tqdm
 
+    tc.check()
     t_start = time.time()
     T, S = tc.max_len, tc.ttt_length
     fs = FeatureSet(tc.features_dir)
@@ -166,67 +256,125 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False) -> dict:
 
     dcfg = drafter_config(cfg, tc.vd, tc.intermediate)
     head = head_weight(cfg, tensors)
-    net = TTTDrafter(dcfg, tensors["model.embed_tokens.weight"], head[used], vocab["d2t"], T, S)
-    net.load_tensors(init if init is not None else init_drafter_tensors(dcfg, tc.seed, used))
+    R = tc.pack_len or T
+    net = TTTDrafter(dcfg, tensors["model.embed_tokens.weight"], head[used], vocab["d2t"], R, S, max_len=T)
+    net.load_tensors(init if init is not None else initial_tensors(dcfg, tc.seed, used, tc.init, cfg, tensors))
     ts = TrainStep(net)
-    start = 0
+    start, cursor = 0, 0
     if state is not None:
+        start = int(state["step"])
+        cursor = int(state["cursor"]) if "cursor" in state else start     # states before batching: 1 per step
+        for key, want in (("batch_size", tc.batch_size), ("pack_len", tc.pack_len)):
+            got = int(state[key]) if key in state else (1 if key == "batch_size" else 0)
+            if got != want:
+                raise ValueError(f"--resume: the run was started with --{key.replace('_', '-')} {got}, not {want}")
         net.load_tensors({k[2:]: v for k, v in state.items() if k.startswith("w:")})
         ts.load_state({k[2:]: v for k, v in state.items() if k.startswith("o:")})
-        start = int(state["step"])
-        print(f"[resume] from step {start}", flush=True)
+        print(f"[resume] from step {start} (stream position {cursor})", flush=True)
     warmup = tc.warmup if tc.warmup is not None else max(1, int(0.03 * tc.steps))
     os.makedirs(os.path.join(tc.out, "resume"), exist_ok=True)
-    log_path = os.path.join(tc.out, "train_log.jsonl")
-    if state is None and os.path.exists(log_path):
-        os.remove(log_path)
-    elif state is not None and os.path.exists(log_path):  # drop log lines past the resume point
-        with open(log_path) as f:
-            keep = [ln for ln in f if json.loads(ln)["step"] < start]
-        with open(log_path, "w") as f:
-            f.writelines(keep)
-    extra = {"vocab_used": used, "n_samples": np.array(n_total),
+    log_path, eval_path = os.path.join(tc.out, "train_log.jsonl"), os.path.join(tc.out, "eval_log.jsonl")
+    _trim_log(log_path, start)                      # train_log "step" = 0-based step index
+    _trim_log(eval_path, start + 1 if start else 0)  # eval_log "step" = steps done at the checkpoint
+    extra = {"vocab_used": used, "n_samples": np.array(n_total), "batch_size": np.array(tc.batch_size),
+             "pack_len": np.array(tc.pack_len),
              "rng": np.array(json.dumps({"seed": tc.seed, "order": "permutation(seed, epoch)"}))}
+    lengths = np.array([min(len(fs[i]["input_ids"]), T) for i in range(n_train)])
+    held_idx = list(range(n_train, n_total))
+    fwd_eval = None
     bar = tqdm(total=tc.steps, initial=start, desc="train", unit="step", disable=not tc.progress, mininterval=5)
     win_c, win_m, win_l = [], [], []
-    tok_seen, t_loop, history = 0, time.time(), []
+    tok_seen, samples_seen, t_loop, history = 0, 0, time.time(), []
+    eval_s, first, held, held_step = 0.0, (0.0, 0, 0), {}, None
     stop = tc.steps if tc.stop_at is None else min(tc.steps, tc.stop_at)
     for step in range(start, stop):
-        b = sample_batch(fs, sample_order(step, n_train, tc.seed), t2d, T, S)
+        t0 = time.time()
+        b, cursor = next_batch(fs, cursor, lengths, tc, t2d)
         lr = lr_at(step, tc.lr, warmup, tc.steps, tc.schedule)
         loss, losses, correct = ts(b, lr)
-        masked = b.loss_mask.sum(1)
+        if step == start:                                                   # includes compiling the step
+            first = (time.time() - t0, b.n_valid, b.n_samples)
+        masked = b.loss_mask.sum((1, 2))
         rec = {"step": step, "lr": lr, "loss": loss, "losses": np.round(losses, 5).tolist(),
-               "correct": correct.tolist(), "masked": masked.tolist()}
+               "correct": correct.tolist(), "masked": masked.tolist(), "samples": b.n_samples,
+               "tokens": b.n_valid, "cursor": cursor}
         history.append(loss)
-        with open(log_path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        _append(log_path, rec)
         win_c, win_m, win_l = (win_c + [correct])[-100:], (win_m + [masked])[-100:], (win_l + [loss])[-100:]
         tok_seen += b.n_valid
+        samples_seen += b.n_samples
         acc = np.sum(win_c, 0) / np.maximum(np.sum(win_m, 0), 1)
         bar.update(1)
         bar.set_postfix(loss=f"{np.mean(win_l):.3f}", acc0=f"{acc[0]:.3f}",
-                        tok_s=f"{tok_seen / (time.time() - t_loop):.0f}", refresh=False)
+                        tok_s=f"{tok_seen / max(time.time() - t_loop - eval_s, 1e-9):.0f}", refresh=False)
         if (step + 1) % tc.checkpoint_every == 0 or step + 1 == stop:
             export(tc.out, dcfg, net, vocab)
-            save_resume(rpath, net, ts, step + 1, extra)
+            save_resume(rpath, net, ts, step + 1, {**extra, "cursor": np.array(cursor, np.int64)})
+            if held_idx:
+                t0 = time.time()
+                if fwd_eval is None:
+                    import mindspore as ms
+
+                    fwd_eval = ms.jit(net.eval_topk)
+                held, held_step = evaluate(net, fs, held_idx, t2d, T, S, fwd_eval), step + 1
+                eval_s += time.time() - t0
+                _append(eval_path, {"step": step + 1, **held})
     bar.close()
     export(tc.out, dcfg, net, vocab)
-    train_s = time.time() - t_loop
+    loop_s = time.time() - t_loop
+    train_s = loop_s - eval_s
+    n_steps = stop - start
     acc_train = (np.sum(win_c, 0) / np.maximum(np.sum(win_m, 0), 1)).round(4).tolist() if win_c else []
-    held = evaluate(net, fs, list(range(n_train, n_total)), t2d, T, S) if n_eval else {}
+    if held_idx and held_step != stop:
+        held = evaluate(net, fs, held_idx, t2d, T, S, fwd_eval)
     summary = {
         "samples_train": n_train, "samples_eval": n_eval, "train_tokens": int(sum(len(fs[i]["input_ids"])
                                                                                   for i in range(n_train))),
         "vd": tc.vd, "vocab_mass_data": round(mass[0], 4), "vocab_mass_teacher_argmax": round(mass[1], 4),
         "ttt_length": S, "steps": tc.steps, "resumed_from": start, "max_len": T, "lr": tc.lr, "warmup": warmup,
-        "schedule": tc.schedule, "drafter": dcfg.to_json(), "train_acc_last100": acc_train,
-        "train_loss_last100": float(np.mean(win_l)) if win_l else None, "heldout": held,
-        "train_seconds_this_run": round(train_s, 1), "wall_seconds_this_run": round(time.time() - t_start, 1),
-        "steps_per_s": round((stop - start) / max(train_s, 1e-9), 3), "command": tc.command,
+        "schedule": tc.schedule, "batch_size": tc.batch_size, "pack_len": tc.pack_len, "row_len": R,
+        "init": tc.init if not tc.init_from else "init_from", "drafter": dcfg.to_json(),
+        "train_acc_last100": acc_train, "train_loss_last100": float(np.mean(win_l)) if win_l else None,
+        "heldout": held, "train_seconds_this_run": round(train_s, 1), "eval_seconds_this_run": round(eval_s, 1),
+        "wall_seconds_this_run": round(time.time() - t_start, 1),
+        "steps_per_s": round(n_steps / max(train_s, 1e-9), 3),
+        "tokens_per_s": round(tok_seen / max(train_s, 1e-9), 1),
+        "throughput_after_first_step": _rates(n_steps - 1, tok_seen - first[1], samples_seen - first[2],
+                                              train_s - first[0], tc.batch_size * R),
+        "first_step_seconds": round(first[0], 2), "command": tc.command,
         "config": asdict(tc), "losses_this_run": [round(x, 5) for x in history],
     }
     with open(os.path.join(tc.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    print(f"[done] train acc(last 100) {acc_train}; held-out {held.get('acc')}", flush=True)
+    print(f"[done] train acc(last 100) {acc_train}; held-out {held.get('acc')}; coverage {held.get('cov')}; "
+          f"L_implied {held.get('L_implied')}", flush=True)
     return summary
+
+
+def _rates(steps: int, tokens: int, samples: int, seconds: float, row_tokens: int) -> dict:
+    """Throughput of ``steps`` steps (the first step of a run, which compiles, excluded by the caller) taking
+    ``seconds`` (batch building + optimiser step + logging + checkpoints, no held-out evaluation): steps/s,
+    real tokens/s, samples/s, padded tokens/s (``row_tokens`` = B x T per step)."""
+    if steps < 1 or seconds <= 0:
+        return {}
+    return {"steps": steps, "seconds": round(seconds, 1), "steps_per_s": round(steps / seconds, 3),
+            "tokens_per_s": round(tokens / seconds, 1), "samples_per_s": round(samples / seconds, 3),
+            "padded_tokens_per_s": round(steps * row_tokens / seconds, 1)}
+
+
+def _append(path: str, rec: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def _trim_log(path: str, start: int) -> None:
+    """Keep the JSONL lines of ``path`` whose "step" is below ``start`` (the file is removed when start is 0)."""
+    if not os.path.exists(path):
+        return
+    if start == 0:
+        os.remove(path)
+        return
+    with open(path) as f:
+        keep = [ln for ln in f if json.loads(ln)["step"] < start]
+    with open(path, "w") as f:
+        f.writelines(keep)

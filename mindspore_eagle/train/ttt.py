@@ -1,25 +1,32 @@
-"""EAGLE-3 training-time-test (TTT) drafter Cell, its batch layout, and the jitted optimiser step.
+"""EAGLE-3 training-time-test (TTT) drafter Cell and the jitted optimiser step (batch layout: batching.py).
 
-Legend: T = max_len (fixed sequence length of a batch), S = ttt_length (unrolled draft steps), H = drafter hidden,
-Ht = teacher hidden, V = teacher vocab, Vd = draft vocab, nh / n_kv / hd = heads / KV heads / head dim.
+Legend: B = rows of a batch, T = row length (tokens; max_len when unpacked), S = ttt_length (unrolled draft
+steps), H = drafter hidden, Ht = teacher hidden, V = teacher vocab, Vd = draft vocab, nh / n_kv / hd = heads /
+KV heads / head dim, kmax = top-k width of the evaluation outputs.
 
 Math (eagle3.md §1 and §4; E ``eagle/traineagle3/cnets.py``, SF ``specforge/algorithms/eagle3/model.py``):
 
 * ``h = fc(aux)`` once; for s = 0..S-1: ``e = embed(ids_s)``, ``h_out = midlayer(e, h)`` (same math as
   :class:`~mindspore_eagle.models.eagle3.Eagle3Drafter`), ``logits_s = lm_head(norm(h_out))`` over Vd,
-  then ``h <- h_out`` (the **pre-norm** output, P6) and ids/targets/mask move one position left.
-* Attention at step s (:func:`ttt_layout` is the reference): the query at position t sees the step-0 keys
-  K0[0..t] (causal) plus the diagonal keys K1[t] .. Ks[t] of the same position at every later step, itself
-  included; RoPE position t + s for the queries and keys of step s. Implemented in compact form: causal scores
-  against K0 concatenated with one dot product per later step (E ``LlamaAttention.forward``).
+  then ``h <- h_out`` (the **pre-norm** output, P6) and ids/targets/mask move one position left. Step s thus
+  conditions on the drafter's **own** previous outputs h (as at inference) but on the **true** tokens ids_s
+  (at inference: the drafted tokens; the two agree on an accepted path of the teacher's own greedy reply).
+* Attention at step s (:func:`ttt_layout` is the reference for one sample): the query at position t sees the
+  step-0 keys K0[0..t] (causal, and only keys of its own segment, ``seg``) plus the diagonal keys K1[t] ..
+  Ks[t] of the same position at every later step, itself included; RoPE position pos[t] + s for the queries
+  and keys of step s (pos = position inside the sample). Implemented in compact form: causal scores against
+  K0 concatenated with one dot product per later step (E ``LlamaAttention.forward``).
 * Alignment for position t at step s: token ``ids_s[t] = x[t+s+1]``, teacher target = teacher logits at row
   t+s+1 (the distribution of x[t+s+2]), loss mask ``m[t+s+2]`` (the predicted token is an assistant token; the
-  mask moves with ids and targets, P11). Ids, targets and masks are shifted on the host (:func:`make_batch`).
-* Loss: ``p = softmax(teacher_logits restricted to the draft vocab)`` (rows of the frozen teacher head at the
-  draft ids, SF TargetHead), ``pos_mask = loss_mask * t2d[teacher argmax]``,
-  ``L_s = -sum_t pos_mask * sum_v p log_softmax(logits_s) / T`` (mean over **all** T positions, P10),
-  total = sum_s 0.8^s L_s. Accuracy: d2t-mapped draft argmax == teacher argmax on loss-masked positions
-  (positions whose teacher argmax lies outside the draft vocab count as misses, as in E).
+  mask moves with ids and targets, P11). Ids, targets and masks are shifted per sample on the host
+  (:func:`~mindspore_eagle.train.batching.sample_arrays`), so nothing crosses a sample boundary in packed rows.
+* Loss of one sample: ``p = softmax(teacher_logits restricted to the draft vocab)`` (rows of the frozen teacher
+  head at the draft ids, SF TargetHead), ``pos_mask = loss_mask * t2d[teacher argmax]``,
+  ``L_s = -sum_t pos_mask * sum_v p log_softmax(logits_s) / max_len`` (mean over **all** max_len positions,
+  P10), total = sum_s 0.8^s L_s. Loss of a batch = the mean over its ``n_samples`` samples (the sums run over
+  all rows, divided by max_len * n_samples), so its gradient is the mean of the per-sample gradients.
+  Accuracy: d2t-mapped draft argmax == teacher argmax on loss-masked positions (positions whose teacher argmax
+  lies outside the draft vocab count as misses, as in E).
 
 Parameters carry the fused layout of the inference Cell (``wqkv`` = q;k;v rows, ``w_gate_up`` = gate;up rows);
 :meth:`TTTDrafter.export_tensors` / :meth:`TTTDrafter.load_tensors` convert to / from SpecForge keys.
@@ -28,7 +35,6 @@ The embedding and the teacher head rows are frozen (never trained, never exporte
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import mindspore as ms
@@ -36,6 +42,7 @@ from mindspore import nn, ops, Parameter, Tensor
 
 from ..models.eagle3 import DrafterConfig, load_fused_weights
 from ..models.pangu import RMSNorm, apply_rope, rope_swap_index, rope_tables
+from .batching import Batch, make_batch  # noqa: F401  (re-exported: the batch layout lives in batching.py)
 
 NEG = -1e9
 LOSS_DECAY = 0.8
@@ -68,77 +75,39 @@ def causal_bias(T: int) -> np.ndarray:
     return np.where(np.tri(T, dtype=bool), 0.0, NEG).astype(np.float32)
 
 
-@dataclass
-class Batch:
-    """One fixed-shape training batch (numpy), built by :func:`make_batch`.
-
-    Fields: aux float32 [T, 3Ht]; ids int32 [S, T]; hid float32 [T + S, H] (teacher final-normed hidden,
-    zero rows after the sequence); tgt int32 [S, T] teacher argmax ids; pos_mask float32 [S, T];
-    loss_mask float32 [S, T] (accuracy denominators); n_valid int.
-    """
-    aux: np.ndarray
-    ids: np.ndarray
-    hid: np.ndarray
-    tgt: np.ndarray
-    pos_mask: np.ndarray
-    loss_mask: np.ndarray
-    n_valid: int
-
-    def tensors(self) -> tuple:
-        return (Tensor(self.aux), Tensor(self.ids), Tensor(self.hid), Tensor(self.tgt), Tensor(self.pos_mask))
-
-
-def make_batch(input_ids, loss_mask, aux, hidden, argmax, t2d: np.ndarray, T: int, S: int) -> Batch:
-    """Shift and pad one sample into the TTT layout (eagle3.md §4 "Alignment").
-
-    Args:
-        input_ids int [n], loss_mask {0,1} [n] (1 on assistant tokens), aux [n, 3Ht], hidden [n, H] (any float
-        dtype; teacher final-normed), argmax int [n] (teacher argmax at each row over the full V), t2d bool [V];
-        T: fixed length (n is truncated to T); S: ttt_length.
-    Returns:
-        Batch (see its fields). Position t of step s uses ids x[t+s+1], target row t+s+1, mask m[t+s+2].
-    """
-    n = min(len(input_ids), T)
-    pad = T + S + 2
-    x = np.zeros(pad, np.int64)
-    x[:n] = np.asarray(input_ids[:n])
-    m = np.zeros(pad, np.float32)
-    m[:n] = np.asarray(loss_mask[:n], np.float32)
-    g = np.zeros(pad, np.int64)
-    g[:n] = np.asarray(argmax[:n])
-    a = np.zeros((T, aux.shape[1]), np.float32)
-    a[:n] = aux[:n]
-    hid = np.zeros((T + S, hidden.shape[1]), np.float32)
-    hid[:n] = hidden[:n]
-    t = np.arange(T)
-    ids = np.stack([x[t + s + 1] for s in range(S)]).astype(np.int32)
-    tgt = np.stack([g[t + s + 1] for s in range(S)]).astype(np.int32)
-    lm = np.stack([m[t + s + 2] for s in range(S)])
-    in_vocab = t2d[tgt].astype(np.float32)
-    return Batch(a, ids, hid, tgt, lm * in_vocab, lm, n)
-
-
 class TTTDrafter(nn.Cell):
-    """The drafter with the TTT unroll; ``construct`` returns the weighted loss and per-step statistics.
+    """The drafter with the TTT unroll; ``construct`` returns the batch loss and per-step statistics.
 
-    construct(aux [T, 3Ht] f32, ids [S, T] i32, hid [T+S, H] f32, tgt [S, T] i32, pos_mask [S, T] f32)
+    construct(aux [B, T, 3Ht] f32, ids [S, B, T] i32, hid [B, T+S, H] f32, tgt [S, B, T] i32,
+              pos_mask [S, B, T] f32, seg [B, T] i32, pos [B, T] i32, n_samples f32 scalar)
         -> (loss f32 scalar, step_losses f32 [S], step_correct f32 [S])
-    ``step_logits(aux, ids0)`` -> log-softmax [T, Vd] of step 0 (used by the consistency test).
+    (the inputs are ``Batch.tensors()``; any B, one compiled graph per shape).
+    ``eval_topk(same inputs)`` -> the same three plus topk int32 [S, B, T, kmax]: the teacher ids (d2t-mapped)
+    of the kmax largest draft logits at each position, best first (for ``coverage.coverage_counts``).
+    ``step0_logp(aux [T, 3Ht], ids0 [T])`` -> log-softmax [T, Vd] of step 0 (used by the consistency test).
 
     Args:
         cfg: drafter config (H must equal the embedding width).
         embed: teacher embedding float32 [V, H] (frozen). head_rows: teacher lm_head rows at the draft ids,
         float32 [Vd, H] (frozen; SF TargetHead restricted to the draft vocab). d2t: int [Vd] offsets.
-        T: sequence length; S: ttt_length.
+        T: row length; S: ttt_length; max_len: the per-sample loss normaliser (default T; the sample length
+        limit when rows are packed longer than one sample); kmax: top-k width of ``eval_topk``.
+    Raises:
+        ValueError: H differs from the embedding width, max_len outside 1..T, or kmax outside 1..Vd.
     """
 
     def __init__(self, cfg: DrafterConfig, embed: np.ndarray, head_rows: np.ndarray, d2t: np.ndarray,
-                 T: int, S: int = 7):
+                 T: int, S: int = 7, max_len: int | None = None, kmax: int = 4):
         super().__init__()
         H, F, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         if embed.shape[1] != H:
             raise ValueError(f"drafter hidden_size {H} != teacher embedding width {embed.shape[1]}")
-        self.cfg, self.T, self.S = cfg, T, S
+        max_len = T if max_len is None else max_len
+        if not 1 <= max_len <= T:
+            raise ValueError(f"max_len {max_len} must be in 1..T = {T}")
+        if not 1 <= kmax <= cfg.draft_vocab_size:
+            raise ValueError(f"kmax {kmax} must be in 1..Vd = {cfg.draft_vocab_size}")
+        self.cfg, self.T, self.S, self.max_len, self.kmax = cfg, T, S, max_len, kmax
         self.nh, self.nkv, self.hd, self.ffn = cfg.num_attention_heads, cfg.num_key_value_heads, hd, F
         self.group = self.nh // self.nkv
         z = lambda *s: Tensor(np.zeros(s, np.float32))  # noqa: E731
@@ -157,78 +126,106 @@ class TTTDrafter(nn.Cell):
         self.w_down = Parameter(z(H, F), name="w_down")
         self.lm_head = Parameter(z(cfg.draft_vocab_size, H), name="lm_head")
         cos, sin = rope_tables(hd, T + S, cfg.rope_theta)
-        self.cos, self.sin = Tensor(cos[:, None, :]), Tensor(sin[:, None, :])
+        self.cos, self.sin = Tensor(cos), Tensor(sin)
         self.swap = rope_swap_index(hd)
-        self.mask0 = Tensor(causal_bias(T))
+        self.tri = Tensor(np.tri(T, dtype=np.float32))
         self.matmul_t = ops.MatMul(transpose_b=True)
         self.scale = 1.0 / math.sqrt(hd)
         self.weights = Tensor(np.array([LOSS_DECAY ** s for s in range(S)], np.float32))
 
     # ------------------------------------------------------------------ network
-    def _qkv(self, e, h, s):
-        """Projections of step s: q [T, nh, hd], k / v [T, n_kv, hd]; RoPE at positions t + s."""
-        T = self.T
+    def _lin(self, x, w):
+        """x [..., in] @ w[out, in].T -> [..., out] (one 2-D MatMul)."""
+        return self.matmul_t(x.reshape(-1, x.shape[-1]), w).reshape(x.shape[:-1] + (w.shape[0],))
+
+    def _qkv(self, e, h, pos, s):
+        """Projections of step s: q [B, T, nh, hd], k / v [B, T, n_kv, hd]; RoPE at positions pos + s."""
+        B, T = e.shape[0], self.T
         x = ops.concat((self.input_layernorm(e), self.hidden_norm(h)), -1)
-        qkv = self.matmul_t(x, self.wqkv)
+        qkv = self._lin(x, self.wqkv)
         nq, nk = self.nh * self.hd, self.nkv * self.hd
-        cos, sin = self.cos[s:s + T], self.sin[s:s + T]
-        q = apply_rope(qkv[:, :nq].reshape(T, self.nh, self.hd), cos, sin, self.swap)
-        k = apply_rope(qkv[:, nq:nq + nk].reshape(T, self.nkv, self.hd), cos, sin, self.swap)
-        v = qkv[:, nq + nk:].reshape(T, self.nkv, self.hd)
+        p = pos + s
+        cos, sin = ops.gather(self.cos, p, 0).expand_dims(2), ops.gather(self.sin, p, 0).expand_dims(2)
+        q = apply_rope(qkv[..., :nq].reshape(B, T, self.nh, self.hd), cos, sin, self.swap)
+        k = apply_rope(qkv[..., nq:nq + nk].reshape(B, T, self.nkv, self.hd), cos, sin, self.swap)
+        v = qkv[..., nq + nk:].reshape(B, T, self.nkv, self.hd)
         return q, k, v
 
-    def _attend(self, q, ks, vs):
-        """Compact TTT attention: causal over ks[0], diagonal over ks[1:]; returns [T, nh * hd]."""
-        T, nkv, g, hd = self.T, self.nkv, self.group, self.hd
-        q4 = q.reshape(T, nkv, g, hd)
-        qb = q4.transpose(1, 2, 0, 3).reshape(nkv, g * T, hd)
-        scores = ops.bmm(qb, ks[0].transpose(1, 2, 0)).reshape(nkv, g, T, T) * self.scale + self.mask0
+    def _attend(self, q, ks, vs, bias):
+        """Compact TTT attention: masked (bias [B, T, T]) over ks[0], diagonal over ks[1:] -> [B, T, nh*hd]."""
+        B, T, nkv, g, hd = q.shape[0], self.T, self.nkv, self.group, self.hd
+        q4 = q.reshape(B, T, nkv, g, hd)
+        qb = q4.transpose(0, 2, 3, 1, 4).reshape(B * nkv, g * T, hd)
+        k0 = ks[0].transpose(0, 2, 3, 1).reshape(B * nkv, hd, T)
+        scores = ops.bmm(qb, k0).reshape(B, nkv, g, T, T) * self.scale + bias.expand_dims(1).expand_dims(1)
         parts = [scores]
         for j in range(1, len(ks)):
-            d = (q4 * ks[j].expand_dims(2)).sum(-1) * self.scale          # [T, nkv, g]
-            parts.append(d.transpose(1, 2, 0).expand_dims(-1))          # [nkv, g, T, 1]
+            d = (q4 * ks[j].expand_dims(3)).sum(-1) * self.scale               # [B, T, nkv, g]
+            parts.append(d.transpose(0, 2, 3, 1).expand_dims(-1))            # [B, nkv, g, T, 1]
         probs = ops.softmax(ops.concat(parts, -1) if len(parts) > 1 else scores, -1)
-        p0 = probs[..., :T].reshape(nkv, g * T, T)
-        ctx = ops.bmm(p0, vs[0].transpose(1, 0, 2)).reshape(nkv, g, T, hd).transpose(2, 0, 1, 3)  # [T,nkv,g,hd]
+        p0 = probs[..., :T].reshape(B * nkv, g * T, T)
+        v0 = vs[0].transpose(0, 2, 1, 3).reshape(B * nkv, T, hd)
+        ctx = ops.bmm(p0, v0).reshape(B, nkv, g, T, hd).transpose(0, 3, 1, 2, 4)  # [B, T, nkv, g, hd]
         for j in range(1, len(ks)):
-            pj = probs[..., T + j - 1].transpose(2, 0, 1).expand_dims(-1)  # [T, nkv, g, 1]
-            ctx = ctx + pj * vs[j].expand_dims(2)
-        return ctx.reshape(T, self.nh * hd)
+            pj = probs[..., T + j - 1].transpose(0, 3, 1, 2).expand_dims(-1)  # [B, T, nkv, g, 1]
+            ctx = ctx + pj * vs[j].expand_dims(3)
+        return ctx.reshape(B, T, self.nh * hd)
 
-    def _mid(self, e, h, s, ks, vs):
-        q, k, v = self._qkv(e, h, s)
+    def _mid(self, e, h, pos, s, ks, vs, bias):
+        q, k, v = self._qkv(e, h, pos, s)
         ks, vs = ks + (k,), vs + (v,)
-        h = h + self.matmul_t(self._attend(q, ks, vs), self.wo)
-        gu = self.matmul_t(self.post_attention_layernorm(h), self.w_gate_up)
-        h_out = h + self.matmul_t(ops.silu(gu[:, :self.ffn]) * gu[:, self.ffn:], self.w_down)
+        h = h + self._lin(self._attend(q, ks, vs, bias), self.wo)
+        gu = self._lin(self.post_attention_layernorm(h), self.w_gate_up)
+        h_out = h + self._lin(ops.silu(gu[..., :self.ffn]) * gu[..., self.ffn:], self.w_down)
         return h_out, ks, vs
 
-    def construct(self, aux, ids, hid, tgt, pos_mask):
+    def _bias(self, seg):
+        """Additive mask [B, T, T]: 0 where key u <= query t and seg[u] == seg[t], -1e9 elsewhere."""
+        same = ops.cast(ops.equal(seg.expand_dims(2), seg.expand_dims(1)), ms.float32)
+        return (same * self.tri - 1.0) * (-NEG)
+
+    def _forward(self, aux, ids, hid, tgt, pos_mask, seg, pos, n_samples, with_topk: bool):
         T = self.T
-        tl = self.matmul_t(ops.stop_gradient(hid), self.head_rows)       # teacher logits over Vd [T+S, Vd]
+        tl = self._lin(ops.stop_gradient(hid), self.head_rows)          # teacher logits over Vd [B, T+S, Vd]
         tp = ops.stop_gradient(ops.softmax(tl, -1))
-        h = self.matmul_t(aux, self.fc)
+        h = self._lin(aux, self.fc)
+        bias = self._bias(seg)
+        denom = n_samples * self.max_len
         ks, vs = (), ()
-        losses, correct = (), ()
+        losses, correct, tops = (), (), ()
         total = 0.0
         for s in range(self.S):
             e = ops.gather(self.embed, ids[s], 0)
-            h, ks, vs = self._mid(e, h, s, ks, vs)
-            logp = ops.log_softmax(self.matmul_t(self.norm(h), self.lm_head), -1)
-            ce = -(tp[s + 1:s + 1 + T] * logp).sum(-1)                   # [T]
-            loss_s = (ce * pos_mask[s]).sum() / T
+            h, ks, vs = self._mid(e, h, pos, s, ks, vs, bias)
+            logp = ops.log_softmax(self._lin(self.norm(h), self.lm_head), -1)   # [B, T, Vd]
+            ce = -(tp[:, s + 1:s + 1 + T] * logp).sum(-1)                     # [B, T]
+            loss_s = (ce * pos_mask[s]).sum() / denom
             am = ops.argmax(logp, -1).astype(ms.int32)
             hit = ops.cast(ops.equal(am + ops.gather(self.d2t, am, 0), tgt[s]), ms.float32)
             losses = losses + (loss_s,)
             correct = correct + ((hit * pos_mask[s]).sum(),)
             total = total + self.weights[s] * loss_s
-        return total, ops.stack(losses), ops.stop_gradient(ops.stack(correct))
+            if with_topk:
+                _, idx = ops.topk(ops.stop_gradient(logp), self.kmax)
+                tops = tops + (idx + ops.gather(self.d2t, idx, 0),)
+        out = (total, ops.stack(losses), ops.stop_gradient(ops.stack(correct)))
+        return out + (ops.stack(tops),) if with_topk else out
+
+    def construct(self, aux, ids, hid, tgt, pos_mask, seg, pos, n_samples):
+        return self._forward(aux, ids, hid, tgt, pos_mask, seg, pos, n_samples, False)
+
+    def eval_topk(self, aux, ids, hid, tgt, pos_mask, seg, pos, n_samples):
+        """construct's outputs plus the d2t-mapped top-kmax draft ids int32 [S, B, T, kmax] (forward only)."""
+        return self._forward(aux, ids, hid, tgt, pos_mask, seg, pos, n_samples, True)
 
     def step0_logp(self, aux, ids0):
-        """Log-softmax over Vd of TTT step 0: aux [T, 3Ht] f32, ids0 [T] i32 -> [T, Vd] f32."""
-        h = self.matmul_t(aux, self.fc)
-        h, _, _ = self._mid(ops.gather(self.embed, ids0, 0), h, 0, (), ())
-        return ops.log_softmax(self.matmul_t(self.norm(h), self.lm_head), -1)
+        """Log-softmax over Vd of TTT step 0 for one unpacked row: aux [T, 3Ht] f32, ids0 [T] i32 -> [T, Vd]."""
+        T = self.T
+        h = self._lin(aux.expand_dims(0), self.fc)
+        pos = ops.arange(0, T, dtype=ms.int32).expand_dims(0)
+        bias = self._bias(ops.zeros((1, T), ms.int32))
+        h, _, _ = self._mid(ops.gather(self.embed, ids0.expand_dims(0), 0), h, pos, 0, (), (), bias)
+        return ops.log_softmax(self._lin(self.norm(h), self.lm_head), -1)[0]
 
     # ------------------------------------------------------------------ tensors
     def trainable(self) -> list:
@@ -270,34 +267,58 @@ def lr_at(step: int, peak: float, warmup: int, total: int, schedule: str = "cosi
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+def _identity(grads):
+    return grads
+
+
 class TrainStep:
     """``value_and_grad`` + global-norm clipping + ``nn.AdamWeightDecay`` (betas 0.9/0.95, wd 0) in one ms.jit.
 
     ``__call__(batch: Batch, lr: float) -> (loss, step_losses [S], step_correct [S])`` as numpy.
+    ``grads(batch) -> list of float32 numpy arrays`` (the unclipped gradients of the batch loss, in the order
+    of ``net.trainable()``; no update; for tests).
+
+    One optimiser step per batch of any number of samples: the batch loss is the mean of the per-sample losses
+    (``TTTDrafter``), so the step's gradient is the mean of the per-sample gradients before clipping.
+
+    **Data-parallel hook.** ``grad_reduce`` (default: identity) is applied to the gradient tuple inside the
+    jitted step right after ``value_and_grad`` and **before** global-norm clipping and the optimiser; that is
+    the one place for a per-worker gradient all-reduce (mean over workers of each worker's batch-mean gradient
+    equals the gradient of the mean loss when every worker holds the same number of samples; otherwise weight
+    each worker by its ``n_samples``). Clipping after the reduction keeps every worker's update identical.
+
     The learning rate is an input of the jitted step, assigned to the optimiser's learning-rate Parameter inside
     the graph (a host ``set_data`` after compilation is not seen by the graph on MindSpore 2.9 CPU); the schedule
     (``lr_at``) is a function of the step, so resuming needs only the step number; optimiser moments are in
     :meth:`state` / :meth:`load_state`. MindSpore's AdamWeightDecay has no bias correction.
     """
 
-    def __init__(self, net: TTTDrafter, clip: float = 0.5, eps: float = 1e-8):
+    def __init__(self, net: TTTDrafter, clip: float = 0.5, eps: float = 1e-8, grad_reduce=None):
         self.net = net
         self.opt = nn.AdamWeightDecay(net.trainable(), learning_rate=Tensor(np.float32(1e-4)), beta1=0.9,
                                       beta2=0.95, eps=eps, weight_decay=0.0)
         grad_fn = ms.value_and_grad(net, None, self.opt.parameters, has_aux=True)
         opt = self.opt
+        reduce = grad_reduce if grad_reduce is not None else _identity
 
-        def step(aux, ids, hid, tgt, pos_mask, lr):
-            (loss, losses, correct), grads = grad_fn(aux, ids, hid, tgt, pos_mask)
+        def step(aux, ids, hid, tgt, pos_mask, seg, pos, n_samples, lr):
+            (loss, losses, correct), grads = grad_fn(aux, ids, hid, tgt, pos_mask, seg, pos, n_samples)
+            grads = reduce(grads)                 # <- the data-parallel all-reduce goes here (see docstring)
             grads = ops.depend(ops.clip_by_global_norm(grads, clip), ops.assign(opt.learning_rate, lr))
             loss = ops.depend(loss, opt(grads))
             return loss, losses, correct
 
         self._step = ms.jit(step)
+        self._grad_fn = grad_fn
 
     def __call__(self, batch: Batch, lr: float):
         loss, losses, correct = self._step(*batch.tensors(), Tensor(np.float32(lr)))
         return float(loss.asnumpy()), losses.asnumpy(), correct.asnumpy()
+
+    def grads(self, batch: Batch) -> list:
+        """Unclipped gradients of the batch loss w.r.t. ``net.trainable()`` (float32 numpy, PyNative)."""
+        _, g = self._grad_fn(*batch.tensors())
+        return [x.asnumpy() for x in g]
 
     def state(self) -> dict:
         """Optimiser state as numpy: moments (name 'm:<param>' / 'v:<param>') and the global step."""
