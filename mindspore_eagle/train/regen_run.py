@@ -1,0 +1,157 @@
+"""``python -m mindspore_eagle.train regen``: the teacher's greedy replies to the prompt registry, into shards.
+
+Reads the prompts of ``train.prompts.build_registry`` (balanced over kinds, evaluation prompts excluded), skips
+those already in ``--out`` (``train.shards.ShardStore``), and answers the rest with continuous batching
+(``regen.generate_stream``), writing a shard every ``--shard-size`` finished replies. Stop it at any time
+(SIGTERM / Ctrl-C flush the finished replies; SIGKILL loses at most one unflushed shard) and start the same
+command again to go on. A later training run reads the directory with ``--regen-dir`` (``--stage features``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+
+DEFAULT_BATCH = 16        # replaced by the fastest measured batch (docs/training_data.md, "Throughput")
+
+
+class _Stop(Exception):
+    """SIGTERM received: flush and leave."""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m mindspore_eagle.train regen", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="shard directory (created; reused and extended on rerun)")
+    p.add_argument("--teacher", default=None, help="teacher checkpoint (GGUF or HF dir); default: embedded SmolLM2")
+    p.add_argument("--prompts", type=int, default=None, help="use the first N registry prompts (default: all)")
+    p.add_argument("--sources", default=None, help="comma-separated registry sources (default: all)")
+    p.add_argument("--max-len", type=int, default=512, help="prompt + reply tokens (the training truncation)")
+    p.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="sequences decoded together (1..256)")
+    p.add_argument("--shard-size", type=int, default=64, help="replies per shard file (1..100000)")
+    p.add_argument("--min-reply", type=int, default=16, help="skip prompts leaving fewer reply tokens than this")
+    p.add_argument("--time-limit", type=float, default=None, help="stop (and flush) after this many seconds")
+    args = p.parse_args(argv)
+    for name, lo, hi in (("batch", 1, 256), ("shard_size", 1, 100000), ("max_len", 32, 32768),
+                         ("min_reply", 1, 32768)):
+        v = getattr(args, name)
+        if not lo <= v <= hi:
+            p.error(f"--{name.replace('_', '-')} must be in [{lo}, {hi}], got {v}")
+    if args.prompts is not None and args.prompts < 1:
+        p.error(f"--prompts must be >= 1, got {args.prompts}")
+    if args.min_reply >= args.max_len:
+        p.error(f"--min-reply ({args.min_reply}) must be below --max-len ({args.max_len})")
+    return args
+
+
+def make_record(p, prompt_ids, reply_ids, stop, end_id) -> dict:
+    """A shard record (``train.shards`` field list) for registry prompt ``p``."""
+    return {"prompt_id": p.prompt_id, "source": p.source, "kind": p.kind, "prompt_ids": [int(x) for x in prompt_ids],
+            "reply_ids": [int(x) for x in reply_ids], "stop": stop, "end_id": None if end_id is None else int(end_id)}
+
+
+def regenerate_to_shards(runner, tok, prompts: list, store, max_len: int, batch: int, shard_size: int = 64,
+                         min_reply: int = 16, time_limit: float | None = None, log=print) -> dict:
+    """Answer the prompts not yet in ``store`` and write their records in shards of ``shard_size``.
+
+    Args:
+        runner: TargetRunner from ``regen.build_batch_runner(cfg, tensors, max_len, batch)``; tok: its Tokenizer.
+        prompts: list of ``prompts.Prompt`` (registry order). store: ``shards.ShardStore``.
+        time_limit: seconds after which no more replies are taken (the finished ones are flushed).
+        log: callable(str) for one progress line per shard.
+    Returns:
+        {"prompts_done": records written this run, "generated": of which the teacher answered, "new_tokens",
+         "seconds" (wall, this call), "tok_s" (new tokens / seconds), "compile_s", "left": prompts still to do}.
+    """
+    from .regen import generate_stream
+
+    done = store.done_ids()
+    todo = [p for p in prompts if p.prompt_id not in done]
+    pending, fed = [], []
+    stats = {"prompts_done": 0, "generated": 0, "new_tokens": 0}
+    t0, c0 = time.monotonic(), runner.compile_ms
+
+    def flush():
+        if pending:
+            store.write(pending)
+            stats["prompts_done"] += len(pending)
+            pending.clear()
+            sec = time.monotonic() - t0
+            log(f"[regen] {len(store.manifest['shards'])} shards, {len(done) + stats['prompts_done']} prompts "
+                f"done ({stats['prompts_done']} this run, {len(todo) - stats['prompts_done']} left); "
+                f"{stats['new_tokens']} new tokens in {sec:.0f} s = {stats['new_tokens'] / max(sec, 1e-9):.1f} "
+                f"tok/s (compile {(runner.compile_ms - c0) / 1e3:.0f} s)")
+
+    def items():                        # lazily tokenised; too-long prompts become records without a run
+        for p in todo:
+            ids = tok.encode_chat([{"role": "user", "content": p.text}], add_generation_prompt=True)
+            if len(ids) + min_reply > max_len:
+                pending.append(make_record(p, ids, [], "prompt_too_long", None))
+                continue
+            fed.append((p, ids))
+            yield ids, max_len - len(ids)
+
+    def on_term(signum, frame):
+        raise _Stop()
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    gen = generate_stream(runner, items(), tok.eos_token_ids, batch)
+    try:
+        for j, reply, stop, end in gen:
+            p, ids = fed[j]
+            pending.append(make_record(p, ids, reply, stop, end))
+            stats["generated"] += 1
+            stats["new_tokens"] += len(reply)
+            if len(pending) >= shard_size:
+                flush()
+            if time_limit is not None and time.monotonic() - t0 >= time_limit:
+                break
+    except (_Stop, KeyboardInterrupt):
+        log("[regen] interrupted: flushing the finished replies")
+    finally:
+        gen.close()
+        signal.signal(signal.SIGTERM, old)
+        flush()
+    sec = time.monotonic() - t0
+    return {**stats, "seconds": round(sec, 1), "tok_s": round(stats["new_tokens"] / max(sec, 1e-9), 2),
+            "compile_s": round((runner.compile_ms - c0) / 1e3, 1), "left": len(todo) - stats["prompts_done"]}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from .. import runtime
+    from .prompts import build_registry
+    from .shards import ShardStore
+
+    t0 = time.time()
+    reg = build_registry(args.sources.split(",") if args.sources else None)
+    prompts = reg.prompts[:args.prompts]
+    counts = reg.counts()
+    print(f"[registry] {len(reg.prompts)} prompts ({time.time() - t0:.0f} s), using {len(prompts)}; "
+          f"excluded as evaluation prompts: {len(reg.excluded)}; duplicates: {reg.duplicates}; "
+          f"counts {json.dumps(counts)}", flush=True)
+    runtime.configure()
+    from ..models.checkpoints import load_teacher
+    from .regen import build_batch_runner
+
+    if args.teacher is None:
+        from ..fetch import embedded_teacher_path
+
+        args.teacher = str(embedded_teacher_path())
+    cfg, tensors, tok = load_teacher(args.teacher)
+    meta = {"teacher": args.teacher, "max_len": args.max_len, "temperature": 0.0, "min_reply": args.min_reply,
+            "registry": reg.meta}
+    store = ShardStore(args.out, meta)
+    runner, _ = build_batch_runner(cfg, tensors, args.max_len, args.batch)
+    print(f"[regen] {len(store.done_ids())} prompts already in {args.out}; batch {args.batch}, max_len "
+          f"{args.max_len}, shard size {args.shard_size}", flush=True)
+    res = regenerate_to_shards(runner, tok, prompts, store, args.max_len, args.batch, args.shard_size,
+                               args.min_reply, args.time_limit, log=lambda s: print(s, flush=True))
+    print("[regen] summary " + json.dumps({"batch": args.batch, **res}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
