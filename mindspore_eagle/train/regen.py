@@ -25,7 +25,7 @@ def _pick(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> i
 
 
 def generate_stream(runner, items, eos, batch: int = 16, temperature: float = 0.0,
-                    rng: np.random.Generator | None = None):
+                    rng: np.random.Generator | None = None, width_step: int = 512):
     """Continuous-batching generation; yields each sequence as soon as it finishes.
 
     Args:
@@ -33,6 +33,8 @@ def generate_stream(runner, items, eos, batch: int = 16, temperature: float = 0.
         items: iterable of (prompt ids: int list, budget: int >= 1), read lazily as rows free up; the budget is
             the new tokens allowed (the end token is neither counted nor returned).
         eos: ids that end a sequence. batch: rows per decode call (>= 1). temperature: 0 = greedy.
+        width_step: the concatenated KV width of a decode call is padded to a multiple of this many slots (each
+            width is one compiled graph: larger steps compile fewer graphs and attend over more padding).
     Yields:
         (index of the item, reply ids list[int], stop, end id) in finishing order: stop "eos" with the end
         token the teacher emitted (not in the reply), or "length" with None.
@@ -78,7 +80,8 @@ def generate_stream(runner, items, eos, batch: int = 16, temperature: float = 0.
                 yield a["i"], a["out"], stop, end
             if not active:
                 continue
-            logits = runner.decode_batch([a["sid"] for a in active], [a["next"] for a in active], rows=batch)
+            logits = runner.decode_batch([a["sid"] for a in active], [a["next"] for a in active], rows=batch,
+                                         width_step=width_step)
             for a, row in zip(active, logits):
                 a["next"] = _pick(row, temperature, rng)
     finally:                            # on an error or close mid-pass, free each row exactly once

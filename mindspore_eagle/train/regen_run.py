@@ -33,14 +33,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shard-size", type=int, default=64, help="replies per shard file (1..100000)")
     p.add_argument("--min-reply", type=int, default=16, help="skip prompts leaving fewer reply tokens than this")
     p.add_argument("--time-limit", type=float, default=None, help="stop (and flush) after this many seconds")
+    p.add_argument("--width-step", type=int, default=512,
+                   help="decode width padding in KV slots (a multiple of 16; one compiled graph per width)")
     args = p.parse_args(argv)
     for name, lo, hi in (("batch", 1, 256), ("shard_size", 1, 100000), ("max_len", 32, 32768),
-                         ("min_reply", 1, 32768)):
+                         ("min_reply", 1, 32768), ("width_step", 16, 65536)):
         v = getattr(args, name)
         if not lo <= v <= hi:
             p.error(f"--{name.replace('_', '-')} must be in [{lo}, {hi}], got {v}")
     if args.prompts is not None and args.prompts < 1:
         p.error(f"--prompts must be >= 1, got {args.prompts}")
+    if args.width_step % 16:
+        p.error(f"--width-step must be a multiple of 16 (the KV block size), got {args.width_step}")
     if args.min_reply >= args.max_len:
         p.error(f"--min-reply ({args.min_reply}) must be below --max-len ({args.max_len})")
     return args
@@ -53,17 +57,19 @@ def make_record(p, prompt_ids, reply_ids, stop, end_id) -> dict:
 
 
 def regenerate_to_shards(runner, tok, prompts: list, store, max_len: int, batch: int, shard_size: int = 64,
-                         min_reply: int = 16, time_limit: float | None = None, log=print) -> dict:
+                         min_reply: int = 16, time_limit: float | None = None, log=print,
+                         width_step: int = 512) -> dict:
     """Answer the prompts not yet in ``store`` and write their records in shards of ``shard_size``.
 
     Args:
         runner: TargetRunner from ``regen.build_batch_runner(cfg, tensors, max_len, batch)``; tok: its Tokenizer.
         prompts: list of ``prompts.Prompt`` (registry order). store: ``shards.ShardStore``.
         time_limit: seconds after which no more replies are taken (the finished ones are flushed).
-        log: callable(str) for one progress line per shard.
+        log: callable(str) for one progress line per shard. width_step: see ``regen.generate_stream``.
     Returns:
         {"prompts_done": records written this run, "generated": of which the teacher answered, "new_tokens",
-         "seconds" (wall, this call), "tok_s" (new tokens / seconds), "compile_s", "left": prompts still to do}.
+         "seconds" (wall, this call), "tok_s" (new tokens / seconds), "compile_s" (seconds in calls that compiled
+         a graph), "tok_s_excl_compile" (new tokens / (seconds - compile_s)), "left": prompts still to do}.
     """
     from .regen import generate_stream
 
@@ -73,9 +79,13 @@ def regenerate_to_shards(runner, tok, prompts: list, store, max_len: int, batch:
     stats = {"prompts_done": 0, "generated": 0, "new_tokens": 0}
     t0, c0 = time.monotonic(), runner.compile_ms
 
+    sig = {"writing": False, "stop": False}
+
     def flush():
         if pending:
+            sig["writing"] = True           # a SIGTERM now waits: the shard and the manifest are written together
             store.write(pending)
+            sig["writing"] = False
             stats["prompts_done"] += len(pending)
             pending.clear()
             sec = time.monotonic() - t0
@@ -94,10 +104,15 @@ def regenerate_to_shards(runner, tok, prompts: list, store, max_len: int, batch:
             yield ids, max_len - len(ids)
 
     def on_term(signum, frame):
-        raise _Stop()
+        sig["stop"] = True
+        if not sig["writing"]:
+            raise _Stop()
 
-    old = signal.signal(signal.SIGTERM, on_term)
-    gen = generate_stream(runner, items(), tok.eos_token_ids, batch)
+    try:
+        old = signal.signal(signal.SIGTERM, on_term)
+    except ValueError:                  # not the main thread: no handler, SIGTERM acts as SIGKILL would
+        old = None
+    gen = generate_stream(runner, items(), tok.eos_token_ids, batch, width_step=width_step)
     try:
         for j, reply, stop, end in gen:
             p, ids = fed[j]
@@ -106,17 +121,21 @@ def regenerate_to_shards(runner, tok, prompts: list, store, max_len: int, batch:
             stats["new_tokens"] += len(reply)
             if len(pending) >= shard_size:
                 flush()
+            if sig["stop"]:
+                raise _Stop()
             if time_limit is not None and time.monotonic() - t0 >= time_limit:
                 break
     except (_Stop, KeyboardInterrupt):
         log("[regen] interrupted: flushing the finished replies")
     finally:
         gen.close()
-        signal.signal(signal.SIGTERM, old)
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
         flush()
-    sec = time.monotonic() - t0
+    sec, comp = time.monotonic() - t0, (runner.compile_ms - c0) / 1e3
     return {**stats, "seconds": round(sec, 1), "tok_s": round(stats["new_tokens"] / max(sec, 1e-9), 2),
-            "compile_s": round((runner.compile_ms - c0) / 1e3, 1), "left": len(todo) - stats["prompts_done"]}
+            "compile_s": round(comp, 1), "tok_s_excl_compile": round(stats["new_tokens"] / max(sec - comp, 1e-9), 2),
+            "left": len(todo) - stats["prompts_done"]}
 
 
 def main(argv=None) -> int:
@@ -148,8 +167,9 @@ def main(argv=None) -> int:
     print(f"[regen] {len(store.done_ids())} prompts already in {args.out}; batch {args.batch}, max_len "
           f"{args.max_len}, shard size {args.shard_size}", flush=True)
     res = regenerate_to_shards(runner, tok, prompts, store, args.max_len, args.batch, args.shard_size,
-                               args.min_reply, args.time_limit, log=lambda s: print(s, flush=True))
-    print("[regen] summary " + json.dumps({"batch": args.batch, **res}), flush=True)
+                               args.min_reply, args.time_limit, log=lambda s: print(s, flush=True),
+                               width_step=args.width_step)
+    print("[regen] summary " + json.dumps({"batch": args.batch, "width_step": args.width_step, **res}), flush=True)
     return 0
 
 
