@@ -192,6 +192,19 @@ def test_regeneration_shards_resume_and_equal_one_sequence_greedy(tiny, ms_runti
     assert st["read"] == 7 and st["kept"] + st["too_few_assistant"] == 7 and st["kept"] == len(samples) >= 1
     for ids, mask in samples:
         assert len(ids) == len(mask) <= max_len and mask.sum() >= 1 and mask[0] == 0
+    # --stage features reads the shards (--regen-dir): its feature shards hold exactly these samples
+    from mindspore_eagle.train.__main__ import parse_args, prepare_features
+    from mindspore_eagle.train.features import FeatureSet
+
+    args = parse_args(["--out", str(tmp_path / "drafter"), "--features-dir", str(tmp_path / "features"),
+                       "--regen-dir", str(tmp_path), "--max-len", str(max_len), "--stage", "features",
+                       "--shard-size", "4"])
+    fs = FeatureSet(prepare_features(args, cfg, tensors, tok))
+    kept, _ = samples_from_shards(str(tmp_path), max_len)              # the default min_assistant = 16
+    assert len(fs) == len(kept) >= 1
+    for k, (ids, mask) in enumerate(kept):
+        np.testing.assert_array_equal(fs[k]["input_ids"], ids)
+        np.testing.assert_array_equal(fs[k]["loss_mask"], mask)
 
 
 # --------------------------------------------------------------------------- kill and resume (no model) --

@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import math
 import re
 import sys
 from dataclasses import dataclass
@@ -153,7 +154,7 @@ class EvalExcluder:
         self._need = []
         for j, t in enumerate(sorted(self.keys)):
             sh = _shingles(t, ngram)
-            self._need.append(max(1, int(overlap * len(sh) + 0.999999)) if sh else 0)
+            self._need.append(max(1, math.ceil(overlap * len(sh))) if sh else 0)
             for s in sh:
                 self._index.setdefault(s, []).append(j)
 
