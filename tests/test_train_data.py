@@ -310,3 +310,8 @@ def test_regeneration_survives_kill_and_resumes_to_the_same_records(tmp_path, si
     assert again.returncode == 0, again.stderr
     got = _records_by_id(d)
     assert got == want
+    from mindspore_eagle.train.regen_run import status
+
+    st = status(str(d))
+    assert st["prompts"] == 60 and st["new_tokens"] == sum(len(r["reply_ids"]) for r in want.values())
+    assert st["kinds"] == {"math": 60} and sum(st["stops"].values()) == 60

@@ -33,6 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shard-size", type=int, default=64, help="replies per shard file (1..100000)")
     p.add_argument("--min-reply", type=int, default=16, help="skip prompts leaving fewer reply tokens than this")
     p.add_argument("--time-limit", type=float, default=None, help="stop (and flush) after this many seconds")
+    p.add_argument("--status", action="store_true", help="print the progress of --out and exit (no model loaded)")
     p.add_argument("--width-step", type=int, default=512,
                    help="decode width padding in KV slots (a multiple of 16; one compiled graph per width)")
     args = p.parse_args(argv)
@@ -138,8 +139,32 @@ def regenerate_to_shards(runner, tok, prompts: list, store, max_len: int, batch:
             "left": len(todo) - stats["prompts_done"]}
 
 
+def status(out_dir: str) -> dict:
+    """Progress of a shard directory from its manifest and shards: {"shards", "prompts", "generated", "new_tokens",
+    "kinds": {kind: records}, "stops": {stop: records}}.
+
+    Raises:
+        FileNotFoundError: no manifest in ``out_dir``.
+    """
+    from .shards import iter_records
+
+    st = {"shards": 0, "prompts": 0, "generated": 0, "new_tokens": 0, "kinds": {}, "stops": {}}
+    with open(f"{out_dir}/manifest.json", encoding="utf-8") as f:
+        st["shards"] = len(json.load(f)["shards"])
+    for r in iter_records(out_dir):
+        st["prompts"] += 1
+        st["generated"] += r["stop"] != "prompt_too_long"
+        st["new_tokens"] += len(r["reply_ids"])
+        st["kinds"][r["kind"]] = st["kinds"].get(r["kind"], 0) + 1
+        st["stops"][r["stop"]] = st["stops"].get(r["stop"], 0) + 1
+    return st
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.status:
+        print(json.dumps(status(args.out)))
+        return 0
     from .. import runtime
     from .prompts import build_registry
     from .shards import ShardStore
