@@ -207,6 +207,24 @@ def test_regeneration_shards_resume_and_equal_one_sequence_greedy(tiny, ms_runti
         np.testing.assert_array_equal(fs[k]["loss_mask"], mask)
 
 
+def test_regen_cli_on_tiny_teacher(tiny_dir, ms_runtime, tmp_path, capsys):
+    """`python -m mindspore_eagle.train regen` end to end on the first 3 registry prompts of one source; a rerun
+    finds them finished and answers nothing."""
+    from mindspore_eagle.train.__main__ import main
+
+    argv = ["regen", "--out", str(tmp_path), "--teacher", str(tiny_dir), "--sources", "gsm8k", "--prompts", "3",
+            "--max-len", "256", "--batch", "2", "--shard-size", "2"]
+    assert _need(main, argv) == 0
+    first = json.loads(capsys.readouterr().out.split("[regen] summary ")[1])
+    assert first["prompts_done"] == 3 and first["left"] == 0 and first["batch"] == 2
+    man = json.loads((tmp_path / "manifest.json").read_text())
+    assert sorted(i for s in man["shards"] for i in s["prompt_ids"]) == ["gsm8k/0", "gsm8k/1", "gsm8k/2"]
+    assert man["meta"]["max_len"] == 256 and man["meta"]["registry"]["sources"] == ["gsm8k"]
+    assert main(argv) == 0
+    again = json.loads(capsys.readouterr().out.split("[regen] summary ")[1])
+    assert again["prompts_done"] == 0 and again["new_tokens"] == 0
+
+
 # --------------------------------------------------------------------------- kill and resume (no model) --
 _FAKE_RUN = r'''
 import sys, time
@@ -295,7 +313,12 @@ def test_regeneration_survives_kill_and_resumes_to_the_same_records(tmp_path, si
     proc = subprocess.Popen([sys.executable, str(script), str(d), "0.02"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     t0 = time.time()
-    while not (d / "shard_00001.jsonl").exists() and time.time() - t0 < 60:
+    def listed():
+        try:
+            return len(json.loads((d / "manifest.json").read_text())["shards"])
+        except (OSError, ValueError):
+            return 0
+    while listed() < 2 and time.time() - t0 < 60:              # two shards written (and listed)
         time.sleep(0.01)
     proc.send_signal(getattr(signal, sig))
     out, err = proc.communicate(timeout=60)
