@@ -12,5 +12,6 @@ mkdir -p "$out"
 for b in $batches; do
   rm -rf "$out/b$b"
   python -m mindspore_eagle.train regen --out "$out/b$b" --prompts 600 --max-len 512 --batch "$b" \
-    --shard-size 16 --time-limit "$secs" 2>&1 | grep -E "^\[regen\] summary|Error" | tee -a "$out/summary.txt"
+    --shard-size 16 --time-limit "$secs" > "$out/b$b.log" 2>&1 || true
+  grep -E "^\[regen\] summary" "$out/b$b.log" | tee -a "$out/summary.txt"
 done

@@ -70,7 +70,9 @@ def regenerate_to_shards(runner, tok, prompts: list, store, max_len: int, batch:
     Returns:
         {"prompts_done": records written this run, "generated": of which the teacher answered, "new_tokens",
          "seconds" (wall, this call), "tok_s" (new tokens / seconds), "compile_s" (seconds in calls that compiled
-         a graph), "tok_s_excl_compile" (new tokens / (seconds - compile_s)), "left": prompts still to do}.
+         a graph), "tok_s_excl_compile" (new tokens / (seconds - compile_s)), "cpu_s" (CPU seconds of this
+         process, all threads), "tok_per_cpu_s", "left": prompts still to do}.
+        On a shared machine wall-clock rates depend on the other jobs; tokens per CPU second much less so.
     """
     from .regen import generate_stream
 
@@ -78,7 +80,7 @@ def regenerate_to_shards(runner, tok, prompts: list, store, max_len: int, batch:
     todo = [p for p in prompts if p.prompt_id not in done]
     pending, fed = [], []
     stats = {"prompts_done": 0, "generated": 0, "new_tokens": 0}
-    t0, c0 = time.monotonic(), runner.compile_ms
+    t0, c0, cpu0 = time.monotonic(), runner.compile_ms, time.process_time()
 
     sig = {"writing": False, "stop": False}
 
@@ -133,9 +135,10 @@ def regenerate_to_shards(runner, tok, prompts: list, store, max_len: int, batch:
         if old is not None:
             signal.signal(signal.SIGTERM, old)
         flush()
-    sec, comp = time.monotonic() - t0, (runner.compile_ms - c0) / 1e3
+    sec, comp, cpu = time.monotonic() - t0, (runner.compile_ms - c0) / 1e3, time.process_time() - cpu0
     return {**stats, "seconds": round(sec, 1), "tok_s": round(stats["new_tokens"] / max(sec, 1e-9), 2),
             "compile_s": round(comp, 1), "tok_s_excl_compile": round(stats["new_tokens"] / max(sec - comp, 1e-9), 2),
+            "cpu_s": round(cpu, 1), "tok_per_cpu_s": round(stats["new_tokens"] / max(cpu, 1e-9), 2),
             "left": len(todo) - stats["prompts_done"]}
 
 
