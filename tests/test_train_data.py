@@ -171,6 +171,7 @@ def test_regeneration_shards_resume_and_equal_one_sequence_greedy(tiny, ms_runti
     r2 = regenerate_to_shards(runner, tok, prompts, ShardStore(str(tmp_path), meta), max_len, 3, shard_size=2,
                               min_reply=4, log=lines.append)
     assert r2["prompts_done"] == 3 and r2["generated"] == 3 and runner.bm.free_blocks() == free0
+    assert r2["decoded_tokens"] == r2["new_tokens"] > 0             # nothing cut off: every decoded token is stored
     assert (tmp_path / "shard_00000.jsonl").read_bytes() == first
     files = sorted(os.listdir(tmp_path))
     assert files == ["manifest.json"] + [f"shard_{i:05d}.jsonl" for i in range(len(files) - 1)] and len(lines) == 4

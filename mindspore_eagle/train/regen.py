@@ -25,7 +25,7 @@ def _pick(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> i
 
 
 def generate_stream(runner, items, eos, batch: int = 16, temperature: float = 0.0,
-                    rng: np.random.Generator | None = None, width_step: int = 512):
+                    rng: np.random.Generator | None = None, width_step: int = 512, counts: dict | None = None):
     """Continuous-batching generation; yields each sequence as soon as it finishes.
 
     Args:
@@ -35,6 +35,8 @@ def generate_stream(runner, items, eos, batch: int = 16, temperature: float = 0.
         eos: ids that end a sequence. batch: rows per decode call (>= 1). temperature: 0 = greedy.
         width_step: the concatenated KV width of a decode call is padded to a multiple of this many slots (each
             width is one compiled graph: larger steps compile fewer graphs and attend over more padding).
+        counts: optional dict; ``counts["decoded"]`` is kept equal to the reply tokens produced so far, rows still
+            in flight included (what a throughput figure must count when a run is cut short).
     Yields:
         (index of the item, reply ids list[int], stop, end id) in finishing order: stop "eos" with the end
         token the teacher emitted (not in the reply), or "length" with None.
@@ -68,6 +70,8 @@ def generate_stream(runner, items, eos, batch: int = 16, temperature: float = 0.
                     finished.append((a, "eos", a["next"]))
                     continue
                 a["out"].append(a["next"])
+                if counts is not None:
+                    counts["decoded"] = counts.get("decoded", 0) + 1
                 if len(a["out"]) >= a["budget"]:
                     finished.append((a, "length", None))
                 else:

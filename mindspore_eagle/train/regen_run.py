@@ -68,10 +68,12 @@ def regenerate_to_shards(runner, tok, prompts: list, store, max_len: int, batch:
         time_limit: seconds after which no more replies are taken (the finished ones are flushed).
         log: callable(str) for one progress line per shard. width_step: see ``regen.generate_stream``.
     Returns:
-        {"prompts_done": records written this run, "generated": of which the teacher answered, "new_tokens",
-         "seconds" (wall, this call), "tok_s" (new tokens / seconds), "compile_s" (seconds in calls that compiled
-         a graph), "tok_s_excl_compile" (new tokens / (seconds - compile_s)), "cpu_s" (CPU seconds of this
-         process, all threads), "tok_per_cpu_s", "left": prompts still to do}.
+        {"prompts_done": records written this run, "generated": of which the teacher answered, "new_tokens":
+         reply tokens in those records, "decoded_tokens": reply tokens decoded this run (rows cut off by the time
+         limit or a signal included), "seconds" (wall, this call), "tok_s" (decoded tokens / seconds),
+         "compile_s" (seconds in calls that compiled a graph), "tok_s_excl_compile" (decoded tokens / (seconds -
+         compile_s)), "cpu_s" (CPU seconds of this process, all threads), "tok_per_cpu_s", "left": prompts still
+         to do}.
         On a shared machine wall-clock rates depend on the other jobs; tokens per CPU second much less so.
     """
     from .regen import generate_stream
@@ -94,8 +96,8 @@ def regenerate_to_shards(runner, tok, prompts: list, store, max_len: int, batch:
             sec = time.monotonic() - t0
             log(f"[regen] {len(store.manifest['shards'])} shards, {len(done) + stats['prompts_done']} prompts "
                 f"done ({stats['prompts_done']} this run, {len(todo) - stats['prompts_done']} left); "
-                f"{stats['new_tokens']} new tokens in {sec:.0f} s = {stats['new_tokens'] / max(sec, 1e-9):.1f} "
-                f"tok/s (compile {(runner.compile_ms - c0) / 1e3:.0f} s)")
+                f"{counts['decoded']} tokens decoded in {sec:.0f} s = {counts['decoded'] / max(sec, 1e-9):.1f} "
+                f"tok/s (compile {(runner.compile_ms - c0) / 1e3:.0f} s, CPU {time.process_time() - cpu0:.0f} s)")
 
     def items():                        # lazily tokenised; too-long prompts become records without a run
         for p in todo:
@@ -115,7 +117,8 @@ def regenerate_to_shards(runner, tok, prompts: list, store, max_len: int, batch:
         old = signal.signal(signal.SIGTERM, on_term)
     except ValueError:                  # not the main thread: no handler, SIGTERM acts as SIGKILL would
         old = None
-    gen = generate_stream(runner, items(), tok.eos_token_ids, batch, width_step=width_step)
+    counts = {"decoded": 0}
+    gen = generate_stream(runner, items(), tok.eos_token_ids, batch, width_step=width_step, counts=counts)
     try:
         for j, reply, stop, end in gen:
             p, ids = fed[j]
@@ -136,9 +139,10 @@ def regenerate_to_shards(runner, tok, prompts: list, store, max_len: int, batch:
             signal.signal(signal.SIGTERM, old)
         flush()
     sec, comp, cpu = time.monotonic() - t0, (runner.compile_ms - c0) / 1e3, time.process_time() - cpu0
-    return {**stats, "seconds": round(sec, 1), "tok_s": round(stats["new_tokens"] / max(sec, 1e-9), 2),
-            "compile_s": round(comp, 1), "tok_s_excl_compile": round(stats["new_tokens"] / max(sec - comp, 1e-9), 2),
-            "cpu_s": round(cpu, 1), "tok_per_cpu_s": round(stats["new_tokens"] / max(cpu, 1e-9), 2),
+    dec = counts["decoded"]
+    return {**stats, "decoded_tokens": dec, "seconds": round(sec, 1), "tok_s": round(dec / max(sec, 1e-9), 2),
+            "compile_s": round(comp, 1), "tok_s_excl_compile": round(dec / max(sec - comp, 1e-9), 2),
+            "cpu_s": round(cpu, 1), "tok_per_cpu_s": round(dec / max(cpu, 1e-9), 2),
             "left": len(todo) - stats["prompts_done"]}
 
 
