@@ -25,7 +25,8 @@ def _pick(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> i
 
 
 def generate_stream(runner, items, eos, batch: int = 16, temperature: float = 0.0,
-                    rng: np.random.Generator | None = None, width_step: int = 512, counts: dict | None = None):
+                    rng: np.random.Generator | None = None, width_step: int = 512, counts: dict | None = None,
+                    should_stop=None):
     """Continuous-batching generation; yields each sequence as soon as it finishes.
 
     Args:
@@ -37,6 +38,8 @@ def generate_stream(runner, items, eos, batch: int = 16, temperature: float = 0.
             width is one compiled graph: larger steps compile fewer graphs and attend over more padding).
         counts: optional dict; ``counts["decoded"]`` is kept equal to the reply tokens produced so far, rows still
             in flight included (what a throughput figure must count when a run is cut short).
+        should_stop: optional callable() -> bool, asked before every decode step; True ends the generator (rows still
+            in flight are freed, not yielded).
     Yields:
         (index of the item, reply ids list[int], stop, end id) in finishing order: stop "eos" with the end
         token the teacher emitted (not in the reply), or "length" with None.
@@ -53,6 +56,8 @@ def generate_stream(runner, items, eos, batch: int = 16, temperature: float = 0.
     active: list[dict] = []       # {"i", "sid", "budget", "out", "freed", "next"}
     try:
         while more or active:
+            if should_stop is not None and should_stop():
+                return
             while more and len(active) < batch:
                 i, (ids, budget) = next(queue, (None, (None, None)))
                 if i is None:

@@ -118,7 +118,11 @@ def regenerate_to_shards(runner, tok, prompts: list, store, max_len: int, batch:
     except ValueError:                  # not the main thread: no handler, SIGTERM acts as SIGKILL would
         old = None
     counts = {"decoded": 0}
-    gen = generate_stream(runner, items(), tok.eos_token_ids, batch, width_step=width_step, counts=counts)
+    def out_of_time():
+        return time_limit is not None and time.monotonic() - t0 >= time_limit
+
+    gen = generate_stream(runner, items(), tok.eos_token_ids, batch, width_step=width_step, counts=counts,
+                          should_stop=out_of_time)
     try:
         for j, reply, stop, end in gen:
             p, ids = fed[j]
@@ -129,8 +133,6 @@ def regenerate_to_shards(runner, tok, prompts: list, store, max_len: int, batch:
                 flush()
             if sig["stop"]:
                 raise _Stop()
-            if time_limit is not None and time.monotonic() - t0 >= time_limit:
-                break
     except (_Stop, KeyboardInterrupt):
         log("[regen] interrupted: flushing the finished replies")
     finally:
