@@ -172,7 +172,11 @@ def status(out_dir: str) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.status:
-        print(json.dumps(status(args.out)))
+        try:
+            print(json.dumps(status(args.out)))
+        except FileNotFoundError:
+            print(f"error: --out {args.out} holds no regeneration manifest (nothing run there yet)", file=sys.stderr)
+            return 2
         return 0
     from .. import runtime
     from .prompts import build_registry
