@@ -2,6 +2,8 @@
 
 Pipeline (``python -m mindspore_eagle.train``, see ``__main__``):
     data.build_samples        ShareGPT -> chat-templated ids + assistant loss mask (eval prompts excluded)
+    prompts.build_registry    offline prompts of the evaluation's kinds, balanced order, eval prompts excluded
+    regen_run / shards        ``train regen``: the teacher's greedy replies in resumable JSONL shards (--regen-dir)
     features.extract_features teacher prefill -> resumable .npz shards (aux f16 [n,3H], hidden f16 [n,H], argmax)
     vocab.build_vocab         Vd most frequent loss-masked tokens -> d2t / t2d
     batching                  per-sample TTT shifts -> B rows x T (one sample per row, or packed), sample stream

@@ -1,5 +1,8 @@
 """``python -m mindspore_eagle.train``: data -> teacher features -> draft vocab -> TTT training -> SpecForge export.
 
+``python -m mindspore_eagle.train regen --out DIR ...`` writes the teacher's replies to the prompt registry into
+resumable shards (train/regen_run.py); ``--regen-dir DIR`` makes the features stage train on them.
+
 Every stage resumes: samples are written once to ``<features-dir>/samples.npz``, feature shards are skipped when
 listed in the manifest, and ``--resume`` continues training from ``<out>/resume/`` (see trainer.py).
 """
@@ -48,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stage", choices=("all", "features", "train"), default="all")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shard-size", type=int, default=32)
+    p.add_argument("--regen-dir", default=None,
+                   help="samples from a `regen` shard directory (teacher replies) instead of ShareGPT text")
     a = p.parse_args(argv)
     for name, val, lo in (("--batch-size", a.batch_size, 1), ("--ttt-length", a.ttt_length, 1),
                           ("--steps", a.steps, 1), ("--checkpoint-every", a.checkpoint_every, 1),
@@ -78,6 +83,13 @@ def prepare_features(args, cfg, tensors, tok) -> str:
     if os.path.exists(spath):
         samples, stats = load_samples(spath)
         print(f"[data] {len(samples)} samples from {spath}", flush=True)
+    elif args.regen_dir:
+        from .shards import samples_from_shards
+
+        samples, stats = samples_from_shards(args.regen_dir, args.max_len, args.samples)
+        stats["regen_dir"] = os.path.abspath(args.regen_dir)
+        save_samples(spath, samples, stats)
+        print(f"[data] {json.dumps(stats)}", flush=True)
     else:
         from ..evalsets import sharegpt_conversations
 
@@ -133,6 +145,11 @@ def prepare_features(args, cfg, tensors, tok) -> str:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["regen"]:
+        from .regen_run import main as regen_main
+
+        return regen_main(argv[1:])
     args = parse_args(argv)
     from .. import runtime
 

@@ -240,7 +240,7 @@ def build_samples(tok, conversations: list, n_samples: int, max_len: int, min_as
     return samples, stats
 
 
-def save_samples(path: str, samples: list, stats: DataStats | None = None) -> None:
+def save_samples(path: str, samples: list, stats: DataStats | dict | None = None) -> None:
     """Write samples as one npz: ids int32 [N], mask uint8 [N], offsets int64 [n_samples + 1] (+ stats json)."""
     import json
 
@@ -248,7 +248,7 @@ def save_samples(path: str, samples: list, stats: DataStats | None = None) -> No
     offsets[1:] = np.cumsum([len(s[0]) for s in samples])
     ids = np.concatenate([s[0] for s in samples]) if samples else np.zeros(0, np.int32)
     mask = np.concatenate([s[1] for s in samples]) if samples else np.zeros(0, np.uint8)
-    extra = {"stats": np.array(json.dumps(stats.as_dict() if stats else {}))}
+    extra = {"stats": np.array(json.dumps(stats.as_dict() if isinstance(stats, DataStats) else (stats or {})))}
     np.savez(path, ids=ids, mask=mask, offsets=offsets, **extra)
 
 

@@ -11,6 +11,8 @@ batched call attends over a wider, masked width), which is the distribution the 
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 
@@ -22,9 +24,84 @@ def _pick(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> i
     return int(rng.choice(len(p), p=p / p.sum()))
 
 
+def generate_stream(runner, items, eos, batch: int = 16, temperature: float = 0.0,
+                    rng: np.random.Generator | None = None, width_step: int = 512, counts: dict | None = None,
+                    should_stop=None):
+    """Continuous-batching generation; yields each sequence as soon as it finishes.
+
+    Args:
+        runner: a TargetRunner whose pool holds ``batch`` sequences (see :func:`build_batch_runner`).
+        items: iterable of (prompt ids: int list, budget: int >= 1), read lazily as rows free up; the budget is
+            the new tokens allowed (the end token is neither counted nor returned).
+        eos: ids that end a sequence. batch: rows per decode call (>= 1). temperature: 0 = greedy.
+        width_step: the concatenated KV width of a decode call is padded to a multiple of this many slots (each
+            width is one compiled graph: larger steps compile fewer graphs and attend over more padding).
+        counts: optional dict; ``counts["decoded"]`` is kept equal to the reply tokens produced so far, rows still
+            in flight included (what a throughput figure must count when a run is cut short).
+        should_stop: optional callable() -> bool, asked before every decode step; True ends the generator (rows still
+            in flight are freed, not yielded).
+    Yields:
+        (index of the item, reply ids list[int], stop, end id) in finishing order: stop "eos" with the end
+        token the teacher emitted (not in the reply), or "length" with None.
+        A row's KV blocks are freed before it is yielded; closing the generator (or an error) frees the rest.
+    Raises:
+        ValueError: batch < 1 or a budget < 1.
+    """
+    if batch < 1:
+        raise ValueError(f"regenerate batch must be >= 1, got {batch}")
+    rng = rng or np.random.default_rng(0)
+    eos = set(int(e) for e in eos)
+    queue = enumerate(items)
+    more = True
+    active: list[dict] = []       # {"i", "sid", "budget", "out", "freed", "next"}
+    try:
+        while more or active:
+            if should_stop is not None and should_stop():
+                return
+            while more and len(active) < batch:
+                i, (ids, budget) = next(queue, (None, (None, None)))
+                if i is None:
+                    more = False
+                    break
+                if budget < 1:
+                    raise ValueError(f"generate_stream: item {i} has budget {budget}, need >= 1")
+                a = {"i": i, "sid": runner.new_seq(), "budget": budget, "out": [], "freed": False}
+                active.append(a)            # before prefill: an error there still frees its blocks
+                logits, _ = runner.prefill(a["sid"], ids)
+                a["next"] = _pick(logits, temperature, rng)
+            live, finished = [], []
+            for a in active:
+                if a["next"] in eos:
+                    finished.append((a, "eos", a["next"]))
+                    continue
+                a["out"].append(a["next"])
+                if counts is not None:
+                    counts["decoded"] = counts.get("decoded", 0) + 1
+                if len(a["out"]) >= a["budget"]:
+                    finished.append((a, "length", None))
+                else:
+                    live.append(a)
+            for a, _, _ in finished:
+                runner.free(a["sid"])
+                a["freed"] = True
+            active = live                                 # finished rows are already freed
+            for a, stop, end in finished:
+                yield a["i"], a["out"], stop, end
+            if not active:
+                continue
+            logits = runner.decode_batch([a["sid"] for a in active], [a["next"] for a in active], rows=batch,
+                                         width_step=width_step)
+            for a, row in zip(active, logits):
+                a["next"] = _pick(row, temperature, rng)
+    finally:                            # on an error or close mid-pass, free each row exactly once
+        for a in active:
+            if not a["freed"]:
+                runner.free(a["sid"])
+
+
 def regenerate_replies(runner, tok, prompts: list, max_len: int, batch: int = 16, temperature: float = 0.0,
                        min_reply: int = 16, rng: np.random.Generator | None = None, progress=None) -> list:
-    """The teacher's reply to each user prompt, generated ``batch`` sequences at a time.
+    """The teacher's reply to each user prompt, generated ``batch`` sequences at a time (:func:`generate_stream`).
 
     Args:
         runner: a TargetRunner whose pool holds ``batch`` sequences of ``max_len`` tokens (see
@@ -42,56 +119,23 @@ def regenerate_replies(runner, tok, prompts: list, max_len: int, batch: int = 16
         raise ValueError(f"regenerate batch must be >= 1, got {batch}")
     if max_len < min_reply:
         raise ValueError(f"max_len = {max_len} must be >= min_reply = {min_reply}")
-    rng = rng or np.random.default_rng(0)
-    eos = set(int(e) for e in tok.eos_token_ids)
     out: list = [None] * len(prompts)
-    queue = []
+    keep, ids_list = [], []
     for i, text in enumerate(prompts):
         ids = tok.encode_chat([{"role": "user", "content": text}], add_generation_prompt=True)
         if len(ids) + min_reply <= max_len:
-            queue.append((i, ids))
-    queue.reverse()
-    active: list[dict] = []       # {"i", "sid", "budget", "out", "freed", "next"}
-    done, new_tokens = len(prompts) - len(queue), 0
-
-    def finish(a):
-        nonlocal done
-        runner.free(a["sid"])
-        a["freed"] = True
-        out[a["i"]] = tok.decode(a["out"], skip_special_tokens=True)
-        done += 1
-        if progress is not None:
-            progress(done, len(prompts), new_tokens)
-
-    try:
-        while queue or active:
-            while queue and len(active) < batch:
-                i, ids = queue.pop()
-                a = {"i": i, "sid": runner.new_seq(), "budget": max_len - len(ids), "out": [], "freed": False}
-                active.append(a)            # before prefill: an error there still frees its blocks
-                logits, _ = runner.prefill(a["sid"], ids)
-                a["next"] = _pick(logits, temperature, rng)
-            live = []
-            for a in active:
-                if a["next"] in eos or len(a["out"]) >= a["budget"]:
-                    finish(a)
-                    continue
-                a["out"].append(a["next"])
-                new_tokens += 1
-                if len(a["out"]) >= a["budget"]:
-                    finish(a)
-                else:
-                    live.append(a)
-            active = live
-            if not active:
-                continue
-            logits = runner.decode_batch([a["sid"] for a in active], [a["next"] for a in active], rows=batch)
-            for a, row in zip(active, logits):
-                a["next"] = _pick(row, temperature, rng)
-    finally:                            # on an error mid-pass, free each row exactly once
-        for a in active:
-            if not a["freed"]:
-                runner.free(a["sid"])
+            keep.append(i)
+            ids_list.append(ids)
+    done, new_tokens = len(prompts) - len(keep), 0
+    gen = generate_stream(runner, [(x, max_len - len(x)) for x in ids_list], tok.eos_token_ids, batch,
+                          temperature, rng)
+    with contextlib.closing(gen):
+        for j, reply, _, _ in gen:
+            out[keep[j]] = tok.decode(reply, skip_special_tokens=True)
+            done += 1
+            new_tokens += len(reply)
+            if progress is not None:
+                progress(done, len(prompts), new_tokens)
     if progress is not None:
         progress(done, len(prompts), new_tokens)
     return out
@@ -116,4 +160,4 @@ def build_batch_runner(cfg, tensors: dict, max_len: int, batch: int, mode: str =
     return TargetRunner(teacher, blocks, block_size, S, mode, prefill_chunk=chunk), teacher
 
 
-__all__ = ["regenerate_replies", "build_batch_runner"]
+__all__ = ["generate_stream", "regenerate_replies", "build_batch_runner"]
