@@ -226,8 +226,6 @@ def test_speculative_batch_equals_one_at_a_time_greedy(ms_runtime, tiny, tiny_di
     recs = records([{"id": i, "prompt": p} for i, p in enumerate(PROMPTS[:5])] +
                    [{"id": "chat", "turns": ["Say hello.", "Bye?"]}])
     ref = one_at_a_time(eng, gen, recs)
-    got, _, _ = run_batched(eng, gen, recs, max_batch=3, speculative=True)
-    same_answers(got, ref)
     for pattern in (["tree"], ["plain", "plain", "tree"]):       # forced step kinds: trees only, and a mix
         sched = BatchScheduler(eng, gen, 3, speculative=True)
         sched.stepper.gate = ScriptedGate(pattern)
