@@ -38,6 +38,8 @@ import numpy as np
 
 from .config import GenerationConfig
 from .engine import Engine, GenerationError, _Emitter
+from .tree import tensorize
+from .verify import accept_greedy, accept_sampling, warp_probs
 
 
 class TeacherStepper:
@@ -127,9 +129,6 @@ class SpeculativeStepper:
     def _trees(self, live: list) -> list:
         """Draft a tree per sequence, verify all in one forward, accept and commit; appends L_k (accepted drafts
         + bonus) to ``s.accept_lens``."""
-        from .tree import tensorize
-        from .verify import accept_greedy, accept_sampling, warp_probs
-
         dr, tg, M, D = self.engine.drafter, self.engine.target, self.M, self.D
         trees = []
         for s in live:
