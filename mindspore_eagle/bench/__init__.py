@@ -280,9 +280,10 @@ def _batch_sizes_main(args, cfg, gen, argv) -> int:
         return 2
     name = f"{time.strftime('%Y%m%d-%H%M%S')}_batching_{'-'.join(map(str, sizes))}_p{len(prompts)}"
     out = args.out or os.path.join("runs", name)
-    per_seq = cfg.cache.max_seq_len // cfg.cache.block_size
-    bcfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, num_blocks=max(cfg.cache.num_blocks,
-                                                                                       max(sizes) * per_seq)))
+    from ..batch import batched_config
+
+    bcfg = batched_config(dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, max_batch=max(sizes),
+                                                                             speculative=True)))
     engine = build_engine(bcfg, load_models(bcfg))
     if args.warmup != "none":
         prepare(engine, bcfg, gen, args.warmup, _log, graph_cache=bcfg.context.graph_cache)
