@@ -9,6 +9,8 @@ One small interface, chosen once per Cell (never a flag inside the math):
     make_cache(name)                          -> cache Parameter (one for K, one for V)
     prepare(slots [k] i32, block_table [w/B] i32, mask [k, w] f32 additive)
                                               -> meta: everything the layers share in one forward
+            (backends with ``grouped = True`` also take block_table [G, w/B]: G sequences of k / G rows each,
+            every group attending only to its own table; ``TargetRunner`` batches through it)
     attend(q [k, nh, hd], k [k, n_kv, hd], v [k, n_kv, hd], key_cache, value_cache, meta, scale)
                                               -> context [k, nh * hd]   (writes k / v first)
     move(key_cache, value_cache, src [P] i32, dst [P] i32)  -> outputs to depend on (commit compaction)
@@ -72,31 +74,44 @@ def paged_attention(q, k, v, key_cache, value_cache, write_idx, read_idx, mask, 
     probabilities back to the compute dtype for the value matmul; float32 takes no cast.
     GQA: each KV head serves nh / n_kv query heads through one batched matmul. This is the portable stand-in for
     Ascend's ReshapeAndCache + PagedAttention pair (pangu_mindformers.md §2.3).
+
+    Grouped call (several sequences in one forward, each over its own slots): read_idx [G, n_kv, S] from a block
+    table [G, S/B]; the k = G * kg query rows are G consecutive groups of kg rows, group g attends only to its
+    own S slots with mask rows [g * kg, (g + 1) * kg) — so a batch of G sequences costs G x S scores per row
+    group, not (G x S) per row as one concatenated table would.
     """
     k_len, nh, hd = q.shape
     nkv = k.shape[1]
     group = nh // nkv
     k_out = PortableKVOps.write(key_cache, write_idx, k)
     v_out = PortableKVOps.write(value_cache, write_idx, v)
-    keys = PortableKVOps.read(ops.depend(key_cache, k_out), read_idx)        # [n_kv, S, hd]
+    keys = PortableKVOps.read(ops.depend(key_cache, k_out), read_idx)        # [(G,) n_kv, S, hd]
     vals = PortableKVOps.read(ops.depend(value_cache, v_out), read_idx)
-    if k_len == 1:                                                           # decode: no transpose needed
-        q = q.reshape(nkv, group, hd)
+    G = read_idx.shape[0] if read_idx.ndim == 3 else 1
+    kg = k_len // G                                                          # query rows per group
+    if read_idx.ndim == 3:
+        keys = keys.reshape(G * nkv, -1, hd)
+        vals = vals.reshape(G * nkv, -1, hd)
+    if kg == 1:                                                              # decode rows: no transpose needed
+        q = q.reshape(G * nkv, group, hd)
     else:
-        q = q.reshape(k_len, nkv, group, hd).transpose(1, 2, 0, 3).reshape(nkv, group * k_len, hd)
-    scores = _BMM_T(q, keys)                                                 # [n_kv, g*k, S]
+        q = q.reshape(G, kg, nkv, group, hd).transpose(0, 2, 3, 1, 4).reshape(G * nkv, group * kg, hd)
+    scores = _BMM_T(q, keys)                                                 # [G*n_kv, g*kg, S]
     if scale is not None:
         scores = scores * scale
     if scores.dtype != ms.float32:                                           # softmax in float32
         scores = scores.astype(ms.float32)
-    scores = scores.reshape(nkv, group, k_len, -1) + mask
-    probs = ops.softmax(scores, -1).reshape(nkv, group * k_len, -1)
+    if G == 1:
+        scores = scores.reshape(nkv, group, kg, -1) + mask
+    else:
+        scores = scores.reshape(G, nkv, group, kg, -1) + mask.reshape(G, 1, 1, kg, -1)
+    probs = ops.softmax(scores, -1).reshape(G * nkv, group * kg, -1)
     if probs.dtype != vals.dtype:
         probs = probs.astype(vals.dtype)
-    ctx = ops.bmm(probs, vals)                                               # [n_kv, g*k, hd]
-    if k_len == 1:
-        return ctx.reshape(1, nh * hd)
-    return ctx.reshape(nkv, group, k_len, hd).transpose(2, 0, 1, 3).reshape(k_len, nh * hd)
+    ctx = ops.bmm(probs, vals)                                               # [G*n_kv, g*kg, hd]
+    if kg == 1:
+        return ctx.reshape(G, nh * hd)
+    return ctx.reshape(G, nkv, group, kg, hd).transpose(0, 3, 1, 2, 4).reshape(k_len, nh * hd)
 
 
 PA_MAX_Q = 16
@@ -172,6 +187,7 @@ class PortableBackend(nn.Cell):
     """Flat head-major cache ``[n_kv * (NB + 1) * B, hd]``, ScatterUpdate write, gather read (``kv.py``)."""
 
     name = "portable"
+    grouped = True          # block_table [G, w/B]: G sequences per call, each over its own slots
 
     def __init__(self, num_blocks: int, block_size: int, n_kv: int, hd: int, dtype=ms.float32):
         super().__init__()
@@ -183,7 +199,7 @@ class PortableBackend(nn.Cell):
         return make_cache(self.num_blocks, self.block_size, self.n_kv, self.hd, self.dtype, name)
 
     def prepare(self, slots, block_table, mask):
-        """(write rows [k * n_kv], read rows [n_kv, w], mask [k, w]) (``PortableKVOps.indices``)."""
+        """(write rows [k * n_kv], read rows [(G,) n_kv, w], mask [k, w]) (``PortableKVOps.indices``)."""
         write_idx, read_idx = PortableKVOps.indices(slots, block_table, self.offsets, self.head_base)
         return write_idx, read_idx, mask
 
@@ -214,6 +230,7 @@ class FusedBackend(nn.Cell):
     """
 
     name = "fused"
+    grouped = False         # one sequence per call: batches go through one concatenated block table
 
     def __init__(self, num_blocks: int, block_size: int, n_kv: int, nh: int, hd: int, dtype, scale: float,
                  kernels=AscendKernels):

@@ -253,7 +253,8 @@ class PortableKVOps:
 
     @staticmethod
     def indices(slots, block_table, offsets, head_base):
-        """Row indices of one call: slots int32 [k], block_table int32 [S/B] -> (write [k * n_kv], read [n_kv, S]).
+        """Row indices of one call: slots int32 [k], block_table int32 [S/B] -> (write [k * n_kv], read [n_kv, S]);
+        a grouped call's block_table int32 [G, S/B] -> read [G, n_kv, S].
 
         ``offsets`` / ``head_base`` come from :func:`cache_index_constants`. All values are >= 0 by construction
         (padding uses the pad block, never -1).
@@ -267,7 +268,12 @@ class PortableKVOps:
 
     @staticmethod
     def read_rows(block_table, offsets, head_base):
-        """Cache rows of a block table int32 [S/B] for every KV head -> int32 [n_kv, S]."""
+        """Cache rows of a block table int32 [S/B] for every KV head -> int32 [n_kv, S]; of G tables
+        int32 [G, S/B] -> int32 [G, n_kv, S]."""
+        if block_table.ndim == 2:
+            G = block_table.shape[0]
+            ctx = (block_table.reshape(G, -1, 1) * offsets.shape[0] + offsets.reshape(1, 1, -1)).reshape(G, 1, -1)
+            return head_base.reshape(1, -1, 1) + ctx
         ctx = (block_table.reshape(-1, 1) * offsets.shape[0] + offsets.reshape(1, -1)).reshape(1, -1)
         return head_base.reshape(-1, 1) + ctx
 
@@ -281,5 +287,5 @@ class PortableKVOps:
 
     @staticmethod
     def read(cache, read_idx):
-        """Gather the rows ``read_idx`` int32 [n_kv, S] -> [n_kv, S, hd]."""
+        """Gather the rows ``read_idx`` int32 [(G,) n_kv, S] -> [(G,) n_kv, S, hd]."""
         return ops.gather(cache, read_idx, 0)

@@ -165,14 +165,16 @@ class TargetRunner:
     def decode_batch(self, sids, tokens, rows: int, width_step: int = 512, with_aux: bool = False):
         """Append one token to each of several sequences in a single forward (batched greedy generation).
 
-        The sequences' used blocks are concatenated into one block table and a block-diagonal additive mask
-        lets row i see only its own sequence (positions 0..len_i), so the unchanged teacher Cell serves a batch
-        the way it serves a tree. Shapes are fixed per (rows, width): the batch is padded to ``rows`` rows (pad
-        rows write to the pad block and see column 0) and the width to ``width_step`` x a power of two slots
-        (512, 1024, 2048, ...: at most log2(rows x S / width_step) + 1 graphs per row count).
+        Layout (:meth:`_batch_layout`): with a grouped backend (portable) row i reads its own block table
+        (table [rows, w/B], w = the width bucket of the longest sequence), so each row scores w slots; otherwise
+        the sequences' used blocks are concatenated into one table and a block-diagonal additive mask lets row i
+        see only its own positions 0..len_i (width ``width_step`` x a power of two). Either way row i sees
+        exactly its own prefix, so the logits are those of a one-sequence decode. Shapes are fixed per
+        (rows, width); pad rows write to the pad block and see column 0.
 
         Args:
             sids: n <= rows live sequence ids; tokens: int [n], the token appended to each.
+            rows: static row count of the call; width_step: concatenated layout only (see above).
         Returns:
             logits float32 [n, V] of the appended tokens; with ``with_aux`` also their captured features
             float32 [n, 3H] (the drafter's context pairs).
@@ -186,82 +188,93 @@ class TargetRunner:
         for sid in sids:
             self.bm.reserve(sid, 1)
         lengths = [self.bm.length(sid) for sid in sids]
-        tables, spans, off = [], [], 0
-        for sid, p in zip(sids, lengths):
-            nb = p // self.B + 1                          # blocks holding positions 0..p
-            tables.append(self.bm.block_table(sid)[:nb])
-            spans.append((off, p + 1))
-            off += nb * self.B
-        width = width_step
-        while width < off:                                # power-of-two multiples: few graphs per row count
-            width *= 2
-        table = np.full(width // self.B, self.bm.pad_block, np.int32)
-        table[: off // self.B] = np.concatenate(tables)
-        mask = np.full((rows, width), NEG_BIAS, np.float32)
-        for i, (o, m) in enumerate(spans):
-            mask[i, o:o + m] = 0.0
-        mask[n:, 0] = 0.0
+        table, mask, cols = self._batch_layout(sids, [p + 1 for p in lengths], 1, rows, width_step)
+        for i, (c, p) in enumerate(zip(cols, lengths)):
+            mask[i, c:c + p + 1] = 0.0
         slots = self.bm.pad_slots(rows)
         positions = np.zeros(rows, np.int64)
         toks = np.zeros(rows, np.int64)
         for i, sid in enumerate(sids):
             slots[i] = self.bm.append(sid, 1, 1)[0]
             positions[i], toks[i] = lengths[i], tokens[i]
-        args = (ms.Tensor(toks.astype(np.int32)), ms.Tensor(positions.astype(np.int32)), ms.Tensor(slots),
-                ms.Tensor(table), ms.Tensor(mask), ms.Tensor(np.arange(n, dtype=np.int32)))
-        out, aux = self._fwd(*args)
+        out, aux = self._run(self._fwd, table, toks, positions, slots, mask, np.arange(n))
         for sid in sids:
             self.bm.advance(sid, 1)
-        return (out.asnumpy(), aux.asnumpy()) if with_aux else out.asnumpy()
+        return (out, aux) if with_aux else out
 
     def verify_batch(self, sids, trees, rows: int, width_step: int = 512) -> tuple[np.ndarray, np.ndarray]:
         """Verify one draft tree per sequence in a single forward (speculative continuous batching).
 
-        Each sequence's used blocks plus its M-slot branch are concatenated into one block table; row block i
-        (rows i * M .. i * M + M - 1) carries tree i at positions n_i + depth and sees, through a block-diagonal
-        additive mask, only its own segment: its committed prefix and its own tree ancestors
-        (``tree_attention_bias`` shifted to the segment's first column). Rows past len(sids) * M are padding (pad
-        block, see column 0). Shapes are fixed per (rows, width): width = ``width_step`` x a power of two.
+        Row block i (rows i * M .. i * M + M - 1) carries tree i at positions n_i + depth and sees only its own
+        committed prefix and its own tree ancestors (``tree_attention_bias``): through its own block table in the
+        grouped layout (table [rows / M, w/B]), or through its segment of one concatenated table and a
+        block-diagonal mask (:meth:`_batch_layout`). Rows past len(sids) * M are padding (pad block, see column
+        0). Shapes are fixed per (rows, width).
 
         Args:
-            sids: n live sequence ids; trees: n TreeTensors of one budget M (n * M <= rows).
+            sids: n live sequence ids; trees: n TreeTensors of one budget M (n * M <= rows, rows a multiple of M).
         Returns:
             (logits float32 [n * M, V], aux float32 [n * M, 3H]); follow with :meth:`commit` (or rollback) for
             every sequence.
         Raises:
-            ValueError: empty batch, mixed budgets, or more tree rows than ``rows``.
+            ValueError: empty batch, mixed budgets, more tree rows than ``rows`` or rows not a multiple of M.
             CacheExhaustedError: a sequence's branch does not fit (before any write).
         """
         n = len(sids)
-        if n == 0 or len(trees) != n or len({t.budget for t in trees}) != 1 or n * trees[0].budget > rows:
-            raise ValueError(f"verify_batch: need 1..{rows} tree rows from n trees of one budget, got {n} sequences, "
-                             f"{len(trees)} trees, budgets {sorted({t.budget for t in trees})}")
-        M = trees[0].budget
+        M = trees[0].budget if trees else 0
+        if (n == 0 or len(trees) != n or len({t.budget for t in trees}) != 1 or n * M > rows or rows % M):
+            raise ValueError(f"verify_batch: need 1..{rows} tree rows (a multiple of M) from n trees of one budget, "
+                             f"got {n} sequences, {len(trees)} trees, budgets {sorted({t.budget for t in trees})}")
         for sid in sids:
             self.bm.reserve(sid, M)
-        tables, segs, off = [], [], 0
-        for sid in sids:
-            p = self.bm.length(sid)
-            nb = -(-(p + M) // self.B)
-            tables.append(self.bm.block_table(sid)[:nb])
-            segs.append((off, p, nb * self.B))
-            off += nb * self.B
-        width = width_step
-        while width < off:
-            width *= 2
-        table = np.full(width // self.B, self.bm.pad_block, np.int32)
-        table[: off // self.B] = np.concatenate(tables)
-        mask = np.full((rows, width), NEG_BIAS, np.float32)
-        mask[n * M:, 0] = 0.0
+        lengths = [self.bm.length(sid) for sid in sids]
+        table, mask, cols = self._batch_layout(sids, [p + M for p in lengths], M, rows, width_step)
         tokens = np.zeros(rows, np.int64)
         positions = np.zeros(rows, np.int64)
         slots = self.bm.pad_slots(rows)
-        for i, (sid, tt, (o, p, w)) in enumerate(zip(sids, trees, segs)):
+        for i, (sid, tt, c, p) in enumerate(zip(sids, trees, cols, lengths)):
             r = slice(i * M, (i + 1) * M)
-            mask[r, o:o + w] = tree_attention_bias(tt, p, w)
+            w = mask.shape[1] - c if self._grouped else -(-(p + M) // self.B) * self.B
+            mask[r, c:c + w] = tree_attention_bias(tt, p, w)
             tokens[r], positions[r] = tt.tokens, p + tt.depth
             slots[r] = self.bm.branch(sid, M)
         return self._run(self._fwd, table, tokens, positions, slots, mask, np.arange(n * M))
+
+    @property
+    def _grouped(self) -> bool:
+        return getattr(self.teacher.backend, "grouped", False)
+
+    def _batch_layout(self, sids, need, per_seq: int, rows: int, width_step: int):
+        """Block table(s) and an all-hidden mask for a batched call of ``per_seq`` query rows per sequence.
+
+        Args:
+            sids: n sequences; need: positions each must see (its length + new rows); rows: static row count.
+        Returns:
+            (table int32 [rows / per_seq, w/B] grouped or [w/B] concatenated, mask float32 [rows, w] of NEG_BIAS
+            with column 0 visible for pad rows, cols: the first mask column of each sequence's slots (0 grouped).
+        """
+        n = len(sids)
+        if self._grouped:
+            w = self.width(max(need))
+            table = np.full((rows // per_seq, w // self.B), self.bm.pad_block, np.int32)
+            for i, sid in enumerate(sids):
+                table[i] = self.bm.block_table(sid)[: w // self.B]
+            cols = [0] * n
+        else:
+            tables, cols, off = [], [], 0
+            for sid, m in zip(sids, need):
+                nb = -(-m // self.B)                      # blocks holding positions 0..m-1
+                tables.append(self.bm.block_table(sid)[:nb])
+                cols.append(off)
+                off += nb * self.B
+            w = width_step
+            while w < off:                                # power-of-two multiples: few graphs per row count
+                w *= 2
+            table = np.full(w // self.B, self.bm.pad_block, np.int32)
+            table[: off // self.B] = np.concatenate(tables)
+        mask = np.full((rows, w), NEG_BIAS, np.float32)
+        mask[n * per_seq:, 0] = 0.0
+        return table, mask, cols
 
     def verify(self, sid: int, tt: TreeTensors, mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """One forward over the tensorized tree placed after the committed prefix (opens a branch).
