@@ -200,7 +200,7 @@ class TargetRunner:
         out, aux = self._run(self._fwd, table, toks, positions, slots, mask, np.arange(n))
         for sid in sids:
             self.bm.advance(sid, 1)
-        return (out, aux) if with_aux else out
+        return (out, aux[:n]) if with_aux else out
 
     def verify_batch(self, sids, trees, rows: int, width_step: int = 512) -> tuple[np.ndarray, np.ndarray]:
         """Verify one draft tree per sequence in a single forward (speculative continuous batching).
@@ -238,7 +238,8 @@ class TargetRunner:
             mask[r, c:c + w] = tree_attention_bias(tt, p, w)
             tokens[r], positions[r] = tt.tokens, p + tt.depth
             slots[r] = self.bm.branch(sid, M)
-        return self._run(self._fwd, table, tokens, positions, slots, mask, np.arange(n * M))
+        out, aux = self._run(self._fwd, table, tokens, positions, slots, mask, np.arange(n * M))
+        return out, aux[:n * M]
 
     @property
     def _grouped(self) -> bool:

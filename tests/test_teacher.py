@@ -79,3 +79,45 @@ def test_weight_shape_mismatch_names_tensor(ms_runtime, tiny):
     net = PanguTeacher(cfg, 4, 8, 32)
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj\.weight.*\(128, 63\).*\(128, 64\)"):
         net.load_hf_weights(bad)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_batched_calls_match_one_sequence_calls(ms_runtime, tiny, grouped):
+    """decode_batch / verify_batch give every sequence the logits its own decode / verify gives (to float32
+    rounding), in the grouped layout (a block table per sequence) and the concatenated one (one table, block-diagonal
+    mask), with pad rows / pad groups and sequences of 3, 11 and 29 tokens (block size 8)."""
+    from conftest import tiny_tree
+    from mindspore_eagle.tree import tensorize
+
+    cfg, tensors, _ = tiny
+    one, bat = make_target(cfg, tensors, "fused"), make_target(cfg, tensors, "fused")
+    if not grouped:
+        bat.teacher.backend.grouped = False
+    assert bat._grouped is grouped
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, cfg.vocab_size, size=n) for n in (3, 11, 29)]
+    s1 = [one.new_seq() for _ in prompts]
+    s2 = [bat.new_seq() for _ in prompts]
+    nxt = []
+    for a, b, p in zip(s1, s2, prompts):
+        la, _ = one.prefill(a, p)
+        lb, _ = bat.prefill(b, p)
+        nxt.append(int(np.argmax(la)))
+    for _ in range(3):
+        got, aux = bat.decode_batch(s2, nxt, rows=4, with_aux=True)
+        assert got.shape == (3, cfg.vocab_size) and aux.shape[0] == 3
+        for i, a in enumerate(s1):
+            want, want_aux = one.decode(a, nxt[i])
+            assert np.abs(got[i] - want).max() < 1e-4
+            assert np.abs(aux[i] - want_aux[0]).max() < 1e-4
+        nxt = [int(np.argmax(g)) for g in got]
+    M = 4
+    trees = [tensorize(tiny_tree(rng, t, M, 3, cfg.vocab_size), M, 3) for t in nxt]
+    got, _ = bat.verify_batch(s2, trees, rows=4 * M)
+    for i, (a, b) in enumerate(zip(s1, s2)):
+        want, _ = one.verify(a, trees[i])
+        assert np.abs(got[i * M:(i + 1) * M] - want).max() < 1e-4
+        one.rollback(a), bat.rollback(b)
+    assert [one.length(a) for a in s1] == [bat.length(b) for b in s2] == [n + 3 for n in (3, 11, 29)]
+    with pytest.raises(ValueError, match="multiple of M"):
+        bat.verify_batch(s2, trees, rows=4 * M + 1)

@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 
-DEFAULT_BATCH = 8         # the fastest of 8 / 16 / 32 / 48 at max_len 512 (docs/training_data.md, "Throughput")
+DEFAULT_BATCH = 32        # the fastest of 8 / 16 / 32 at max_len 512, grouped attention (docs/training_data.md, "Throughput")
 
 
 class _Stop(Exception):
