@@ -92,14 +92,15 @@ class SpeculativeConfig:
     """Tree budget and execution. M: tokens verified per step, root included; D_max: max draft depth
     (root depth 0); top_k: children per expanded node and frontier width; window: drafter attends to the
     last W context tokens (0 = all); mode: fused (jit) | eager (PyNative + invariant checks each step);
-    policy: fixed (every step drafts D_max deep and verifies M tokens) | adaptive (M, D_max are ceilings: each
-    step picks plain decoding or a compiled budget 2, 4, ..., M by expected tokens per ms, policy.py)."""
+    policy: adaptive (the default: M, D_max are ceilings; each step picks plain decoding or a compiled budget
+    2, 4, ..., M by expected tokens per ms, policy.py) | fixed (every step drafts D_max deep and verifies M tokens,
+    the paper's behaviour)."""
     M: int = 16
     D_max: int = 5
     top_k: int = 4
     window: int = 0
     mode: str = "fused"
-    policy: str = "fixed"
+    policy: str = "adaptive"
     validate_tree: bool = False
     trace: str = ""
 

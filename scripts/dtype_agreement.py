@@ -1,15 +1,18 @@
 #!/usr/bin/env python3
 """float16 vs float32 greedy on the same prompts, and speculative float16 vs teacher-only float16 (one run).
 
-For the first N turns of the evaluation set (``evalsets.eval_turns``, first user turn of each item), greedy
-``--tokens`` new tokens:
+For N prompts — ``--source eval``: the first user turn of the first N evaluation items (``evalsets.eval_turns``);
+``--source chat``: N ShareGPT first turns from conversation 9000 on, evaluation prompts excluded (the batching
+benchmark's ``bench.batching.chat_prompts``) — greedy ``--tokens`` new tokens, speculation policy ``--policy``
+(fixed: a tree every step, the strictest losslessness check):
   1. teacher-only float32 (the reference),
   2. teacher-only float16 and EAGLE-3 float16 (same engine).
 Prints and writes (``--out`` JSON): per prompt the first position where float16 departs from float32 (None = the
 whole continuation identical), the share of positions with the same token, whether speculative float16 equals
 teacher-only float16 token for token, and decode tok/s of each run (after one uncounted warm-up turn per engine).
 Not a test: figures only. Usage:
-    python scripts/dtype_agreement.py --config configs/presets/cpu_2core.yaml --prompts 16 --tokens 64 --out runs/dtype.json
+    python scripts/dtype_agreement.py --config configs/presets/cpu_2core.yaml --source chat --prompts 24 --tokens 64 \
+        --out runs/dtype.json
 """
 import argparse
 import gc
@@ -22,11 +25,12 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-def run(cfg_path, dtype, prompts, tokens, speculative_too):
+def run(cfg_path, dtype, prompts, tokens, speculative_too, policy="fixed"):
     from mindspore_eagle.config import load_config
     from mindspore_eagle.pipeline import build_engine
 
-    over = [f"model.dtype={dtype}", f"generation.max_new_tokens={tokens}", "generation.temperature=0"]
+    over = [f"model.dtype={dtype}", f"generation.max_new_tokens={tokens}", "generation.temperature=0",
+            f"speculative.policy={policy}"]
     if not speculative_too:
         over.append("model.drafter=none")
     cfg = load_config(cfg_path, over)
@@ -64,16 +68,23 @@ def main():
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--out", default="")
     ap.add_argument("--fp32-from", default="", help="reuse the float32 runs of an earlier --out JSON")
+    ap.add_argument("--source", choices=("eval", "chat"), default="eval")
+    ap.add_argument("--policy", choices=("fixed", "adaptive"), default="fixed")
     a = ap.parse_args()
-    from mindspore_eagle.evalsets import eval_turns
+    if a.source == "chat":
+        from mindspore_eagle.bench.batching import chat_prompts
 
-    prompts = [item.turns[0] for item in eval_turns()][: a.prompts]
+        prompts = chat_prompts(a.prompts)
+    else:
+        from mindspore_eagle.evalsets import eval_turns
+
+        prompts = [item.turns[0] for item in eval_turns()][: a.prompts]
     if a.fp32_from:
         with open(a.fp32_from) as f:
             r32 = json.load(f)["fp32"]
     else:
         r32 = run(a.config, "float32", prompts, a.tokens, False)
-    r16 = run(a.config, "float16", prompts, a.tokens, True)
+    r16 = run(a.config, "float16", prompts, a.tokens, True, a.policy)
     rows, same, total = [], 0, 0
     for i, (x, y, s) in enumerate(zip(r32["base"], r16["base"], r16["spec"])):
         n = min(len(x), len(y))
@@ -83,7 +94,7 @@ def main():
                      "len32": len(x), "len16": len(y), "spec16_equals_base16": s == y})
     div = [r["first_divergence"] for r in rows]
     summary = {
-        "prompts": len(rows), "tokens": a.tokens,
+        "prompts": len(rows), "tokens": a.tokens, "source": a.source, "policy": a.policy,
         "fp16_identical_to_fp32": sum(d is None for d in div),
         "same_token_share": same / max(total, 1),
         "first_divergence_positions": div,

@@ -25,7 +25,8 @@ def test_cli_end_to_end_random_drafter(tmp_path):
     """--turns 2 (MT-Bench writing/81, both turns) --max-new-tokens 8 with an untrained drafter: lossless, report
     keys, markdown and figures; a second call with the same --out resumes with nothing left to run."""
     out = tmp_path / "run"
-    argv = ["--turns", "2", "--max-new-tokens", "8", "--set", "model.drafter=random", "--warmup", "short",
+    argv = ["--turns", "2", "--max-new-tokens", "8", "--set", "model.drafter=random", "--set",
+            "speculative.policy=fixed", "--warmup", "short",
             "--attn-samples", "2", "--no-progress", "--out", str(out)]
     assert cli_main(argv) == 0
     rep = json.loads((out / "report.json").read_text())

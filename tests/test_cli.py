@@ -24,7 +24,7 @@ from mindspore_eagle import cli
 ROOT = Path(__file__).resolve().parents[1]
 ERRORS_MD = ROOT / "docs" / "errors.md"
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-TINY_FAST = ["--mode", "eager", "--max-new-tokens", "6"]
+TINY_FAST = ["--mode", "eager", "--max-new-tokens", "6", "--set", "speculative.policy=fixed"]
 
 
 @pytest.fixture(autouse=True)

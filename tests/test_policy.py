@@ -291,7 +291,7 @@ def test_policy_key_is_checked():
     from mindspore_eagle.config import ConfigError, load_config
 
     assert load_config(None, ["speculative.policy=adaptive"]).speculative.policy == "adaptive"
-    assert load_config(None).speculative.policy == "fixed"
+    assert load_config(None).speculative.policy == "adaptive"
     with pytest.raises(ConfigError, match="speculative.policy = 'smart': must be 'fixed' or 'adaptive'"):
         load_config(None, ["speculative.policy=smart"])
 

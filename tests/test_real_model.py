@@ -23,7 +23,7 @@ def loaded(ms_runtime):
 
 
 def engine(loaded, *sets):
-    return build_engine(load_config(None, [f"model.drafter={DRAFTER}", *sets]), loaded)
+    return build_engine(load_config(None, [f"model.drafter={DRAFTER}", "speculative.policy=fixed", *sets]), loaded)
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +126,7 @@ def test_random_drafter_still_lossless(loaded, prompts, baseline):
 
     dcfg, dt = random_drafter(loaded.teacher_cfg, seed=1, draft_vocab_size=4096)
     rnd = Loaded(loaded.teacher_cfg, loaded.teacher_tensors, loaded.tokenizer, dcfg, dt)
-    eng = build_engine(load_config(None, BUDGETS["tree"]), rnd)
+    eng = build_engine(load_config(None, ["speculative.policy=fixed", *BUDGETS["tree"]]), rnd)
     gen = load_config(None).generation
     gen.max_new_tokens = 32
     for p, ref in list(zip(prompts, baseline))[:3]:

@@ -41,7 +41,8 @@ class ScriptedGate:
 def tiny_engine(tiny_dir, extra=()):
     from mindspore_eagle.pipeline import build_engine
 
-    cfg = load_config(None, [f"model.teacher={tiny_dir}", "model.drafter=none", "cache.block_size=8",
+    cfg = load_config(None, [f"model.teacher={tiny_dir}", "model.drafter=none", "speculative.policy=fixed",
+                             "cache.block_size=8",
                              "cache.max_seq_len=256", "cache.num_blocks=64", "cache.prefill_chunk=16",
                              "generation.max_new_tokens=24", *extra])
     return build_engine(cfg), cfg

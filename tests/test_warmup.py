@@ -16,7 +16,7 @@ from mindspore_eagle.config import load_config
 
 # widths 256, 512 (S = 512); teacher prefill buckets {16}; drafter buckets 1..16; M 8, D_max 3, top_k 2
 TINY = ["cache.block_size=8", "cache.max_seq_len=512", "cache.num_blocks=64", "cache.prefill_chunk=16",
-        "speculative.M=8", "speculative.D_max=3", "speculative.top_k=2", "model.drafter=random",
+        "speculative.M=8", "speculative.D_max=3", "speculative.top_k=2", "model.drafter=random", "speculative.policy=fixed",
         "generation.max_new_tokens=6"]
 LONG = " ".join(f"item {i} is {i * 7 % 10}" for i in range(32))      # ~330 tiny-tokenizer tokens: the 512 width
 
