@@ -2,6 +2,9 @@
 
 Every stage resumes: samples are written once to ``<features-dir>/samples.npz``, feature shards are skipped when
 listed in the manifest, and ``--resume`` continues training from ``<out>/resume/`` (see trainer.py).
+
+Data-parallel training: the same command under ``msrun --worker_num W --local_worker_num W python -m
+mindspore_eagle.train ... --stage train --batch-size G`` (G a multiple of W; docs/training_distributed.md).
 """
 from __future__ import annotations
 
@@ -21,7 +24,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=256, help="tokens per sample (truncation); also T of a batch")
     p.add_argument("--vd", type=int, default=8192, help="draft vocabulary size")
     p.add_argument("--ttt-length", type=int, default=7)
-    p.add_argument("--steps", type=int, default=1000, help="optimiser steps (one sample per step)")
+    p.add_argument("--steps", type=int, default=1000, help="optimiser steps (--batch-size samples per step)")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="samples per optimiser step over all msrun ranks (gradient mean; a multiple of the ranks)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--warmup", type=int, default=None, help="warmup steps (default 3%% of --steps)")
     p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
@@ -118,6 +123,19 @@ def main(argv=None) -> int:
     from .. import runtime
 
     runtime.configure()
+    from .distributed import DistError, init_from_env
+
+    try:
+        dist = init_from_env()
+    except DistError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if dist.scheduler:       # msrun's scheduler process: init() served the cluster, nothing to train
+        return 0
+    if dist.world > 1 and args.stage != "train":
+        print("error: --stage must be 'train' under msrun (build features once, in one process, first)",
+              file=sys.stderr)
+        return 2
     from ..models.checkpoints import load_teacher
 
     if args.teacher is None:
@@ -135,10 +153,14 @@ def main(argv=None) -> int:
     tc = TrainConfig(out=args.out, features_dir=fdir, vd=args.vd, ttt_length=args.ttt_length, steps=args.steps,
                      lr=args.lr, warmup=args.warmup, schedule=args.schedule, max_len=args.max_len,
                      intermediate=args.intermediate, seed=args.seed, checkpoint_every=args.checkpoint_every,
-                     init_from=args.init_from,
+                     init_from=args.init_from, batch_size=args.batch_size,
                      command=" ".join(["python -m mindspore_eagle.train"] + list(sys.argv[1:] if argv is None
                                                                                   else argv)))
-    train(tc, cfg, tensors, resume=args.resume)
+    try:
+        train(tc, cfg, tensors, resume=args.resume, dist=dist)
+    except DistError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

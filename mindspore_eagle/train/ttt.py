@@ -270,6 +270,11 @@ def lr_at(step: int, peak: float, warmup: int, total: int, schedule: str = "cosi
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+def _same(grads):
+    """Identity gradient reducer (one process)."""
+    return grads
+
+
 class TrainStep:
     """``value_and_grad`` + global-norm clipping + ``nn.AdamWeightDecay`` (betas 0.9/0.95, wd 0) in one ms.jit.
 
@@ -278,26 +283,44 @@ class TrainStep:
     the graph (a host ``set_data`` after compilation is not seen by the graph on MindSpore 2.9 CPU); the schedule
     (``lr_at``) is a function of the step, so resuming needs only the step number; optimiser moments are in
     :meth:`state` / :meth:`load_state`. MindSpore's AdamWeightDecay has no bias correction.
+    ``grad_reducer``: a Cell applied to the gradient tuple before clipping (``distributed.GradMean``: the mean
+    over msrun ranks; default identity). :meth:`grads` + :meth:`apply` split the step for gradient accumulation.
     """
 
-    def __init__(self, net: TTTDrafter, clip: float = 0.5, eps: float = 1e-8):
+    def __init__(self, net: TTTDrafter, clip: float = 0.5, eps: float = 1e-8, grad_reducer: nn.Cell | None = None):
         self.net = net
         self.opt = nn.AdamWeightDecay(net.trainable(), learning_rate=Tensor(np.float32(1e-4)), beta1=0.9,
                                       beta2=0.95, eps=eps, weight_decay=0.0)
         grad_fn = ms.value_and_grad(net, None, self.opt.parameters, has_aux=True)
         opt = self.opt
+        reduce = grad_reducer if grad_reducer is not None else _same
+
+        def apply(grads, lr):   # hook: data-parallel mean over ranks (distributed.GradMean), then clip + AdamW
+            grads = ops.depend(ops.clip_by_global_norm(reduce(grads), clip), ops.assign(opt.learning_rate, lr))
+            return opt(grads)
 
         def step(aux, ids, hid, tgt, pos_mask, lr):
             (loss, losses, correct), grads = grad_fn(aux, ids, hid, tgt, pos_mask)
-            grads = ops.depend(ops.clip_by_global_norm(grads, clip), ops.assign(opt.learning_rate, lr))
-            loss = ops.depend(loss, opt(grads))
+            loss = ops.depend(loss, apply(grads, lr))
             return loss, losses, correct
 
         self._step = ms.jit(step)
+        self._grads = ms.jit(grad_fn)
+        self._apply = ms.jit(apply)
 
     def __call__(self, batch: Batch, lr: float):
         loss, losses, correct = self._step(*batch.tensors(), Tensor(np.float32(lr)))
         return float(loss.asnumpy()), losses.asnumpy(), correct.asnumpy()
+
+    def grads(self, batch: Batch):
+        """Forward + backward only: ``((loss, step_losses [S], step_correct [S]), grads)``, Tensors; grads is a
+        float32 tuple in the order of :meth:`TTTDrafter.trainable`. Used with :meth:`apply` to accumulate."""
+        return self._grads(*batch.tensors())
+
+    def apply(self, grads: tuple, lr: float) -> None:
+        """One optimiser step from ``grads`` (as from :meth:`grads`, e.g. a mean over samples): the gradient
+        reducer (mean over ranks), global-norm clipping and AdamW, as in ``__call__``."""
+        self._apply(grads, Tensor(np.float32(lr)))
 
     def state(self) -> dict:
         """Optimiser state as numpy: moments (name 'm:<param>' / 'v:<param>') and the global step."""
