@@ -41,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--stage", choices=("all", "features", "train"), default="all")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("CPU", "Ascend", "GPU"), default="CPU",
+                   help="device target; the device index is $DEVICE_ID (msrun: the local rank), default 0")
     p.add_argument("--shard-size", type=int, default=32)
     return p.parse_args(argv)
 
@@ -122,7 +124,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from .. import runtime
 
-    runtime.configure()
+    try:     # msrun / ModelArts: DEVICE_ID = the local rank's NPU (unused on CPU)
+        device_id = int(os.environ.get("DEVICE_ID") or 0) if args.device != "CPU" else 0
+    except ValueError:
+        print(f"error: DEVICE_ID must be an integer, got {os.environ['DEVICE_ID']!r}", file=sys.stderr)
+        return 2
+    runtime.configure(device_target=args.device, device_id=device_id)
     from .distributed import DistError, init_from_env
 
     try:
