@@ -5,7 +5,8 @@ Legend: T = max_len, S = ttt_length, N = training samples, Vd = draft vocab, V =
 Layout of ``<out>`` (the drafter directory):
     config.json, model.safetensors   SpecForge / EAGLE-3 drafter (fp16 weights, d2t int64, t2d bool, no
                                      embedding; ``models.eagle3.save_drafter``), rewritten at every checkpoint
-    train_log.jsonl                  one line per step: step, lr, loss, step losses [S], correct [S], masked [S]
+    train_log.jsonl                  one line per step: step, lr, loss, step losses [S], correct [S], masked [S],
+                                     tokens, elapsed_s / cpu_s (wall / this process's CPU seconds since the loop began)
     summary.json                     final numbers (accuracies, wall time, data counts, vocab mass, command)
     resume/state.npz                 float32 weights, optimiser moments, step, vocab ids, sample count, RNG state
 
@@ -210,7 +211,7 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistC
     bar = tqdm(total=tc.steps, initial=start, desc="train", unit="step", disable=not (tc.progress and main),
                mininterval=5)
     win_c, win_m, win_l = [], [], []
-    tok_seen, t_loop, history = 0, time.time(), []
+    tok_seen, t_loop, c_loop, history = 0, time.time(), time.process_time(), []
     stop = tc.steps if tc.stop_at is None else min(tc.steps, tc.stop_at)
     for step in range(start, stop):
         batches = [sample_batch(fs, sample_order(int(p), n_train, tc.seed), t2d, T, S)
@@ -225,7 +226,7 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistC
             loss, losses, correct, masked, tokens = r["loss"], r["losses"], r["correct"], r["masked"], r["tokens"]
         rec = {"step": step, "lr": lr, "loss": loss, "losses": np.round(losses, 5).tolist(),
                "correct": correct.tolist(), "masked": masked.tolist(), "tokens": tokens,
-               "elapsed_s": round(time.time() - t_loop, 3)}
+               "elapsed_s": round(time.time() - t_loop, 3), "cpu_s": round(time.process_time() - c_loop, 3)}
         history.append(loss)
         if main:
             with open(log_path, "a") as f:
