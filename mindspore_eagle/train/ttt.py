@@ -320,7 +320,7 @@ class TrainStep:
     def apply(self, grads: tuple, lr: float) -> None:
         """One optimiser step from ``grads`` (as from :meth:`grads`, e.g. a mean over samples): the gradient
         reducer (mean over ranks), global-norm clipping and AdamW, as in ``__call__``."""
-        self._apply(grads, Tensor(np.float32(lr)))
+        self._apply(ms.mutable(tuple(grads)), Tensor(np.float32(lr)))   # variable input: no recompile per call
 
     def state(self) -> dict:
         """Optimiser state as numpy: moments (name 'm:<param>' / 'v:<param>') and the global step."""
