@@ -130,10 +130,11 @@ def main(argv=None) -> int:
         print(f"error: DEVICE_ID must be an integer, got {os.environ['DEVICE_ID']!r}", file=sys.stderr)
         return 2
     runtime.configure(device_target=args.device, device_id=device_id)
-    from .distributed import DistError, init_from_env
+    from .distributed import DistError, check_batch, init_from_env
 
     try:
         dist = init_from_env()
+        check_batch(args.batch_size, dist.world)      # before the teacher loads
     except DistError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
