@@ -5,7 +5,8 @@
 #
 #   scripts/msrun_train.sh OUT FEATURES_DIR [train options: --steps N --batch-size G --lr X --resume ...]
 #
-# --batch-size G (samples per optimiser step over all workers) defaults to WORKERS and must be a multiple of it.
+# --batch-size G (rows per optimiser step over all workers; each worker runs one batched step of G / WORKERS
+# rows) defaults to WORKERS and must be a multiple of it; --pack-len is refused (one process only).
 # Environment: WORKERS (total workers, default 2), LOCAL_WORKERS (on this node, default WORKERS), DEVICE (CPU,
 # Ascend; default CPU), THREADS (CPU kernel threads per worker, default nproc / LOCAL_WORKERS, at least 1),
 # MASTER_ADDR (scheduler host, default 127.0.0.1), MASTER_PORT (default 8119), NODE_RANK (multi-node: this node's
@@ -14,7 +15,7 @@
 # OUT/resume/state.npz, which only rank 0 writes).
 set -euo pipefail
 
-usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; }
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then usage; exit 0; fi
 if [[ $# -lt 2 ]]; then usage >&2; exit 2; fi
 OUT=$1

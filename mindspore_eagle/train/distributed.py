@@ -100,7 +100,10 @@ class GradMean(nn.Cell):
     """Mean over ranks of a gradient tuple: all-reduce SUM, then times 1/W (float32, same shapes).
 
     construct(grads: tuple of float32 Tensors [any shape]) -> tuple of the same shapes. With W = 1 it returns
-    ``grads`` unchanged (no communication). Usable inside ``mindspore.jit`` (the optimiser step) and eagerly.
+    ``grads`` unchanged (no communication). Used as ``ttt.TrainStep(grad_reduce=...)``, i.e. inside the jitted
+    step on the gradient tuple that ``value_and_grad`` builds in the graph (no host tuple of Tensors crosses the
+    jit boundary; one that did would have to be passed as ``ms.mutable(tuple(...))``, or the graph would
+    recompile on every call). Also callable eagerly.
     """
 
     def __init__(self, world: int):
