@@ -5,6 +5,10 @@ resumable shards (train/regen_run.py); ``--regen-dir DIR`` makes the features st
 
 Every stage resumes: samples are written once to ``<features-dir>/samples.npz``, feature shards are skipped when
 listed in the manifest, and ``--resume`` continues training from ``<out>/resume/`` (see trainer.py).
+
+Data-parallel training: the same command under ``msrun --worker_num W --local_worker_num W python -m
+mindspore_eagle.train ... --stage train --batch-size G`` (G a multiple of W, no --pack-len;
+docs/training_distributed.md).
 """
 from __future__ import annotations
 
@@ -26,11 +30,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ttt-length", type=int, default=7)
     p.add_argument("--steps", type=int, default=1000, help="optimiser steps")
     p.add_argument("--batch-size", type=int, default=1,
-                   help="rows per optimiser step (one sample per row; several when packed); the loss is the mean"
-                        " of the per-sample losses")
+                   help="rows per optimiser step over all msrun ranks (one sample per row; several when packed,"
+                        " one process only); a multiple of the ranks; the loss is the mean of the per-sample"
+                        " losses")
     p.add_argument("--pack-len", type=int, default=0,
                    help="0 = one sample per row padded to --max-len; N >= --max-len = pack whole samples into"
-                        " rows of N tokens (block-diagonal attention, per-sample positions)")
+                        " rows of N tokens (block-diagonal attention, per-sample positions; not under msrun)")
     p.add_argument("--init", choices=("random", "teacher"), default="random",
                    help="drafter init: random, or lm_head / final norm from the teacher's head / final norm")
     p.add_argument("--lr", type=float, default=3e-4)
@@ -42,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--regen-batch", type=int, default=16,
                    help="sequences decoded together by --regenerate (0 = one at a time)")
     p.add_argument("--resume", action="store_true", help="continue from <out>/resume")
+    p.add_argument("--stop-at", type=int, default=None,
+                   help="end after this many steps, as if interrupted (checkpoint written; the learning-rate"
+                        " schedule still spans --steps); continue later with --resume")
     p.add_argument("--init-from", default=None,
                    help="fine-tune this SpecForge drafter directory (keeps its draft vocabulary; --vd must match)")
     p.add_argument("--checkpoint-every", type=int, default=100,
@@ -50,6 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="held-out samples (the last ones; at most a quarter of the samples; 0 = none)")
     p.add_argument("--stage", choices=("all", "features", "train"), default="all")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("CPU", "Ascend", "GPU"), default="CPU",
+                   help="device target; the device index is $DEVICE_ID (msrun: the local rank), default 0")
     p.add_argument("--shard-size", type=int, default=32)
     p.add_argument("--regen-dir", default=None,
                    help="samples from a `regen` shard directory (teacher replies) instead of ShareGPT text")
@@ -59,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                           ("--max-len", a.max_len, 8), ("--n-eval", a.n_eval, 0)):
         if val < lo:
             p.error(f"{name} must be >= {lo}, got {val}")
+    if a.stop_at is not None and a.stop_at < 1:
+        p.error(f"--stop-at must be >= 1, got {a.stop_at}")
     if a.pack_len and a.pack_len < a.max_len:
         p.error(f"--pack-len must be 0 (off) or >= --max-len {a.max_len}, got {a.pack_len}")
     return a
@@ -153,7 +165,26 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from .. import runtime
 
-    runtime.configure()
+    try:     # msrun / ModelArts: DEVICE_ID = the local rank's NPU (unused on CPU)
+        device_id = int(os.environ.get("DEVICE_ID") or 0) if args.device != "CPU" else 0
+    except ValueError:
+        print(f"error: DEVICE_ID must be an integer, got {os.environ['DEVICE_ID']!r}", file=sys.stderr)
+        return 2
+    runtime.configure(device_target=args.device, device_id=device_id)
+    from .distributed import DistError, check_batch, init_from_env
+
+    try:
+        dist = init_from_env()
+        check_batch(args.batch_size, dist.world, args.pack_len)      # before the teacher loads
+    except DistError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if dist.scheduler:       # msrun's scheduler process: init() served the cluster, nothing to train
+        return 0
+    if dist.world > 1 and args.stage != "train":
+        print("error: --stage must be 'train' under msrun (build features once, in one process, first)",
+              file=sys.stderr)
+        return 2
     from ..models.checkpoints import load_teacher
 
     if args.teacher is None:
@@ -172,10 +203,14 @@ def main(argv=None) -> int:
                      lr=args.lr, warmup=args.warmup, schedule=args.schedule, max_len=args.max_len,
                      intermediate=args.intermediate, seed=args.seed, checkpoint_every=args.checkpoint_every,
                      init_from=args.init_from, batch_size=args.batch_size, pack_len=args.pack_len,
-                     init=args.init, n_eval=args.n_eval,
+                     init=args.init, n_eval=args.n_eval, stop_at=args.stop_at,
                      command=" ".join(["python -m mindspore_eagle.train"] + list(sys.argv[1:] if argv is None
                                                                                   else argv)))
-    train(tc, cfg, tensors, resume=args.resume)
+    try:
+        train(tc, cfg, tensors, resume=args.resume, dist=dist)
+    except DistError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

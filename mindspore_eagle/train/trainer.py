@@ -6,7 +6,8 @@ Layout of ``<out>`` (the drafter directory):
     config.json, model.safetensors   SpecForge / EAGLE-3 drafter (fp16 weights, d2t int64, t2d bool, no
                                      embedding; ``models.eagle3.save_drafter``), rewritten at every checkpoint
     train_log.jsonl                  one line per step: step, lr, loss, step losses [S], correct [S], masked [S],
-                                     samples and real tokens of the step, stream cursor after it
+                                     samples and real tokens of the step, stream cursor after it, elapsed_s /
+                                     cpu_s (wall / this process's CPU seconds since the loop began)
     eval_log.jsonl                   one line per checkpoint: held-out loss, top-1 accuracy, top-k coverage per
                                      TTT step and the implied L_k (coverage.py)
     summary.json                     final numbers (accuracies, coverage, throughput, wall time, data counts,
@@ -20,6 +21,11 @@ step takes the next samples of the stream (``batch_size`` rows of one sample eac
 a pure function of the step (``ttt.lr_at``). So a resumed run repeats the uninterrupted loss curve. Shapes are
 fixed (B x T), the step compiles once. The last ``n_eval`` samples are held out and scored at every checkpoint
 and at the end (per-step top-1 accuracy, eagle3.md §4 "Accuracy metric", and top-k coverage, coverage.py).
+
+Data parallelism (msrun, W ranks; distributed.py): ``batch_size`` G is the global batch; each rank trains on its
+B = G / W rows of every step's G stream positions with a gradient all-reduce (mean) inside the jitted step,
+logs / checkpoints / the resume state (global cursor) are rank 0's and equal the single-process ones; the
+held-out evaluation is split over the ranks. No packing with W > 1.
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ import numpy as np
 from ..models.eagle3 import DrafterConfig, init_drafter_tensors, save_drafter
 from .batching import assemble, make_batch, plan_rows, sample_arrays, stream_sample
 from .coverage import KS, coverage_counts, coverage_report
+from .distributed import DistContext, check_batch, local_positions, reduce_step_stats
 from .features import FeatureSet, head_weight
 from .ttt import TTTDrafter, TrainStep, lr_at
 from .vocab import build_vocab
@@ -46,8 +53,9 @@ class TrainConfig:
     None = the teacher's FFN width; ``n_eval`` held-out samples; ``max_samples`` caps the samples used;
     ``stop_at`` ends the loop early (as if killed there; the schedule still spans ``steps``); ``init_from`` a
     SpecForge drafter directory to fine-tune (its weights and its draft vocabulary; ``vd`` must match);
-    ``batch_size`` rows per optimiser step; ``pack_len`` 0 = one sample per row of ``max_len`` tokens, else the
-    row length (>= max_len) into which whole samples are packed; ``init`` "random" | "teacher" (see
+    ``batch_size`` rows per optimiser step (over all msrun ranks: the global batch G, a multiple of the ranks);
+    ``pack_len`` 0 = one sample per row of ``max_len`` tokens, else the row length (>= max_len) into which whole
+    samples are packed (one process only); ``init`` "random" | "teacher" (see
     :func:`initial_tensors`; ignored with ``init_from``)."""
     out: str
     features_dir: str
@@ -105,26 +113,39 @@ def sample_batch(fs: FeatureSet, i: int, t2d: np.ndarray, T: int, S: int):
     return make_batch(d["input_ids"], d["loss_mask"], d["aux"], d["hidden"], d["argmax"], t2d, T, S)
 
 
-def next_batch(fs: FeatureSet, cursor: int, lengths: np.ndarray, tc: "TrainConfig", t2d: np.ndarray):
+def next_batch(fs: FeatureSet, cursor: int, lengths: np.ndarray, tc: "TrainConfig", t2d: np.ndarray,
+               dist: DistContext | None = None):
     """The batch of the step that starts at stream position ``cursor``.
 
     Args:
         lengths: int [n_train] sample lengths truncated to max_len; tc: batch_size, pack_len, max_len,
-        ttt_length, seed.
+        ttt_length, seed; dist: rank r and world W (default one process).
     Returns:
-        (Batch of B rows x T tokens (T = pack_len or max_len), cursor after the step).
+        (Batch of B rows x T tokens (T = pack_len or max_len), cursor after the step). One process: B =
+        batch_size. W ranks (unpacked only): B = batch_size / W, the rows of stream positions cursor + rB ..
+        cursor + (r+1)B - 1 (``distributed.local_positions``); the cursor after the step is cursor + batch_size
+        on every rank.
+    Raises:
+        DistError: W > 1 with packing or a batch_size that W does not divide.
     """
     n, B, T = len(lengths), tc.batch_size, tc.pack_len or tc.max_len
-    look = B if not tc.pack_len else B * (T // max(1, int(lengths.min())) + 1)  # more than B rows can hold
-    idx = [stream_sample(cursor + j, n, tc.seed) for j in range(look)]
-    rows = plan_rows([int(lengths[i]) for i in idx], T, B, bool(tc.pack_len))
+    if dist is not None and dist.world > 1:
+        check_batch(B, dist.world, tc.pack_len)
+        idx = [stream_sample(int(p), n, tc.seed) for p in local_positions(cursor, B, dist.rank, dist.world)]
+        rows = plan_rows([int(lengths[i]) for i in idx], T, len(idx), False)
+        end = cursor + B
+    else:
+        look = B if not tc.pack_len else B * (T // max(1, int(lengths.min())) + 1)  # more than B rows can hold
+        idx = [stream_sample(cursor + j, n, tc.seed) for j in range(look)]
+        rows = plan_rows([int(lengths[i]) for i in idx], T, B, bool(tc.pack_len))
+        end = cursor + sum(len(r) for r in rows)
 
     def arrays(i):
         d = fs[i]
         return sample_arrays(d["input_ids"], d["loss_mask"], d["aux"], d["hidden"], d["argmax"], t2d,
                              tc.max_len, tc.ttt_length)
     batch = assemble([[arrays(idx[j]) for j in row] for row in rows], T, tc.ttt_length)
-    return batch, cursor + sum(len(r) for r in rows)
+    return batch, end
 
 
 def initial_tensors(dcfg: DrafterConfig, seed: int, used: np.ndarray, init: str, cfg, tensors: dict) -> dict:
@@ -167,19 +188,24 @@ def export(out: str, dcfg: DrafterConfig, net: TTTDrafter, vocab) -> None:
 
 
 def evaluate(net: TTTDrafter, fs: FeatureSet, idx: list, t2d: np.ndarray, max_len: int, S: int,
-             fwd=None, ks=KS) -> dict:
+             fwd=None, ks=KS, dist: DistContext | None = None) -> dict:
     """Held-out per-step top-1 accuracy, top-k coverage with the implied L_k (coverage.py), and loss.
 
     One sample per row of the net's T tokens (forward only, ``net.eval_topk`` jitted once: pass the same
-    ``fwd = ms.jit(net.eval_topk)`` on every call to avoid recompiling). Returns a dict with acc [S], loss,
-    samples, masked_tokens_step0 and coverage_report's cov / positions / L_implied.
+    ``fwd = ms.jit(net.eval_topk)`` on every call to avoid recompiling). Returns a dict with acc [S], loss
+    (mean of the per-sample losses), samples, masked_tokens_step0 and coverage_report's cov / positions /
+    L_implied. ``dist`` with W > 1 ranks (collective: every rank calls it with the same ``idx``): rank r scores
+    idx[r::W] and the sums (hits, positions, losses) are all-reduced, so every rank returns the result over
+    all of ``idx`` (counts exact below 2^24).
     """
     import mindspore as ms
 
+    world = dist.world if dist is not None else 1
+    mine = idx[dist.rank::world] if world > 1 else idx
     fwd = fwd or ms.jit(net.eval_topk)
     correct, masked, losses = np.zeros(S), np.zeros(S), []
     hits, counts = np.zeros((S, len(ks)), np.int64), np.zeros(S, np.int64)
-    for i in idx:
+    for i in mine:
         d = fs[i]
         b = assemble([[sample_arrays(d["input_ids"], d["loss_mask"], d["aux"], d["hidden"], d["argmax"], t2d,
                                      max_len, S)]], net.T, S)
@@ -192,25 +218,39 @@ def evaluate(net: TTTDrafter, fs: FeatureSet, idx: list, t2d: np.ndarray, max_le
         correct += c.asnumpy()
         masked += b.loss_mask.sum((1, 2))
         losses.append(float(loss.asnumpy()))
-    out = {"acc": (correct / np.maximum(masked, 1)).round(4).tolist(), "loss": float(np.mean(losses)),
+    loss_sum = float(np.sum(losses))
+    if world > 1:
+        K = len(ks)
+        v = dist.sum(np.concatenate([correct, masked, hits.ravel(), counts, [loss_sum]]))
+        correct, masked = v[:S], v[S:2 * S]
+        hits = np.round(v[2 * S:2 * S + S * K]).astype(np.int64).reshape(S, K)
+        counts, loss_sum = np.round(v[2 * S + S * K:-1]).astype(np.int64), float(v[-1])
+    out = {"acc": (correct / np.maximum(masked, 1)).round(4).tolist(), "loss": loss_sum / max(len(idx), 1),
            "samples": len(idx), "masked_tokens_step0": int(masked[0])}
     out.update(coverage_report(hits, counts, ks, depths=tuple(D for D in (1, 2, 3, S) if D <= S)))
     return out
 
 
-def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False) -> dict:
+def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistContext | None = None) -> dict:
     """Train (or resume) a drafter for teacher (``cfg``, HF-named ``tensors``) from ``tc.features_dir``.
 
+    ``dist``: this process's rank and world size (``distributed.init_from_env``; default one process). Under
+    msrun every rank runs this function on the same features and ``<out>`` (rank 0 alone writes there).
     Returns:
-        the summary dict (also written to ``<out>/summary.json``).
+        the summary dict (also written to ``<out>/summary.json`` by rank 0).
     Raises:
         FileNotFoundError: no feature shards, or ``resume`` without ``<out>/resume/state.npz``.
         ValueError: fewer than 2 samples, an option out of range (TrainConfig.check), or --resume with a
             different --batch-size / --pack-len than the run it continues.
+        DistError (a ValueError): W > 1 ranks with --pack-len, or a --batch-size that W does not divide.
+        RuntimeError: the ranks' weights / draft vocabularies differ (start or checkpoint).
     """
     from tqdm import tqdm
 
     tc.check()
+    dist = dist or DistContext()
+    check_batch(tc.batch_size, dist.world, tc.pack_len)
+    main = dist.is_main
     t_start = time.time()
     T, S = tc.max_len, tc.ttt_length
     fs = FeatureSet(tc.features_dir)
@@ -235,13 +275,15 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False) -> dict:
         if icfg.draft_vocab_size != tc.vd:
             raise ValueError(f"--init-from {tc.init_from}: draft_vocab_size {icfg.draft_vocab_size} != --vd {tc.vd}")
         used = np.nonzero(init["t2d"])[0]
-        print(f"[init] weights and draft vocabulary from {tc.init_from}", flush=True)
+        if main:
+            print(f"[init] weights and draft vocabulary from {tc.init_from}", flush=True)
     else:
         data_pairs = [(fs[i]["input_ids"], fs[i]["loss_mask"]) for i in range(n_train)]
         teach_pairs = [(fs[i]["argmax"][:-1], fs[i]["loss_mask"][1:]) for i in range(n_train)]
         dv = build_vocab(data_pairs, cfg.vocab_size, tc.vd, teach_pairs)
         used = dv.used
-        print(f"[vocab] {dv.report()}", flush=True)
+        if main:
+            print(f"[vocab] {dv.report()}", flush=True)
     from ..models.eagle3 import vocab_maps
 
     vocab = vocab_maps(used, cfg.vocab_size)
@@ -259,7 +301,7 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False) -> dict:
     R = tc.pack_len or T
     net = TTTDrafter(dcfg, tensors["model.embed_tokens.weight"], head[used], vocab["d2t"], R, S, max_len=T)
     net.load_tensors(init if init is not None else initial_tensors(dcfg, tc.seed, used, tc.init, cfg, tensors))
-    ts = TrainStep(net)
+    ts = TrainStep(net, grad_reduce=dist.grad_reduce())
     start, cursor = 0, 0
     if state is not None:
         start = int(state["step"])
@@ -270,69 +312,82 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False) -> dict:
                 raise ValueError(f"--resume: the run was started with --{key.replace('_', '-')} {got}, not {want}")
         net.load_tensors({k[2:]: v for k, v in state.items() if k.startswith("w:")})
         ts.load_state({k[2:]: v for k, v in state.items() if k.startswith("o:")})
-        print(f"[resume] from step {start} (stream position {cursor})", flush=True)
+        if main:
+            print(f"[resume] from step {start} (stream position {cursor})", flush=True)
+    dist.check_same([p.asnumpy() for p in net.trainable()] + [np.asarray(used)],
+                    "initial weights / draft vocabulary")
     warmup = tc.warmup if tc.warmup is not None else max(1, int(0.03 * tc.steps))
-    os.makedirs(os.path.join(tc.out, "resume"), exist_ok=True)
     log_path, eval_path = os.path.join(tc.out, "train_log.jsonl"), os.path.join(tc.out, "eval_log.jsonl")
-    _trim_log(log_path, start)                      # train_log "step" = 0-based step index
-    _trim_log(eval_path, start + 1 if start else 0)  # eval_log "step" = steps done at the checkpoint
+    if main:
+        os.makedirs(os.path.join(tc.out, "resume"), exist_ok=True)
+        _trim_log(log_path, start)                      # train_log "step" = 0-based step index
+        _trim_log(eval_path, start + 1 if start else 0)  # eval_log "step" = steps done at the checkpoint
     extra = {"vocab_used": used, "n_samples": np.array(n_total), "batch_size": np.array(tc.batch_size),
              "pack_len": np.array(tc.pack_len),
              "rng": np.array(json.dumps({"seed": tc.seed, "order": "permutation(seed, epoch)"}))}
     lengths = np.array([min(len(fs[i]["input_ids"]), T) for i in range(n_train)])
     held_idx = list(range(n_train, n_total))
     fwd_eval = None
-    bar = tqdm(total=tc.steps, initial=start, desc="train", unit="step", disable=not tc.progress, mininterval=5)
+    bar = tqdm(total=tc.steps, initial=start, desc="train", unit="step", disable=not (tc.progress and main),
+               mininterval=5)
     win_c, win_m, win_l = [], [], []
-    tok_seen, samples_seen, t_loop, history = 0, 0, time.time(), []
+    tok_seen, samples_seen, t_loop, c_loop, history = 0, 0, time.time(), time.process_time(), []
     eval_s, first, held, held_step = 0.0, (0.0, 0, 0), {}, None
     stop = tc.steps if tc.stop_at is None else min(tc.steps, tc.stop_at)
     for step in range(start, stop):
         t0 = time.time()
-        b, cursor = next_batch(fs, cursor, lengths, tc, t2d)
+        b, cursor = next_batch(fs, cursor, lengths, tc, t2d, dist)
         lr = lr_at(step, tc.lr, warmup, tc.steps, tc.schedule)
         loss, losses, correct = ts(b, lr)
+        loss, losses, correct, masked, n_samples, n_valid = reduce_step_stats(  # global batch (W > 1)
+            dist, loss, losses, correct, b.loss_mask.sum((1, 2)), b.n_samples, b.n_valid)
         if step == start:                                                   # includes compiling the step
-            first = (time.time() - t0, b.n_valid, b.n_samples)
-        masked = b.loss_mask.sum((1, 2))
+            first = (time.time() - t0, n_valid, n_samples)
         rec = {"step": step, "lr": lr, "loss": loss, "losses": np.round(losses, 5).tolist(),
-               "correct": correct.tolist(), "masked": masked.tolist(), "samples": b.n_samples,
-               "tokens": b.n_valid, "cursor": cursor}
+               "correct": correct.tolist(), "masked": masked.tolist(), "samples": n_samples,
+               "tokens": n_valid, "cursor": cursor, "elapsed_s": round(time.time() - t_loop, 3),
+               "cpu_s": round(time.process_time() - c_loop, 3)}
         history.append(loss)
-        _append(log_path, rec)
+        if main:
+            _append(log_path, rec)
         win_c, win_m, win_l = (win_c + [correct])[-100:], (win_m + [masked])[-100:], (win_l + [loss])[-100:]
-        tok_seen += b.n_valid
-        samples_seen += b.n_samples
+        tok_seen += n_valid
+        samples_seen += n_samples
         acc = np.sum(win_c, 0) / np.maximum(np.sum(win_m, 0), 1)
         bar.update(1)
         bar.set_postfix(loss=f"{np.mean(win_l):.3f}", acc0=f"{acc[0]:.3f}",
                         tok_s=f"{tok_seen / max(time.time() - t_loop - eval_s, 1e-9):.0f}", refresh=False)
         if (step + 1) % tc.checkpoint_every == 0 or step + 1 == stop:
-            export(tc.out, dcfg, net, vocab)
-            save_resume(rpath, net, ts, step + 1, {**extra, "cursor": np.array(cursor, np.int64)})
+            dist.check_same([p.asnumpy() for p in net.trainable()], f"weights after step {step + 1}")
+            if main:
+                export(tc.out, dcfg, net, vocab)
+                save_resume(rpath, net, ts, step + 1, {**extra, "cursor": np.array(cursor, np.int64)})
             if held_idx:
                 t0 = time.time()
                 if fwd_eval is None:
                     import mindspore as ms
 
                     fwd_eval = ms.jit(net.eval_topk)
-                held, held_step = evaluate(net, fs, held_idx, t2d, T, S, fwd_eval), step + 1
+                held, held_step = evaluate(net, fs, held_idx, t2d, T, S, fwd_eval, dist=dist), step + 1
                 eval_s += time.time() - t0
-                _append(eval_path, {"step": step + 1, **held})
+                if main:
+                    _append(eval_path, {"step": step + 1, **held})
     bar.close()
-    export(tc.out, dcfg, net, vocab)
+    if main:
+        export(tc.out, dcfg, net, vocab)
     loop_s = time.time() - t_loop
     train_s = loop_s - eval_s
     n_steps = stop - start
     acc_train = (np.sum(win_c, 0) / np.maximum(np.sum(win_m, 0), 1)).round(4).tolist() if win_c else []
     if held_idx and held_step != stop:
-        held = evaluate(net, fs, held_idx, t2d, T, S, fwd_eval)
+        held = evaluate(net, fs, held_idx, t2d, T, S, fwd_eval, dist=dist)
     summary = {
         "samples_train": n_train, "samples_eval": n_eval, "train_tokens": int(sum(len(fs[i]["input_ids"])
                                                                                   for i in range(n_train))),
         "vd": tc.vd, "vocab_mass_data": round(mass[0], 4), "vocab_mass_teacher_argmax": round(mass[1], 4),
         "ttt_length": S, "steps": tc.steps, "resumed_from": start, "max_len": T, "lr": tc.lr, "warmup": warmup,
         "schedule": tc.schedule, "batch_size": tc.batch_size, "pack_len": tc.pack_len, "row_len": R,
+        "world_size": dist.world,
         "init": tc.init if not tc.init_from else "init_from", "drafter": dcfg.to_json(),
         "train_acc_last100": acc_train, "train_loss_last100": float(np.mean(win_l)) if win_l else None,
         "heldout": held, "train_seconds_this_run": round(train_s, 1), "eval_seconds_this_run": round(eval_s, 1),
@@ -344,10 +399,11 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False) -> dict:
         "first_step_seconds": round(first[0], 2), "command": tc.command,
         "config": asdict(tc), "losses_this_run": [round(x, 5) for x in history],
     }
-    with open(os.path.join(tc.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
-    print(f"[done] train acc(last 100) {acc_train}; held-out {held.get('acc')}; coverage {held.get('cov')}; "
-          f"L_implied {held.get('L_implied')}", flush=True)
+    if main:
+        with open(os.path.join(tc.out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        print(f"[done] train acc(last 100) {acc_train}; held-out {held.get('acc')}; coverage {held.get('cov')}; "
+              f"L_implied {held.get('L_implied')}", flush=True)
     return summary
 
 

@@ -286,6 +286,9 @@ class TrainStep:
     the one place for a per-worker gradient all-reduce (mean over workers of each worker's batch-mean gradient
     equals the gradient of the mean loss when every worker holds the same number of samples; otherwise weight
     each worker by its ``n_samples``). Clipping after the reduction keeps every worker's update identical.
+    ``grad_reduce`` is called inside ``ms.jit`` on the tuple of float32 gradient Tensors (shapes of
+    ``net.trainable()``) and must return a tuple of the same shapes: a Cell such as ``distributed.GradMean``
+    (msrun: all-reduce SUM, times 1/W) or a graph-compilable function.
 
     The learning rate is an input of the jitted step, assigned to the optimiser's learning-rate Parameter inside
     the graph (a host ``set_data`` after compilation is not seen by the graph on MindSpore 2.9 CPU); the schedule
