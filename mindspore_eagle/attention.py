@@ -70,8 +70,11 @@ def paged_attention(q, k, v, key_cache, value_cache, write_idx, read_idx, mask, 
     dtype (float32 / float16 / bfloat16); write_idx [k * n_kv] i32 and read_idx [n_kv, S] i32
     (:meth:`PortableKVOps.indices`), mask [k, S] f32 additive, scale: the score factor 1/sqrt(hd), or None when
     q already carries it (the teacher folds it into its q weights) -> context [k, nh * hd] in the compute dtype.
-    Scores are cast to float32 before the mask and the softmax (MindFormers' ``softmax_compute_type``) and the
-    probabilities back to the compute dtype for the value matmul; float32 takes no cast.
+    Scores are cast to float32 before the mask and the softmax (MindFormers' ``softmax_compute_type``), and in
+    half precision the value matmul runs in float32 too (values upcast, the context rounded once to the compute
+    dtype, as the fused kernels accumulate): a tree node's ancestors sit at tree slots with masked columns between
+    them where one-token decoding has them contiguous, and a half-precision P V sum grouped differently flipped a
+    greedy token (docs/ascend.md). float32 takes no cast.
     GQA: each KV head serves nh / n_kv query heads through one batched matmul. This is the portable stand-in for
     Ascend's ReshapeAndCache + PagedAttention pair (pangu_mindformers.md §2.3).
 
@@ -106,9 +109,10 @@ def paged_attention(q, k, v, key_cache, value_cache, write_idx, read_idx, mask, 
     else:
         scores = scores.reshape(G, nkv, group, kg, -1) + mask.reshape(G, 1, 1, kg, -1)
     probs = ops.softmax(scores, -1).reshape(G * nkv, group * kg, -1)
-    if probs.dtype != vals.dtype:
-        probs = probs.astype(vals.dtype)
-    ctx = ops.bmm(probs, vals)                                               # [G*n_kv, g*kg, hd]
+    if vals.dtype != ms.float32:          # half precision: P V accumulates in float32, rounded once at the end
+        ctx = ops.bmm(probs, vals.astype(ms.float32)).astype(vals.dtype)
+    else:
+        ctx = ops.bmm(probs, vals)                                           # [G*n_kv, g*kg, hd]
     if kg == 1:
         return ctx.reshape(G, nh * hd)
     return ctx.reshape(G, nkv, group, kg, hd).transpose(0, 3, 1, 2, 4).reshape(k_len, nh * hd)
