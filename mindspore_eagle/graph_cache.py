@@ -52,7 +52,7 @@ def cache_key(cfg, budgets, teacher_path: str, drafter_path: str | None) -> dict
     sp = cfg.speculative
     return {"mindspore": ms.__version__, "sources": src, "device": cfg.context.device_target,
             "dtype": cfg.model.dtype, "cache": dict(vars(cfg.cache)), "M": sp.M, "D_max": sp.D_max,
-            "top_k": sp.top_k, "budgets": list(budgets),
+            "top_k": sp.top_k, "budgets": list(budgets), "max_batch": cfg.batch.max_batch,
             "teacher": _file_ids(teacher_path) or teacher_path,
             "drafter": (_file_ids(drafter_path) or drafter_path) if drafter_path else None}
 

@@ -197,10 +197,10 @@ class TargetRunner:
         for i, sid in enumerate(sids):
             slots[i] = self.bm.append(sid, 1, 1)[0]
             positions[i], toks[i] = lengths[i], tokens[i]
-        out, aux = self._run(self._fwd, table, toks, positions, slots, mask, np.arange(n))
-        for sid in sids:
+        out, aux = self._run(self._fwd, table, toks, positions, slots, mask, np.arange(rows))   # all rows: one
+        for sid in sids:                                                                       # graph for any n
             self.bm.advance(sid, 1)
-        return (out, aux[:n]) if with_aux else out
+        return (out[:n], aux[:n]) if with_aux else out[:n]
 
     def verify_batch(self, sids, trees, rows: int, width_step: int = 512) -> tuple[np.ndarray, np.ndarray]:
         """Verify one draft tree per sequence in a single forward (speculative continuous batching).
@@ -238,8 +238,8 @@ class TargetRunner:
             mask[r, c:c + w] = tree_attention_bias(tt, p, w)
             tokens[r], positions[r] = tt.tokens, p + tt.depth
             slots[r] = self.bm.branch(sid, M)
-        out, aux = self._run(self._fwd, table, tokens, positions, slots, mask, np.arange(n * M))
-        return out, aux[:n * M]
+        out, aux = self._run(self._fwd, table, tokens, positions, slots, mask, np.arange(rows))  # one graph for any n
+        return out[:n * M], aux[:n * M]
 
     @property
     def _grouped(self) -> bool:

@@ -112,6 +112,47 @@ def _verify(target, p0: int, M: int, D: int) -> None:
         target.free(sid)
 
 
+def batch_shapes(target, rows: int, M: int, D: int, speculative: bool):
+    """Yield (what, fn) calls compiling the continuous-batching graphs (``scheduler.py``): ``decode_batch`` of
+    ``rows`` = N rows at each width and, when ``speculative``, ``verify_batch`` of N x M rows at each width.
+
+    Only for backends that take a block table per sequence (``TargetRunner._grouped``; the portable one), whose
+    batched widths are the sequence width buckets; a concatenated batch's width depends on the lengths in it, so
+    it keeps compiling on first use. Nothing for N = 1 (the one-sequence graphs serve it).
+    """
+    if rows <= 1 or not target._grouped:
+        return
+    prev = 0
+    for w in target.widths:
+        p0 = _start(prev, 1, target.S, lo=1)
+        if p0 is not None:
+            yield f"teacher decode_batch {rows} x {w}", lambda p0=p0: _decode_batch(target, p0, rows)
+        p0 = _start(prev, M, target.S, lo=1)
+        if speculative and p0 is not None:
+            yield f"teacher verify_batch {rows * M} x {w}", lambda p0=p0: _verify_batch(target, p0, rows, M, D)
+        prev = w
+
+
+def _decode_batch(target, p0: int, rows: int) -> None:
+    sid = target.new_seq()
+    try:
+        _skip(target, sid, p0)
+        target.decode_batch([sid], [_FILL_ID], rows=rows)
+    finally:
+        target.free(sid)
+
+
+def _verify_batch(target, p0: int, rows: int, M: int, D: int) -> None:
+    sid = target.new_seq()
+    try:
+        _skip(target, sid, p0)
+        tree = DraftTree(tokens=_FILL_ID + np.arange(min(3, M)), parents=np.zeros(min(3, M), np.int64))
+        target.verify_batch([sid], [tensorize(tree, M, D)], rows=rows * M)
+        target.rollback(sid)
+    finally:
+        target.free(sid)
+
+
 def drafter_shapes(drafter, M: int, D: int, context_limit: int):
     """Yield (what, fn) calls compiling every drafter graph: context-pass buckets and tree expansion per width.
 
@@ -151,7 +192,7 @@ def _expand(drafter, p0: int, M: int, D: int, width: int) -> None:
         drafter.free(sid)
 
 
-def warmup(engine, gen, mode: str = "full", log=None, drafters=None, budgets=None) -> dict:
+def warmup(engine, gen, mode: str = "full", log=None, drafters=None, budgets=None, max_batch: int = 1) -> dict:
     """Compile the graphs of ``engine`` before use (fused mode; eager mode has nothing to compile).
 
     Args:
@@ -163,6 +204,8 @@ def warmup(engine, gen, mode: str = "full", log=None, drafters=None, budgets=Non
         log: callable taking one progress line (str), e.g. a stderr printer; None = silent.
         drafters: extra DrafterRunners sharing the engine's teacher (bench's other top_k), warmed like its own.
         budgets: tree budgets to verify (default ``engine.verify_budgets()``).
+        max_batch: > 1 also compiles the batched graphs of that many rows (:func:`batch_shapes`; trees too when
+            the engine has a drafter), ``full`` mode only.
     Returns:
         {"mode": str, "seconds": float wall s, "compiles": int graphs compiled (0 when all were cached in-process)}.
     Raises:
@@ -179,6 +222,7 @@ def warmup(engine, gen, mode: str = "full", log=None, drafters=None, budgets=Non
         calls = list(target_shapes(engine.target, budgets or engine.verify_budgets(), spec.D_max))
         for dr in runners[1:]:
             calls += list(drafter_shapes(dr, spec.M, spec.D_max, engine.target.S))
+        calls += list(batch_shapes(engine.target, max_batch, spec.M, spec.D_max, engine.drafter is not None))
         for i, (what, fn) in enumerate(calls):
             before = count()
             fn()
@@ -200,7 +244,7 @@ def prepare(engine, cfg, gen, mode: str = "full", log=None, drafters=None, graph
 
     Args:
         engine / gen / log / drafters / budgets: as :func:`warmup`. cfg: the Config the engine was built from.
-        mode: full | short | none, as :func:`warmup`.
+        mode: full | short | none, as :func:`warmup`; ``cfg.batch.max_batch`` > 1 adds the batched graphs.
         graph_cache: use the on-disk cache (``context.graph_cache``); only a ``full`` warm-up reads or writes it.
     Returns:
         :func:`warmup`'s dict plus "graph_cache": the directory used, or None.
@@ -212,6 +256,7 @@ def prepare(engine, cfg, gen, mode: str = "full", log=None, drafters=None, graph
 
     if mode not in MODES:
         raise ValueError(f"warmup mode must be one of {', '.join(MODES)}, got {mode!r}")
+    max_batch = cfg.batch.max_batch
     cache = None
     if graph_cache and mode == "full" and engine.target.mode == "fused":
         d = cfg.model.drafter
@@ -219,17 +264,17 @@ def prepare(engine, cfg, gen, mode: str = "full", log=None, drafters=None, graph
                                EMBEDDED_DRAFTER if d == "embedded" else d)
         cache = gcache.GraphCache(gcache.default_root(), key)
     if mode != "full" or cache is None or not cache.open():
-        return dict(warmup(engine, gen, mode, log, drafters, budgets), graph_cache=None)
+        return dict(warmup(engine, gen, mode, log, drafters, budgets, max_batch), graph_cache=None)
     hit = cache.work == cache.dir
     if log:
         log(f"warm-up: {'loading' if hit else 'compiling and saving'} all graphs ({cache.dir})")
     try:
-        out = warmup(engine, gen, mode, log, drafters, budgets)
+        out = warmup(engine, gen, mode, log, drafters, budgets, max_batch)
     except Exception as e:   # a stale or damaged cache file: drop the cache, compile afresh
         cache.discard()
         if log:
             log(f"warm-up: graph cache {cache.dir} unusable ({type(e).__name__}); removed, compiling")
-        return dict(warmup(engine, gen, mode, log, drafters, budgets), graph_cache=None)
+        return dict(warmup(engine, gen, mode, log, drafters, budgets, max_batch), graph_cache=None)
     cache.close(True, out["compiles"])
     return dict(out, graph_cache=str(cache.dir))
 

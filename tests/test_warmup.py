@@ -63,6 +63,35 @@ def test_full_warmup_then_no_compile_in_any_turn(ms_runtime, tiny_dir):
     assert base.turn.compile_count == 0
 
 
+def test_batched_warmup_then_scheduler_compiles_nothing(ms_runtime, tiny_dir):
+    """max_batch 3 with trees: the warm-up also compiles decode_batch (3 rows) and verify_batch (3 x M rows) at each
+    width, after which a continuous-batching run over short and long prompts (both widths, tree and plain steps)
+    compiles no graph."""
+    from mindspore_eagle import batch
+    from mindspore_eagle.pipeline import build_engine
+    from mindspore_eagle.warmup import batch_shapes, warmup
+    from mindspore_eagle.scheduler import BatchScheduler
+    from test_scheduler import ScriptedGate, records
+
+    cfg = batch.batched_config(_cfg(tiny_dir, ["batch.max_batch=3", "batch.speculative=true"]))
+    eng = build_engine(cfg)
+    assert [w for w, _ in batch_shapes(eng.target, 3, 8, 3, True)] == [
+        "teacher decode_batch 3 x 256", "teacher verify_batch 24 x 256",
+        "teacher decode_batch 3 x 512", "teacher verify_batch 24 x 512"]
+    assert list(batch_shapes(eng.target, 1, 8, 3, True)) == []
+    out = warmup(eng, cfg.generation, "full", max_batch=3)
+    assert out["compiles"] == 23 + 4                              # the one-sequence graphs (test above) + 4
+    before = eng.target.compiles + eng.drafter.compiles
+    recs = records([{"id": i, "prompt": p} for i, p in enumerate(["Hi", LONG, "Thanks", "What is 2+2?"])])
+    sched = BatchScheduler(eng, cfg.generation, 3, speculative=True)
+    sched.stepper.gate = ScriptedGate(["tree", "plain", "tree"])
+    got = {}
+    sched.run(recs, lambda res: got.setdefault(res["id"], res))
+    assert len(got) == 4 and all("error" not in r for r in got.values())
+    assert sched.stepper.gate.seen == {"tree", "plain"}
+    assert eng.target.compiles + eng.drafter.compiles == before
+
+
 def test_compiles_on_first_use_are_reported(ms_runtime, tiny_dir):
     """Issue 15 finding 1: no silent compiling: a note, then one line per graph (name, rows x width, seconds)."""
     import re
