@@ -21,8 +21,8 @@ turn whose need exceeds S, or NB on its own, gets an error result (the record's 
 
 The stepper is the one interface behind which the way tokens are produced lives (``start`` after a prefill,
 ``step`` -> the tokens each live sequence emits, ``finish``): :class:`TeacherStepper` decodes every live sequence
-through ``TargetRunner.decode_batch`` (block-diagonal mask over their concatenated block tables, a fixed row count
-N per graph); :class:`SpeculativeStepper` drafts a tree per sequence and verifies all of them in one forward
+through ``TargetRunner.decode_batch`` (each row over its own block table on the portable backend, a fixed row
+count N and one graph per attention width); :class:`SpeculativeStepper` drafts a tree per sequence and verifies all of them in one forward
 (``TargetRunner.verify_batch``, N x M rows), then accepts and commits per sequence.
 Greedy decoding of a sequence in a batch uses the same weights and the same per-row math as alone; only the
 attention width (masked columns) and the row count of the matmuls differ, so float32 results agree to summation
