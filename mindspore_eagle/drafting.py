@@ -122,45 +122,198 @@ class DrafterRunner:
         depth <= D. Every drafter write goes to a scratch branch that is rolled back before returning.
         """
         K = self.K
-        top_logp, top_ids, h_last = first
+        e = _Expansion(root, first, K)
+        cur_h = ms.ops.tile(first[2], (K, 1))
         n_ctx = self.bm.length(sid)
-        # candidate arrays; candidate c (0-based) has global id c + 1, id 0 is the root
-        scores, tokens, parents = [top_logp.astype(np.float32)], [top_ids], [np.zeros(K, np.int64)]
-        frontier_ids = np.arange(1, K + 1)
-        frontier_scores = top_logp.astype(np.float32)
-        cur_tok = top_ids
-        cur_h = ms.ops.tile(h_last, (K, 1))
-        tm = np.eye(K, dtype=bool)
         steps = max(0, D - 1)
         if steps:
             self.bm.branch(sid, K * steps)
-        lo, hi = self._visible_ctx(n_ctx)
+        window = self._visible_ctx(n_ctx)
         for i in range(1, steps + 1):
-            if grow is not None and not grow(select_tree(root, np.concatenate(scores), np.concatenate(tokens),
-                                                         np.concatenate(parents), M), frontier_scores, i):
+            if grow is not None and not grow(e.tree(M), e.frontier_scores, i):
                 break
             positions = np.full(K, n_ctx + i - 1, np.int64)
             slots = self.bm.slots(sid, n_ctx + (i - 1) * K + np.arange(K))
-            mask = np.full((K, self._width(n_ctx + K * steps)), NEG_BIAS, np.float32)
-            mask[:, lo:hi] = 0.0
-            mask[:, n_ctx:n_ctx + K * i] = np.where(tm, 0.0, NEG_BIAS)
-            lp, ids, h_out = self._run(sid, cur_h, cur_tok, positions, slots, mask)
-            cand = lp.asnumpy().astype(np.float32) + frontier_scores[:, None]           # [K, K]
-            ids = ids.asnumpy().astype(np.int64)
-            base = 1 + K + (i - 1) * K * K                                                # first global id
-            scores.append(cand.reshape(-1))
-            tokens.append(ids.reshape(-1))
-            parents.append(np.repeat(frontier_ids, K))
-            flat = cand.reshape(-1)
-            sel = np.lexsort((np.arange(flat.size), -flat))[:K]                           # best K, ties by id
-            row = sel // K
-            frontier_ids, frontier_scores = base + sel, flat[sel]
-            cur_tok = ids.reshape(-1)[sel]
+            mask = e.mask(i, n_ctx, window, self._width(n_ctx + K * steps))
+            lp, ids, h_out = self._run(sid, cur_h, e.cur_tok, positions, slots, mask)
+            row = e.advance(i, lp.asnumpy(), ids.asnumpy())
             cur_h = ms.ops.gather(h_out, ms.Tensor(row.astype(np.int32)), 0)
-            tm = np.concatenate([tm[row], np.eye(K, dtype=bool)], axis=1)
         if steps:
             self.bm.rollback(sid)
-        return select_tree(root, np.concatenate(scores), np.concatenate(tokens), np.concatenate(parents), M)
+        return e.tree(M)
+
+    # ------------------------------------------------------------------ batched drafting (continuous batching)
+    @property
+    def grouped(self) -> bool:
+        """True when the backend takes a block table per sequence, so :meth:`draft_batch` batches the calls."""
+        return getattr(self.drafter.backend, "grouped", False)
+
+    def draft_batch(self, sids, pending, roots, M: int, D: int, groups: int) -> list:
+        """Context pass and tree expansion of several sequences, batched across them (scheduler.py).
+
+        With a grouped backend every context pass of at most ``BATCH_EXTEND_MAX`` pairs runs in one call of
+        ``groups`` x bucket rows (a longer one, e.g. the whole prompt after admission, runs alone) and each
+        expansion step runs the K frontier rows of every sequence in one call of ``groups`` x K rows, each
+        group over its own block table; the trees are exactly those of :meth:`extend` + :meth:`build_tree` per
+        sequence (same math per row; float32 summation order aside). Other backends loop over the sequences.
+
+        Args:
+            sids: n drafter sequence ids; pending: n pairs (aux float32 [m_i, 3Ht], next tokens int [m_i]);
+            roots: n root tokens; M / D: tree budget and depth; groups: static group count (>= n).
+        Returns:
+            n DraftTrees.
+        Raises:
+            ValueError: more sequences than ``groups``.
+        """
+        n = len(sids)
+        if n > groups:
+            raise ValueError(f"draft_batch: {n} sequences do not fit {groups} groups")
+        if not self.grouped:
+            return [self.build_tree(sid, r, self.extend(sid, a, t), M, D) for sid, (a, t), r in
+                    zip(sids, pending, roots)]
+        firsts = [None] * n
+        short = [i for i in range(n) if len(pending[i][1]) <= BATCH_EXTEND_MAX]
+        for i in range(n):
+            if i not in short:
+                firsts[i] = self.extend(sids[i], *pending[i])
+        if short:
+            for i, f in zip(short, self._extend_grouped([sids[i] for i in short], [pending[i] for i in short],
+                                                        groups)):
+                firsts[i] = f
+        return self._build_trees(sids, roots, firsts, M, D, groups)
+
+    def _extend_grouped(self, sids, pending, groups: int) -> list:
+        """One context-pass call for all ``sids`` (each m_i <= BATCH_EXTEND_MAX pairs): groups x kg rows."""
+        ms_ = [len(t) for _, t in pending]
+        kg = next(b for b in self.buckets if b >= max(ms_))
+        p0s = [self.bm.length(sid) for sid in sids]
+        w = self._width(max(p + m for p, m in zip(p0s, ms_)))
+        rows = groups * kg
+        feats = np.zeros((rows, pending[0][0].shape[1]), np.float32)
+        tokens, positions = np.zeros(rows, np.int64), np.zeros(rows, np.int64)
+        slots = self.bm.pad_slots(rows)
+        mask = np.full((rows, w), NEG_BIAS, np.float32)
+        mask[:, 0] = 0.0                                  # pad rows see column 0 (overwritten for real rows)
+        table = np.full((groups, w // self.B), self.bm.pad_block, np.int32)
+        for g, (sid, (aux, nxt), p0, m) in enumerate(zip(sids, pending, p0s, ms_)):
+            r = slice(g * kg, g * kg + m)
+            feats[r], tokens[r], positions[r] = aux, nxt, np.arange(p0, p0 + m)
+            for i in range(m):
+                lo, hi = self._visible_ctx(p0 + i + 1)
+                mask[g * kg + i] = NEG_BIAS
+                mask[g * kg + i, lo:hi] = 0.0
+            slots[r] = self.bm.append(sid, m, m)
+            table[g] = self.bm.block_table(sid)[: w // self.B]
+        h = self._fuse(ms.Tensor(feats))
+        top_logp, top_ids, h_out = self._step(h, ms.Tensor(tokens.astype(np.int32)),
+                                              ms.Tensor(positions.astype(np.int32)), ms.Tensor(slots),
+                                              ms.Tensor(table), ms.Tensor(mask))
+        for sid, m in zip(sids, ms_):
+            self.bm.advance(sid, m)
+        top_logp, top_ids = top_logp.asnumpy(), top_ids.asnumpy().astype(np.int64)
+        last = [g * kg + m - 1 for g, m in enumerate(ms_)]
+        return [(top_logp[r], top_ids[r], h_out[r:r + 1]) for r in last]
+
+    def _build_trees(self, sids, roots, firsts, M: int, D: int, groups: int) -> list:
+        """:meth:`build_tree` for every sequence, each expansion step one call of groups x K rows."""
+        K, n = self.K, len(sids)
+        es = [_Expansion(r, f, K) for r, f in zip(roots, firsts)]
+        steps = max(0, D - 1)
+        if not steps:
+            return [e.tree(M) for e in es]
+        n_ctx = [self.bm.length(sid) for sid in sids]
+        for sid in sids:
+            self.bm.branch(sid, K * steps)
+        w = self._width(max(n_ctx) + K * steps)
+        windows = [self._visible_ctx(c) for c in n_ctx]
+        table = np.full((groups, w // self.B), self.bm.pad_block, np.int32)
+        for g, sid in enumerate(sids):
+            table[g] = self.bm.block_table(sid)[: w // self.B]
+        rows = groups * K
+        h_rows = [ms.ops.tile(f[2], (K, 1)) for f in firsts]
+        if groups > n:
+            h_rows.append(ms.ops.zeros(((groups - n) * K, h_rows[0].shape[1]), h_rows[0].dtype))
+        cur_h = ms.ops.concat(h_rows, 0)
+        for i in range(1, steps + 1):
+            tokens, positions = np.zeros(rows, np.int64), np.zeros(rows, np.int64)
+            slots = self.bm.pad_slots(rows)
+            mask = np.full((rows, w), NEG_BIAS, np.float32)
+            mask[n * K:, 0] = 0.0
+            for g, (sid, e, c) in enumerate(zip(sids, es, n_ctx)):
+                r = slice(g * K, (g + 1) * K)
+                tokens[r], positions[r] = e.cur_tok, c + i - 1
+                slots[r] = self.bm.slots(sid, c + (i - 1) * K + np.arange(K))
+                mask[r] = e.mask(i, c, windows[g], w)
+            lp, ids, h_out = self._step(cur_h, ms.Tensor(tokens.astype(np.int32)),
+                                        ms.Tensor(positions.astype(np.int32)), ms.Tensor(slots), ms.Tensor(table),
+                                        ms.Tensor(mask))
+            lp, ids = lp.asnumpy(), ids.asnumpy()
+            sel = np.zeros(rows, np.int32)                 # pad groups keep gathering row 0
+            for g, e in enumerate(es):
+                sel[g * K:(g + 1) * K] = g * K + e.advance(i, lp[g * K:(g + 1) * K], ids[g * K:(g + 1) * K])
+            cur_h = ms.ops.gather(h_out, ms.Tensor(sel), 0)
+        for sid in sids:
+            self.bm.rollback(sid)
+        return [e.tree(M) for e in es]
+
+
+BATCH_EXTEND_MAX = 16
+"""Most context pairs of one sequence that :meth:`DrafterRunner.draft_batch` puts into a batched context-pass call
+(a decode step adds 1, a tree step at most D_max + 1, plain steps between probes up to 16); longer passes (the
+prompt after admission) run alone, so a batched call never pads every group to a long bucket."""
+
+
+class _Expansion:
+    """Host state of one sequence's tree expansion (E ``cnets.Model.topK_genrate``): every candidate's cumulative
+    log-prob, token and parent (global ids: 0 = root, candidate c = c + 1), the frontier of K nodes and its tree
+    mask. Shared by :meth:`DrafterRunner.build_tree` and the batched ``_build_trees``.
+
+    Args:
+        root: root token; first: (top_logp float32 [K], top_ids int64 [K], h) from the context pass; K: top_k.
+    """
+
+    def __init__(self, root: int, first, K: int):
+        top_logp, top_ids = first[0], first[1]
+        self.root, self.K = root, K
+        self.scores, self.tokens = [top_logp.astype(np.float32)], [np.asarray(top_ids, np.int64)]
+        self.parents = [np.zeros(K, np.int64)]
+        self.frontier_ids = np.arange(1, K + 1)
+        self.frontier_scores = top_logp.astype(np.float32)
+        self.cur_tok = np.asarray(top_ids, np.int64)
+        self.tm = np.eye(K, dtype=bool)
+
+    def tree(self, M: int) -> DraftTree:
+        """The best M - 1 candidates so far under the root (:func:`select_tree`)."""
+        return select_tree(self.root, np.concatenate(self.scores), np.concatenate(self.tokens),
+                           np.concatenate(self.parents), M)
+
+    def mask(self, i: int, n_ctx: int, window: tuple, width: int) -> np.ndarray:
+        """float32 [K, width] additive mask of expansion step i: the visible context ``window`` = (lo, hi) and
+        each frontier node's own tree ancestors at the scratch slots n_ctx .. n_ctx + K i - 1."""
+        K = self.K
+        mask = np.full((K, width), NEG_BIAS, np.float32)
+        mask[:, window[0]:window[1]] = 0.0
+        mask[:, n_ctx:n_ctx + K * i] = np.where(self.tm, 0.0, NEG_BIAS)
+        return mask
+
+    def advance(self, i: int, lp: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """Take step i's output (lp float32 [K, K] child log-probs, ids [K, K] their teacher ids) and pick the best
+        K of the K^2 children (ties by id) as the next frontier. Returns int [K]: the output row (parent in the
+        frontier) of each new frontier node, to gather its hidden state."""
+        K = self.K
+        cand = lp.astype(np.float32) + self.frontier_scores[:, None]                  # [K, K]
+        ids = ids.astype(np.int64)
+        base = 1 + K + (i - 1) * K * K                                                # first global id
+        self.scores.append(cand.reshape(-1))
+        self.tokens.append(ids.reshape(-1))
+        self.parents.append(np.repeat(self.frontier_ids, K))
+        flat = cand.reshape(-1)
+        sel = np.lexsort((np.arange(flat.size), -flat))[:K]                           # best K, ties by id
+        row = sel // K
+        self.frontier_ids, self.frontier_scores = base + sel, flat[sel]
+        self.cur_tok = ids.reshape(-1)[sel]
+        self.tm = np.concatenate([self.tm[row], np.eye(K, dtype=bool)], axis=1)
+        return row
 
 
 def select_tree(root: int, scores: np.ndarray, tokens: np.ndarray, parents: np.ndarray, M: int) -> DraftTree:

@@ -69,8 +69,9 @@ class TeacherStepper:
 
 
 class SpeculativeStepper:
-    """EAGLE-3 tree speculative decoding for a batch: per sequence the drafter's context pass and dynamic tree
-    (sequence by sequence, each in its own drafter cache sequence), then ONE teacher forward verifies every tree
+    """EAGLE-3 tree speculative decoding for a batch: the drafter's context passes and dynamic trees of all
+    sequences (``DrafterRunner.draft_batch``: each call batched across the sequences, each in its own drafter cache
+    sequence), then ONE teacher forward verifies every tree
     (``TargetRunner.verify_batch``: N x M rows, block-diagonal tree masks), then per sequence acceptance
     (greedy or multi-candidate rejection sampling, verify.py) and commit. Every tree has the config's budget M
     and depth D_max (the fixed policy); a sequence whose cache has no room for M more slots is never admitted
@@ -130,13 +131,12 @@ class SpeculativeStepper:
         """Draft a tree per sequence, verify all in one forward, accept and commit; appends L_k (accepted drafts
         + bonus) to ``s.accept_lens``."""
         dr, tg, M, D = self.engine.drafter, self.engine.target, self.M, self.D
-        trees = []
+        pending = [(np.concatenate([a for a, _ in s.state["pending"]]),
+                    np.concatenate([t for _, t in s.state["pending"]])) for s in live]
         for s in live:
-            st = s.state
-            first = dr.extend(st["dsid"], np.concatenate([a for a, _ in st["pending"]]),
-                              np.concatenate([t for _, t in st["pending"]]))
-            st["pending"] = []
-            trees.append(tensorize(dr.build_tree(st["dsid"], s.next, first, M, D), M, D))
+            s.state["pending"] = []
+        drafted = dr.draft_batch([s.state["dsid"] for s in live], pending, [s.next for s in live], M, D, self.rows)
+        trees = [tensorize(t, M, D) for t in drafted]
         logits, aux = tg.verify_batch([s.sid for s in live], trees, rows=self.rows * M)
         out = []
         for i, (s, tt) in enumerate(zip(live, trees)):

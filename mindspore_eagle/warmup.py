@@ -133,6 +133,38 @@ def batch_shapes(target, rows: int, M: int, D: int, speculative: bool):
         prev = w
 
 
+def drafter_batch_shapes(drafter, groups: int, M: int, D: int, context_limit: int):
+    """Yield (what, fn) calls compiling the drafter's batched graphs (``DrafterRunner.draft_batch``): context
+    passes of ``groups`` x b rows for each bucket b <= BATCH_EXTEND_MAX and expansion steps of ``groups`` x K
+    rows, at each width. Nothing for one group or a backend without per-sequence block tables."""
+    from .drafting import BATCH_EXTEND_MAX
+
+    if groups <= 1 or not drafter.grouped:
+        return
+    width = 3 * drafter.drafter.cfg.target_hidden_size
+    scratch = drafter.K * max(0, D - 1)
+    limit = min(context_limit, drafter.S - scratch)
+    prev = 0
+    for w in drafter.widths:
+        for b, p0, n in _bucket_calls([b for b in drafter.buckets if b <= BATCH_EXTEND_MAX], prev, limit):
+            yield (f"drafter context {groups} x {b} x {w}",
+                   lambda p0=p0, n=n: _draft_batch(drafter, p0, n, groups, M, 1, width))
+        p0 = _start(prev, 1 + scratch, limit + scratch)
+        if D > 1 and p0 is not None:
+            yield (f"drafter expansion {groups} x {drafter.K} x {w}",
+                   lambda p0=p0: _draft_batch(drafter, p0, 1, groups, M, D, width))
+        prev = w
+
+
+def _draft_batch(drafter, p0: int, n: int, groups: int, M: int, D: int, width: int) -> None:
+    sid = drafter.new_seq()
+    try:
+        _skip(drafter, sid, p0)
+        drafter.draft_batch([sid], [(np.zeros((n, width), np.float32), _ids(n))], [_FILL_ID], M, D, groups)
+    finally:
+        drafter.free(sid)
+
+
 def _decode_batch(target, p0: int, rows: int) -> None:
     sid = target.new_seq()
     try:
@@ -223,6 +255,8 @@ def warmup(engine, gen, mode: str = "full", log=None, drafters=None, budgets=Non
         for dr in runners[1:]:
             calls += list(drafter_shapes(dr, spec.M, spec.D_max, engine.target.S))
         calls += list(batch_shapes(engine.target, max_batch, spec.M, spec.D_max, engine.drafter is not None))
+        if engine.drafter is not None:
+            calls += list(drafter_batch_shapes(engine.drafter, max_batch, spec.M, spec.D_max, engine.target.S))
         for i, (what, fn) in enumerate(calls):
             before = count()
             fn()

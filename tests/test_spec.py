@@ -262,3 +262,31 @@ def test_bad_generation_inputs(ms_runtime, tiny_dir, drafter_dir):
         eng.generate_ids([], cfg.generation)
     with pytest.raises(GenerationError, match=r"exceeds cache.max_seq_len=256"):
         eng.generate_ids(list(range(5, 205)), cfg.generation)      # 200 + 128 new + M > 256
+
+
+def test_draft_batch_equals_per_sequence_drafting(ms_runtime, tiny, tiny_dir, tmp_path):
+    """DrafterRunner.draft_batch (context passes and expansion steps batched across sequences, each group over its
+    own block table, one pad group) gives every sequence the tree that extend + build_tree give it alone: same
+    tokens and parents, scores to float32 rounding; a long context pass (> BATCH_EXTEND_MAX pairs) runs alone."""
+    from mindspore_eagle.drafting import BATCH_EXTEND_MAX
+
+    d = tiny_drafter_dir(tmp_path, tiny[0])
+    one, _ = tiny_engine(tiny_dir, d, "fused", ["speculative.M=8", "speculative.D_max=4"])
+    bat, _ = tiny_engine(tiny_dir, d, "fused", ["speculative.M=8", "speculative.D_max=4"])
+    assert bat.drafter.grouped
+    rng = np.random.default_rng(3)
+    H3 = 3 * tiny[0].hidden_size
+    s1 = [one.drafter.new_seq() for _ in range(3)]
+    s2 = [bat.drafter.new_seq() for _ in range(3)]
+    for rnd, lens in enumerate(((5, BATCH_EXTEND_MAX + 9, 1), (1, 3, 2), (4, 1, 16))):
+        pending = [(rng.standard_normal((m, H3)).astype(np.float32), rng.integers(3, 200, size=m)) for m in lens]
+        roots = [int(x) for x in rng.integers(3, 200, size=3)]
+        want = [one.drafter.build_tree(sid, r, one.drafter.extend(sid, a, t), 8, 4)
+                for sid, (a, t), r in zip(s1, pending, roots)]
+        got = bat.drafter.draft_batch(s2, pending, roots, 8, 4, groups=4)
+        for w, g in zip(want, got):
+            assert list(g.tokens) == list(w.tokens) and list(g.parents) == list(w.parents), rnd
+            assert np.abs(np.asarray(g.scores) - np.asarray(w.scores)).max() < 1e-4
+        assert [bat.drafter.bm.length(x) for x in s2] == [one.drafter.bm.length(x) for x in s1]
+    with pytest.raises(ValueError, match="groups"):
+        bat.drafter.draft_batch(s2, pending, roots, 8, 4, groups=2)

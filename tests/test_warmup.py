@@ -69,7 +69,7 @@ def test_batched_warmup_then_scheduler_compiles_nothing(ms_runtime, tiny_dir):
     compiles no graph."""
     from mindspore_eagle import batch
     from mindspore_eagle.pipeline import build_engine
-    from mindspore_eagle.warmup import batch_shapes, warmup
+    from mindspore_eagle.warmup import batch_shapes, drafter_batch_shapes, warmup
     from mindspore_eagle.scheduler import BatchScheduler
     from test_scheduler import ScriptedGate, records
 
@@ -79,8 +79,15 @@ def test_batched_warmup_then_scheduler_compiles_nothing(ms_runtime, tiny_dir):
         "teacher decode_batch 3 x 256", "teacher verify_batch 24 x 256",
         "teacher decode_batch 3 x 512", "teacher verify_batch 24 x 512"]
     assert list(batch_shapes(eng.target, 1, 8, 3, True)) == []
+    assert [w for w, _ in drafter_batch_shapes(eng.drafter, 3, 8, 3, eng.target.S)] == (
+        [f"drafter context 3 x {b} x 256" for b in (1, 2, 4, 8, 16)] + ["drafter expansion 3 x 2 x 256"]
+        + [f"drafter context 3 x {b} x 512" for b in (1, 2, 4, 8, 16)] + ["drafter expansion 3 x 2 x 512",
+                                                                          "drafter expansion 3 x 2 x 520"])
     out = warmup(eng, cfg.generation, "full", max_batch=3)
-    assert out["compiles"] == 23 + 4                              # the one-sequence graphs (test above) + 4
+    # one-sequence graphs (test above) 23; teacher decode_batch + verify_batch at 2 widths 4; drafter: context
+    # passes of 3 x b rows at 2 widths 10 + their feature fusions 5 + expansion (6 rows = the context bucket 2
+    # at 256 / 512) at 520 only 1
+    assert out["compiles"] == 23 + 4 + 16
     before = eng.target.compiles + eng.drafter.compiles
     recs = records([{"id": i, "prompt": p} for i, p in enumerate(["Hi", LONG, "Thanks", "What is 2+2?"])])
     sched = BatchScheduler(eng, cfg.generation, 3, speculative=True)
