@@ -49,6 +49,13 @@ def run(cfg_path, dtype, prompts, tokens, speculative_too, policy="fixed"):
             out["spec"].append(list(s.token_ids))
             out["spec_tps"].append(s.turn.tok_per_s)
             out["L_k"].append(float(np.mean(s.accept_lens)) if s.accept_lens else 0.0)
+    if speculative_too:                 # where speculation departs: the float16 teacher's top-2 logit gap there
+        from mindspore_eagle.bench.batching import _near_tie
+
+        out["gap"] = []
+        for p, b, s in zip(prompts, out["base"], out["spec"]):
+            at = first_divergence(b, s)
+            out["gap"].append(None if at is None else _near_tie(eng, p, b, at))
     del eng
     gc.collect()
     return out
@@ -70,6 +77,7 @@ def main():
     ap.add_argument("--fp32-from", default="", help="reuse the float32 runs of an earlier --out JSON")
     ap.add_argument("--source", choices=("eval", "chat"), default="eval")
     ap.add_argument("--policy", choices=("fixed", "adaptive"), default="fixed")
+    ap.add_argument("--only", default="", help="comma-separated prompt indices to run (default: all N)")
     a = ap.parse_args()
     if a.source == "chat":
         from mindspore_eagle.bench.batching import chat_prompts
@@ -79,9 +87,12 @@ def main():
         from mindspore_eagle.evalsets import eval_turns
 
         prompts = [item.turns[0] for item in eval_turns()][: a.prompts]
+    index = [int(i) for i in a.only.split(",")] if a.only else list(range(len(prompts)))
+    prompts = [prompts[i] for i in index]
     if a.fp32_from:
         with open(a.fp32_from) as f:
-            r32 = json.load(f)["fp32"]
+            r32 = json.load(f)["fp32"]                 # runs of all N prompts, in order
+        r32 = {k: [v[i] for i in index] for k, v in r32.items()}
     else:
         r32 = run(a.config, "float32", prompts, a.tokens, False)
     r16 = run(a.config, "float16", prompts, a.tokens, True, a.policy)
@@ -90,8 +101,9 @@ def main():
         n = min(len(x), len(y))
         eq = sum(int(u == v) for u, v in zip(x, y))
         same, total = same + eq, total + max(len(x), len(y))
-        rows.append({"prompt": i, "first_divergence": first_divergence(x, y), "same_tokens": eq,
-                     "len32": len(x), "len16": len(y), "spec16_equals_base16": s == y})
+        rows.append({"prompt": index[i], "first_divergence": first_divergence(x, y), "same_tokens": eq,
+                     "len32": len(x), "len16": len(y), "spec16_equals_base16": s == y,
+                     "spec16_first_divergence": first_divergence(y, s), "spec16_top2_gap": r16["gap"][i]})
     div = [r["first_divergence"] for r in rows]
     summary = {
         "prompts": len(rows), "tokens": a.tokens, "source": a.source, "policy": a.policy,
@@ -99,6 +111,7 @@ def main():
         "same_token_share": same / max(total, 1),
         "first_divergence_positions": div,
         "spec16_identical_to_base16": sum(r["spec16_equals_base16"] for r in rows),
+        "spec16_top2_gaps": [r["spec16_top2_gap"] for r in rows if r["spec16_top2_gap"] is not None],
         "tok_s_fp32_base": float(np.mean(r32["base_tps"])), "tok_s_fp16_base": float(np.mean(r16["base_tps"])),
         "tok_s_fp16_spec": float(np.mean(r16["spec_tps"])), "L_k_fp16": float(np.mean(r16["L_k"])),
     }
