@@ -92,7 +92,7 @@ def main():
     if a.fp32_from:
         with open(a.fp32_from) as f:
             r32 = json.load(f)["fp32"]                 # runs of all N prompts, in order
-        r32 = {k: [v[i] for i in index] for k, v in r32.items()}
+        r32 = {k: [v[i] for i in index] if v else v for k, v in r32.items()}
     else:
         r32 = run(a.config, "float32", prompts, a.tokens, False)
     r16 = run(a.config, "float16", prompts, a.tokens, True, a.policy)
