@@ -228,8 +228,9 @@ class PanguTeacher(nn.Cell):
         dtype: compute dtype (``COMPUTE_DTYPES``: mindspore float32, float16 or bfloat16) of the weights, the
             matmuls, the residual stream and the KV cache. RMSNorm, RoPE, the softmax and the returned logits /
             features are float32 whatever ``dtype`` (MindFormers' layernorm_compute_type / rotary_dtype /
-            softmax_compute_type; the lm_head matmul runs in ``dtype`` and is cast, as MindFormers' head does).
-            float32 adds no cast anywhere.
+            softmax_compute_type). In half precision the lm_head matmul runs in float32 (the final-normed rows and
+            the head weight upcast per call): float16 logits tie too often for greedy decoding to be reproducible
+            across call shapes. float32 adds no cast anywhere.
         attention: the cache write / read / attention backend (``attention.py``): auto (fused kernels when
             ``context.device_target`` is Ascend, else portable), portable, fused, or a built backend Cell.
             The fused backend's PagedAttention gets ``scale_value`` 1.0: the q weights carry 1/sqrt(hd).
@@ -255,10 +256,13 @@ class PanguTeacher(nn.Cell):
 
     def construct(self, tokens, positions, slots, block_table, mask, out_rows):
         h, aux = self._trunk(tokens, positions, slots, block_table, mask, out_rows)
-        logits = linear(h, self.head_weight())
-        if logits.dtype != ms.float32:
-            logits, aux = logits.astype(ms.float32), aux.astype(ms.float32)
-        return logits, aux
+        if self.dtype == ms.float32:
+            return linear(h, self.head_weight()), aux
+        # half precision: the head runs in float32 (hidden rows and head weight upcast), so logits keep float32
+        # resolution: float16 logits are quantised to 1/64 near 20 and tie often, and a tie is decided by rounding
+        # noise from upstream (docs/ascend.md, "speculative float16")
+        logits = linear(h.astype(ms.float32), self.head_weight().astype(ms.float32))
+        return logits, aux.astype(ms.float32)
 
     def hidden(self, tokens, positions, slots, block_table, mask, out_rows):
         """Like ``construct`` but returns the final-normed hidden rows f32 [m, H] instead of logits [m, V]."""
