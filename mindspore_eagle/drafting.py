@@ -69,6 +69,15 @@ class DrafterRunner:
     def _width(self, need: int) -> int:
         return next(w for w in self.widths if w >= need)
 
+    def _context_rows(self, p0: int, m: int, width: int) -> np.ndarray:
+        """float32 [m, width] additive mask of m context pairs appended after p0: pair i sees its window of the
+        context up to and including itself."""
+        mask = np.full((m, width), NEG_BIAS, np.float32)
+        for i in range(m):
+            lo, hi = self._visible_ctx(p0 + i + 1)
+            mask[i, lo:hi] = 0.0
+        return mask
+
     def _run(self, sid, h, tokens, positions, slots, mask):
         table = self.bm.block_table(sid)[: mask.shape[1] // self.B]
         return self._step(h, ms.Tensor(np.asarray(tokens, np.int32)), ms.Tensor(np.asarray(positions, np.int32)),
@@ -99,9 +108,7 @@ class DrafterRunner:
             positions = np.zeros(k, np.int64)
             positions[:m] = np.arange(p0, p0 + m)
             mask = np.full((k, self._width(p0 + m)), NEG_BIAS, np.float32)
-            for i in range(m):
-                lo, hi = self._visible_ctx(p0 + i + 1)
-                mask[i, lo:hi] = 0.0
+            mask[:m] = self._context_rows(p0, m, mask.shape[1])
             mask[m:, 0] = 0.0
             slots = self.bm.append(sid, m, k)
             h = self._fuse(ms.Tensor(feats))
@@ -173,9 +180,8 @@ class DrafterRunner:
                     zip(sids, pending, roots)]
         firsts = [None] * n
         short = [i for i in range(n) if len(pending[i][1]) <= BATCH_EXTEND_MAX]
-        for i in range(n):
-            if i not in short:
-                firsts[i] = self.extend(sids[i], *pending[i])
+        for i in sorted(set(range(n)) - set(short)):      # a long context pass (a new prompt) runs alone
+            firsts[i] = self.extend(sids[i], *pending[i])
         if short:
             for i, f in zip(short, self._extend_grouped([sids[i] for i in short], [pending[i] for i in short],
                                                         groups)):
@@ -193,15 +199,12 @@ class DrafterRunner:
         tokens, positions = np.zeros(rows, np.int64), np.zeros(rows, np.int64)
         slots = self.bm.pad_slots(rows)
         mask = np.full((rows, w), NEG_BIAS, np.float32)
-        mask[:, 0] = 0.0                                  # pad rows see column 0 (overwritten for real rows)
+        mask[:, 0] = 0.0                                  # pad rows see column 0 (real rows overwritten below)
         table = np.full((groups, w // self.B), self.bm.pad_block, np.int32)
         for g, (sid, (aux, nxt), p0, m) in enumerate(zip(sids, pending, p0s, ms_)):
             r = slice(g * kg, g * kg + m)
             feats[r], tokens[r], positions[r] = aux, nxt, np.arange(p0, p0 + m)
-            for i in range(m):
-                lo, hi = self._visible_ctx(p0 + i + 1)
-                mask[g * kg + i] = NEG_BIAS
-                mask[g * kg + i, lo:hi] = 0.0
+            mask[r] = self._context_rows(p0, m, w)
             slots[r] = self.bm.append(sid, m, m)
             table[g] = self.bm.block_table(sid)[: w // self.B]
         h = self._fuse(ms.Tensor(feats))

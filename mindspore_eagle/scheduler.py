@@ -22,8 +22,8 @@ turn whose need exceeds S, or NB on its own, gets an error result (the record's 
 The stepper is the one interface behind which the way tokens are produced lives (``start`` after a prefill,
 ``step`` -> the tokens each live sequence emits, ``finish``): :class:`TeacherStepper` decodes every live sequence
 through ``TargetRunner.decode_batch`` (each row over its own block table on the portable backend, a fixed row
-count N and one graph per attention width); :class:`SpeculativeStepper` drafts a tree per sequence and verifies all of them in one forward
-(``TargetRunner.verify_batch``, N x M rows), then accepts and commits per sequence.
+count N and one graph per attention width); :class:`SpeculativeStepper` drafts a tree per sequence and verifies
+all of them in one forward (``TargetRunner.verify_batch``, N x M rows), then accepts and commits per sequence.
 Greedy decoding of a sequence in a batch uses the same weights and the same per-row math as alone; only the
 attention width (masked columns) and the row count of the matmuls differ, so float32 results agree to summation
 order (tests/test_scheduler.py checks token equality with one-at-a-time greedy).
@@ -72,7 +72,7 @@ class SpeculativeStepper:
     """EAGLE-3 tree speculative decoding for a batch: the drafter's context passes and dynamic trees of all
     sequences (``DrafterRunner.draft_batch``: each call batched across the sequences, each in its own drafter cache
     sequence), then ONE teacher forward verifies every tree
-    (``TargetRunner.verify_batch``: N x M rows, block-diagonal tree masks), then per sequence acceptance
+    (``TargetRunner.verify_batch``: N x M rows, each tree masked to its own prefix), then per sequence acceptance
     (greedy or multi-candidate rejection sampling, verify.py) and commit. Every tree has the config's budget M
     and depth D_max (the fixed policy); a sequence whose cache has no room for M more slots is never admitted
     (``extra_slots``). A :class:`~mindspore_eagle.policy.RateGate` picks each step between that and a plain

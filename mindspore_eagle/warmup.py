@@ -18,6 +18,7 @@ Letters: M = tree budget, D = D_max, K = top_k, S = cache.max_seq_len, w = atten
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import time
@@ -30,11 +31,18 @@ MODES = ("full", "short", "none")
 _FILL_ID = 100    # any valid token id: warm-up only needs shapes
 
 
-def _skip(runner, sid: int, n: int) -> None:
-    """Advance sequence ``sid`` of a TargetRunner / DrafterRunner by ``n`` positions without running the model."""
-    if n:
-        runner.bm.append(sid, n, n)
-        runner.bm.advance(sid, n)
+@contextlib.contextmanager
+def _scratch(runner, n: int):
+    """A scratch sequence of a TargetRunner / DrafterRunner already ``n`` positions long (advanced without running
+    the model); freed on exit."""
+    sid = runner.new_seq()
+    try:
+        if n:
+            runner.bm.append(sid, n, n)
+            runner.bm.advance(sid, n)
+        yield sid
+    finally:
+        runner.free(sid)
 
 
 def _ids(n: int) -> np.ndarray:
@@ -81,35 +89,23 @@ def target_shapes(target, budgets, D: int):
 
 
 def _prefill(target, p0: int, n: int) -> None:
-    sid = target.new_seq()
-    try:
-        _skip(target, sid, p0)
+    with _scratch(target, p0) as sid:
         target.prefill(sid, _ids(n))
-    finally:
-        target.free(sid)
 
 
 def _decode(target, p0: int) -> None:
-    sid = target.new_seq()
-    try:
-        _skip(target, sid, p0)
+    with _scratch(target, p0) as sid:
         target.decode(sid, _FILL_ID)
-    finally:
-        target.free(sid)
 
 
 def _verify(target, p0: int, M: int, D: int) -> None:
     """One verification of a root with two children and a commit of the second child (a non-chain path, so the
     K/V compaction graph runs too)."""
-    sid = target.new_seq()
-    try:
-        _skip(target, sid, p0)
+    with _scratch(target, p0) as sid:
         n = min(3, M)
         tree = DraftTree(tokens=_FILL_ID + np.arange(n), parents=np.zeros(n, np.int64))
         target.verify(sid, tensorize(tree, M, D))
         target.commit(sid, np.array([0, min(2, M - 1)]), D + 2)
-    finally:
-        target.free(sid)
 
 
 def batch_shapes(target, rows: int, M: int, D: int, speculative: bool):
@@ -157,32 +153,20 @@ def drafter_batch_shapes(drafter, groups: int, M: int, D: int, context_limit: in
 
 
 def _draft_batch(drafter, p0: int, n: int, groups: int, M: int, D: int, width: int) -> None:
-    sid = drafter.new_seq()
-    try:
-        _skip(drafter, sid, p0)
+    with _scratch(drafter, p0) as sid:
         drafter.draft_batch([sid], [(np.zeros((n, width), np.float32), _ids(n))], [_FILL_ID], M, D, groups)
-    finally:
-        drafter.free(sid)
 
 
 def _decode_batch(target, p0: int, rows: int) -> None:
-    sid = target.new_seq()
-    try:
-        _skip(target, sid, p0)
+    with _scratch(target, p0) as sid:
         target.decode_batch([sid], [_FILL_ID], rows=rows)
-    finally:
-        target.free(sid)
 
 
 def _verify_batch(target, p0: int, rows: int, M: int, D: int) -> None:
-    sid = target.new_seq()
-    try:
-        _skip(target, sid, p0)
+    with _scratch(target, p0) as sid:
         tree = DraftTree(tokens=_FILL_ID + np.arange(min(3, M)), parents=np.zeros(min(3, M), np.int64))
         target.verify_batch([sid], [tensorize(tree, M, D)], rows=rows * M)
         target.rollback(sid)
-    finally:
-        target.free(sid)
 
 
 def drafter_shapes(drafter, M: int, D: int, context_limit: int):
@@ -206,22 +190,14 @@ def drafter_shapes(drafter, M: int, D: int, context_limit: int):
 
 
 def _extend(drafter, p0: int, n: int, width: int) -> tuple:
-    sid = drafter.new_seq()
-    try:
-        _skip(drafter, sid, p0)
+    with _scratch(drafter, p0) as sid:
         return drafter.extend(sid, np.zeros((n, width), np.float32), _ids(n))
-    finally:
-        drafter.free(sid)
 
 
 def _expand(drafter, p0: int, M: int, D: int, width: int) -> None:
-    sid = drafter.new_seq()
-    try:
-        _skip(drafter, sid, p0)
+    with _scratch(drafter, p0) as sid:
         first = drafter.extend(sid, np.zeros((1, width), np.float32), _ids(1))
         drafter.build_tree(sid, _FILL_ID, first, M, D)
-    finally:
-        drafter.free(sid)
 
 
 def warmup(engine, gen, mode: str = "full", log=None, drafters=None, budgets=None, max_batch: int = 1) -> dict:
