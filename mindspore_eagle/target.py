@@ -67,17 +67,18 @@ class TargetRunner:
         self.widths = context_widths(max_seq_len, block_size)
         self._fwd = CompiledFn(teacher.construct, mode)
         self._hidden = CompiledFn(teacher.hidden, mode)
+        self._both = CompiledFn(teacher.logits_hidden, mode)
         self._compact = CompiledFn(KVCompactor(teacher.caches(), teacher.backend), mode)
 
     @property
     def compiles(self) -> int:
         """Distinct graphs compiled so far (fused mode; 0 in eager)."""
-        return self._fwd.compiles + self._hidden.compiles + self._compact.compiles
+        return sum(f.compiles for f in (self._fwd, self._hidden, self._both, self._compact))
 
     @property
     def compile_ms(self) -> float:
         """Wall ms spent in calls that compiled a graph (fused mode)."""
-        return self._fwd.compile_ms + self._hidden.compile_ms + self._compact.compile_ms
+        return sum(f.compile_ms for f in (self._fwd, self._hidden, self._both, self._compact))
 
     # ------------------------------------------------------------------ sequences
     def new_seq(self) -> int:
@@ -103,8 +104,7 @@ class TargetRunner:
         args = (ms.Tensor(np.asarray(tokens, np.int32)), ms.Tensor(np.asarray(positions, np.int32)),
                 ms.Tensor(np.asarray(slots, np.int32)), ms.Tensor(np.asarray(table, np.int32)),
                 ms.Tensor(mask), ms.Tensor(np.asarray(out_rows, np.int32)))
-        out, aux = fn(*args)
-        return out.asnumpy(), aux.asnumpy()
+        return tuple(o.asnumpy() for o in fn(*args))
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -118,9 +118,31 @@ class TargetRunner:
         Raises:
             CacheExhaustedError: the sequence would not fit (raised before any write).
         """
+        if hidden:
+            outs = self._prefill(sid, ids, self._hidden, True)
+            return np.concatenate([o[0] for o in outs]), np.concatenate([o[1] for o in outs])
+        outs = self._prefill(sid, ids, self._fwd, False)
+        return outs[-1][0][0], np.concatenate([o[1] for o in outs])
+
+    def prefill_with_hidden(self, sid: int, ids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`prefill` that returns the final token's logits (the same numbers as ``prefill``) and the
+        final-normed hidden states of every token, in one pass (regeneration writing training features).
+
+        Returns:
+            (logits float32 [V], hidden float32 [T, H], aux float32 [T, 3H]).
+        Raises:
+            CacheExhaustedError: the sequence would not fit (raised before any write).
+        """
+        outs = self._prefill(sid, ids, self._both, False)
+        return (outs[-1][0][0], np.concatenate([o[1] for o in outs]), np.concatenate([o[2] for o in outs]))
+
+    def _prefill(self, sid: int, ids, fn, all_rows: bool) -> list:
+        """Run ``fn`` over ``ids`` in chunks of at most ``prefill_chunk`` tokens; returns, per chunk, its outputs cut
+        to the chunk's n real rows (the first, ``out_rows``-indexed output: all n rows with ``all_rows``, else the
+        chunk's last token only)."""
         ids = np.asarray(ids, np.int64)
         self.bm.reserve(sid, len(ids))
-        auxes, outs = [], []
+        res = []
         chunk = self.buckets[-1]
         for start in range(0, len(ids), chunk):
             part = ids[start:start + chunk]
@@ -136,13 +158,11 @@ class TargetRunner:
             mask[:n] = np.where(cols <= rows, 0.0, NEG_BIAS)
             mask[n:, 0] = 0.0
             slots = self.bm.append(sid, n, k)
-            out_rows = np.arange(k) if hidden else np.array([n - 1])
-            out, aux = self._call(self._hidden if hidden else self._fwd, sid, tokens, positions, slots, mask,
-                                  out_rows)
+            out = self._call(fn, sid, tokens, positions, slots, mask, np.arange(k) if all_rows else np.array([n - 1]))
             self.bm.advance(sid, n)
-            auxes.append(aux[:n])
-            outs.append(out[:n] if hidden else out[0])
-        return (np.concatenate(outs) if hidden else outs[-1]), np.concatenate(auxes)
+            first = out[0] if not all_rows else out[0][:n]            # out_rows-indexed; the rest hold all k rows
+            res.append((first,) + tuple(o[:n] for o in out[1:]))
+        return res
 
     def decode(self, sid: int, token: int) -> tuple[np.ndarray, np.ndarray]:
         """Append one token; returns (logits float32 [V], aux float32 [1, 3H]).
@@ -162,7 +182,8 @@ class TargetRunner:
         self.bm.advance(sid, 1)
         return out[0], aux[:1]
 
-    def decode_batch(self, sids, tokens, rows: int, width_step: int = 512, with_aux: bool = False):
+    def decode_batch(self, sids, tokens, rows: int, width_step: int = 512, with_aux: bool = False,
+                     with_hidden: bool = False):
         """Append one token to each of several sequences in a single forward (batched greedy generation).
 
         Layout (:meth:`_batch_layout`): with a grouped backend (portable) row i reads its own block table
@@ -177,7 +198,8 @@ class TargetRunner:
             rows: static row count of the call; width_step: concatenated layout only (see above).
         Returns:
             logits float32 [n, V] of the appended tokens; with ``with_aux`` also their captured features
-            float32 [n, 3H] (the drafter's context pairs).
+            float32 [n, 3H] (the drafter's context pairs): (logits, aux); with ``with_hidden`` (logits, hidden
+            float32 [n, H] final-normed, aux) from one graph whose logits equal the plain call's.
         Raises:
             ValueError: more sequences than rows, or len(tokens) != len(sids).
             CacheExhaustedError: a sequence would not fit (raised before any write).
@@ -197,10 +219,13 @@ class TargetRunner:
         for i, sid in enumerate(sids):
             slots[i] = self.bm.append(sid, 1, 1)[0]
             positions[i], toks[i] = lengths[i], tokens[i]
-        out, aux = self._run(self._fwd, table, toks, positions, slots, mask, np.arange(rows))   # all rows: one
-        for sid in sids:                                                                       # graph for any n
+        outs = self._run(self._both if with_hidden else self._fwd, table, toks, positions, slots, mask,
+                         np.arange(rows))                               # all rows: one graph for any n
+        for sid in sids:
             self.bm.advance(sid, 1)
-        return (out[:n], aux[:n]) if with_aux else out[:n]
+        if with_hidden:
+            return tuple(o[:n] for o in outs)
+        return (outs[0][:n], outs[1][:n]) if with_aux else outs[0][:n]
 
     def verify_batch(self, sids, trees, rows: int, width_step: int = 512) -> tuple[np.ndarray, np.ndarray]:
         """Verify one draft tree per sequence in a single forward (speculative continuous batching).

@@ -208,13 +208,81 @@ def test_regeneration_shards_resume_and_equal_one_sequence_greedy(tiny, ms_runti
         np.testing.assert_array_equal(fs[k]["loss_mask"], mask)
 
 
+def test_regeneration_writes_the_features_a_separate_pass_would(tiny, ms_runtime, tmp_path):
+    """Regeneration with a feature writer: the same replies as without it; every kept sample gets the columns the
+    separate feature pass (one-sequence prefill) computes, up to float16 storage, with a zero last row (never fed);
+    a feature shard whose reply shard never landed (a kill between the two) is dropped on reopen."""
+    from mindspore_eagle.train.features import (RegenFeatureWriter, FeatureSet, build_runner, extract_features,
+                                                head_weight, read_manifest)
+    from mindspore_eagle.train.regen import build_batch_runner
+    from mindspore_eagle.train.regen_run import regenerate_to_shards
+    from mindspore_eagle.train.shards import ShardStore, iter_records, samples_from_shards
+
+    cfg, tensors, tok = tiny
+    max_len = 80
+    texts = ["The quick brown fox.", "What is the capital of France?", "word " * 200,
+             "Write a short story about a robot.", "def add(a, b): return a + b"]
+    prompts = [Prompt("t", "writing", f"t/{i}", t) for i, t in enumerate(texts)]
+    meta = {"teacher": "tiny", "max_len": max_len, "temperature": 0.0, "min_reply": 4}
+    head = head_weight(cfg, tensors)
+    runner, _ = build_batch_runner(cfg, tensors, max_len, batch=3)
+    plain, with_f, fdir = tmp_path / "plain", tmp_path / "regen", tmp_path / "feat"
+    regenerate_to_shards(runner, tok, prompts, ShardStore(str(plain), meta), max_len, 3, shard_size=2, min_reply=4,
+                         log=lambda s: None)
+    store = ShardStore(str(with_f), meta)
+    fmeta = {"teacher": "tiny", "max_len": max_len, "aux_layers": list(cfg.aux_layers)}
+    writer = RegenFeatureWriter(str(fdir), set(), fmeta)
+    regenerate_to_shards(runner, tok, prompts, store, max_len, 3, shard_size=2, min_reply=4, log=lambda s: None,
+                         features=(writer, head))
+    a = {r["prompt_id"]: r for r in iter_records(str(plain))}
+    b = {r["prompt_id"]: r for r in iter_records(str(with_f))}
+    assert a == b                                          # the picks do not change
+    samples, _ = samples_from_shards(str(with_f), max_len)
+    fs = FeatureSet(str(fdir))
+    assert len(fs) == len(samples) >= 2
+    single, _ = build_runner(cfg, tensors, max_len)
+    extract_features(single, head, samples, str(tmp_path / "ref"), shard_size=8)
+    ref = FeatureSet(str(tmp_path / "ref"))
+    for k, (ids, mask) in enumerate(samples):
+        got, want = fs[k], ref[k]
+        np.testing.assert_array_equal(got["input_ids"], ids)
+        np.testing.assert_array_equal(got["loss_mask"], mask)
+        n = len(ids)
+        for col in ("hidden", "aux"):
+            assert not got[col][n - 1].any()                 # the last token was never fed
+            np.testing.assert_allclose(got[col][:n - 1].astype(np.float32), want[col][:n - 1].astype(np.float32),
+                                       rtol=2e-3, atol=2e-3)
+        logits = want["hidden"][:n - 1].astype(np.float32) @ head.T
+        top2 = np.sort(logits, -1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > 1e-2               # float16 storage may flip near-ties only
+        np.testing.assert_array_equal(got["argmax"][:n - 1][clear], want["argmax"][:n - 1][clear])
+        # the reply's own tokens are the teacher's greedy picks: argmax at position t is token t + 1
+        p = int(np.argmax(mask)) - 1
+        np.testing.assert_array_equal(got["argmax"][p:n - 1], ids[p + 1:n])
+    # a kill between the feature shard and its reply shard: the orphan is dropped when the directory is reopened
+    man = read_manifest(str(fdir))
+    orphan = dict(man["shards"][-1], file="shard_09999.npz", regen_shard="shard_09999.jsonl", first=len(fs))
+    (fdir / "shard_09999.npz").write_bytes((fdir / man["shards"][-1]["file"]).read_bytes())
+    man["shards"].append(orphan)
+    (fdir / "manifest.json").write_text(json.dumps(man))
+    assert len(FeatureSet(str(fdir))) > len(fs)
+    RegenFeatureWriter(str(fdir), {s["file"] for s in store.manifest["shards"]}, fmeta)
+    assert len(FeatureSet(str(fdir))) == len(fs) and not (fdir / "shard_09999.npz").exists()
+    with pytest.raises(ValueError, match="max_len"):
+        RegenFeatureWriter(str(fdir), set(), {**fmeta, "max_len": 64})
+    # two directories read as one set, in the given order
+    both = FeatureSet(f"{tmp_path / 'ref'},{fdir}")
+    assert len(both) == 2 * len(fs)
+    np.testing.assert_array_equal(both[len(fs)]["input_ids"], fs[0]["input_ids"])
+
+
 def test_regen_cli_on_tiny_teacher(tiny_dir, ms_runtime, tmp_path, capsys):
     """`python -m mindspore_eagle.train regen` end to end on the first 3 registry prompts of one source; a rerun
     finds them finished and answers nothing."""
     from mindspore_eagle.train.__main__ import main
 
     argv = ["regen", "--out", str(tmp_path), "--teacher", str(tiny_dir), "--sources", "gsm8k", "--prompts", "3",
-            "--max-len", "256", "--batch", "2", "--shard-size", "2"]
+            "--max-len", "256", "--batch", "2", "--shard-size", "2", "--features-dir", str(tmp_path / "feat")]
     assert _need(main, argv) == 0
     first = json.loads(capsys.readouterr().out.split("[regen] summary ")[1])
     assert first["prompts_done"] == 3 and first["left"] == 0 and first["batch"] == 2
@@ -224,6 +292,14 @@ def test_regen_cli_on_tiny_teacher(tiny_dir, ms_runtime, tmp_path, capsys):
     assert main(argv) == 0
     again = json.loads(capsys.readouterr().out.split("[regen] summary ")[1])
     assert again["prompts_done"] == 0 and again["new_tokens"] == 0
+    from mindspore_eagle.train.features import FeatureSet
+    from mindspore_eagle.train.shards import samples_from_shards
+
+    fs = FeatureSet(str(tmp_path / "feat"))                 # --features-dir: one feature shard per reply shard
+    kept, _ = samples_from_shards(str(tmp_path), 256)
+    assert len(fs) == len(kept) and fs.meta["source"] == "regen"
+    for k, (ids, _) in enumerate(kept):
+        np.testing.assert_array_equal(fs[k]["input_ids"], ids)
 
 
 # --------------------------------------------------------------------------- kill and resume (no model) --

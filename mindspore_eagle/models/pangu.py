@@ -255,24 +255,42 @@ class PanguTeacher(nn.Cell):
         return self.embed if self.lm_head is None else self.lm_head
 
     def construct(self, tokens, positions, slots, block_table, mask, out_rows):
-        h, aux = self._trunk(tokens, positions, slots, block_table, mask, out_rows)
-        if self.dtype == ms.float32:
-            return linear(h, self.head_weight()), aux
-        # half precision: the head runs in float32 (hidden rows and head weight upcast), so logits keep float32
-        # resolution: float16 logits are quantised to 1/64 near 20 and tie often, and a tie is decided by rounding
-        # noise from upstream (docs/ascend.md, "speculative float16")
-        logits = linear(h.astype(ms.float32), self.head_weight().astype(ms.float32))
-        return logits, aux.astype(ms.float32)
+        x, aux = self._trunk(tokens, positions, slots, block_table, mask)
+        return self._logits(self.norm(ops.gather(x, out_rows, 0))), self._f32(aux)
 
     def hidden(self, tokens, positions, slots, block_table, mask, out_rows):
         """Like ``construct`` but returns the final-normed hidden rows f32 [m, H] instead of logits [m, V]."""
-        h, aux = self._trunk(tokens, positions, slots, block_table, mask, out_rows)
-        if h.dtype != ms.float32:
-            h, aux = h.astype(ms.float32), aux.astype(ms.float32)
-        return h, aux
+        x, aux = self._trunk(tokens, positions, slots, block_table, mask)
+        return self._f32(self.norm(ops.gather(x, out_rows, 0))), self._f32(aux)
 
-    def _trunk(self, tokens, positions, slots, block_table, mask, out_rows):
-        """Final-normed hidden rows [m, H] and captured features [k, 3H], both in the compute dtype."""
+    def logits_hidden(self, tokens, positions, slots, block_table, mask, out_rows):
+        """``construct`` plus the final-normed hidden states of every row (regeneration that writes training
+        features as it decodes, train/regen.py).
+
+        Returns:
+            (logits f32 [m, V] of ``out_rows``, computed exactly as ``construct`` computes them, hidden f32 [k, H]
+            of all k rows, aux f32 [k, 3H]).
+        """
+        x, aux = self._trunk(tokens, positions, slots, block_table, mask)
+        logits = self._logits(self.norm(ops.gather(x, out_rows, 0)))
+        return logits, self._f32(self.norm(x)), self._f32(aux)
+
+    def _f32(self, t):
+        """``t`` in float32 (no cast op when the compute dtype is float32)."""
+        return t if self.dtype == ms.float32 else t.astype(ms.float32)
+
+    def _logits(self, h):
+        """Logits f32 [m, V] of final-normed rows h [m, H] (compute dtype)."""
+        if self.dtype == ms.float32:
+            return linear(h, self.head_weight())
+        # half precision: the head runs in float32 (hidden rows and head weight upcast), so logits keep float32
+        # resolution: float16 logits are quantised to 1/64 near 20 and tie often, and a tie is decided by rounding
+        # noise from upstream (docs/ascend.md, "speculative float16")
+        return linear(h.astype(ms.float32), self.head_weight().astype(ms.float32))
+
+    def _trunk(self, tokens, positions, slots, block_table, mask):
+        """Residual stream after the last layer [k, H] (before the final norm) and captured features [k, 3H], both
+        in the compute dtype."""
         x = ops.gather(self.embed, tokens, 0)
         cos = ops.gather(self.cos, positions, 0).expand_dims(1)
         sin = ops.gather(self.sin, positions, 0).expand_dims(1)
@@ -283,7 +301,7 @@ class PanguTeacher(nn.Cell):
             x = layer(x, cos, sin, meta)
         a0, a1, a2 = self.aux_layers
         aux = ops.concat((inputs[a0], inputs[a1], inputs[a2]), -1)
-        return self.norm(ops.gather(x, out_rows, 0)), aux
+        return x, aux
 
     # ------------------------------------------------------------------ weights
     def load_hf_weights(self, tensors: dict[str, np.ndarray]) -> None:

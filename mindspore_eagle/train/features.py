@@ -27,6 +27,7 @@ import numpy as np
 
 MANIFEST = "manifest.json"
 SAMPLES = "samples.npz"
+COLUMNS = ("input_ids", "loss_mask", "aux", "hidden", "argmax")
 
 
 def build_runner(cfg, tensors: dict, max_len: int, mode: str = "fused", block_size: int = 16):
@@ -97,56 +98,143 @@ def extract_features(runner, head: np.ndarray, samples: list, out_dir: str, shar
     for first in range(0, len(samples), shard_size):
         if first in done:
             continue
-        part = samples[first:first + shard_size]
-        cols = {k: [] for k in ("input_ids", "loss_mask", "aux", "hidden", "argmax")}
-        for ids, mask in part:
+        part = []
+        for ids, mask in samples[first:first + shard_size]:
             sid = runner.new_seq()
             try:
                 hid, aux = runner.prefill(sid, ids, hidden=True)
             finally:
                 runner.free(sid)
-            cols["input_ids"].append(np.asarray(ids, np.int32))
-            cols["loss_mask"].append(np.asarray(mask, np.uint8))
-            cols["aux"].append(aux.astype(np.float16))
-            cols["hidden"].append(hid.astype(np.float16))
-            cols["argmax"].append(np.argmax(hid @ head.T, -1).astype(np.int32))
+            part.append(sample_columns(ids, mask, hid, aux, head))
             n_done += 1
             tok_done += len(ids)
             if progress is not None:
                 progress(n_done, tok_done, time.time() - t0)
-        offsets = np.zeros(len(part) + 1, np.int64)
-        offsets[1:] = np.cumsum([len(a) for a in cols["input_ids"]])
-        name = f"shard_{first // shard_size:05d}.npz"
-        tmp = os.path.join(out_dir, name + ".tmp.npz")
-        np.savez(tmp, offsets=offsets, **{k: np.concatenate(v) for k, v in cols.items()})
-        os.replace(tmp, os.path.join(out_dir, name))
-        manifest["shards"].append({"file": name, "first": first, "n": len(part), "tokens": int(offsets[-1])})
-        manifest["shards"].sort(key=lambda s: s["first"])
-        _write_manifest(out_dir, manifest)
+        write_shard(out_dir, manifest, f"shard_{first // shard_size:05d}.npz", first, part)
     return manifest
 
 
-class FeatureSet:
-    """Random access to the samples of a features directory (all shards loaded into memory).
+def sample_columns(ids, mask, hidden: np.ndarray, aux: np.ndarray, head: np.ndarray) -> dict:
+    """The stored columns of one sample (module docstring), from the teacher's outputs at its positions.
 
-    ``len(fs)``; ``fs[i]`` -> dict(input_ids int32 [n], loss_mask uint8 [n], aux f16 [n, 3H], hidden f16 [n, H],
-    argmax int32 [n]). ``fs.meta`` is the manifest meta.
+    Args:
+        ids int [n], mask {0,1} [n]; hidden float [f, H] final-normed and aux float [f, 3H] for positions 0..f-1,
+        f = n or n - 1 (regeneration never feeds a sample's last token; its row is stored as zeros: the last
+        position of a sample carries no loss and feeds no prediction, batching.sample_arrays); head: lm_head
+        float32 [V, H].
+    Returns:
+        dict input_ids int32 [n], loss_mask uint8 [n], aux f16 [n, 3H], hidden f16 [n, H], argmax int32 [n]
+        (teacher argmax over V from ``hidden`` in float32; 0 on a zero row).
     Raises:
-        FileNotFoundError: no manifest or no shard in ``out_dir``.
+        ValueError: f is not n or n - 1, or hidden and aux disagree.
+    """
+    n, f = len(ids), len(hidden)
+    if f not in (n, n - 1) or len(aux) != f:
+        raise ValueError(f"sample_columns: {n} tokens need features of n or n - 1 positions, got {f} / {len(aux)}")
+    hid = np.zeros((n, hidden.shape[1]), np.float32)
+    ax = np.zeros((n, aux.shape[1]), np.float32)
+    hid[:f], ax[:f] = hidden, aux
+    arg = np.zeros(n, np.int32)
+    arg[:f] = np.argmax(np.asarray(hidden, np.float32) @ head.T, -1)
+    return {"input_ids": np.asarray(ids, np.int32), "loss_mask": np.asarray(mask, np.uint8),
+            "aux": ax.astype(np.float16), "hidden": hid.astype(np.float16), "argmax": arg}
+
+
+def write_shard(out_dir: str, manifest: dict, name: str, first: int, part: list, **entry) -> dict:
+    """Write the samples ``part`` (dicts from :func:`sample_columns`) as shard ``name`` (temporary file, then
+    renamed), list it in ``manifest`` (with ``entry``'s extra keys) and rewrite the manifest; returns the entry."""
+    cols = {k: [d[k] for d in part] for k in COLUMNS}
+    offsets = np.zeros(len(part) + 1, np.int64)
+    offsets[1:] = np.cumsum([len(a) for a in cols["input_ids"]])
+    tmp = os.path.join(out_dir, name + ".tmp.npz")
+    np.savez(tmp, offsets=offsets, **{k: np.concatenate(v) for k, v in cols.items()})
+    os.replace(tmp, os.path.join(out_dir, name))
+    e = {"file": name, "first": first, "n": len(part), "tokens": int(offsets[-1]), **entry}
+    manifest["shards"].append(e)
+    manifest["shards"].sort(key=lambda s: s["first"])
+    _write_manifest(out_dir, manifest)
+    return e
+
+
+class RegenFeatureWriter:
+    """Feature shards written by regeneration as it decodes (``regen --features-dir``), one per reply shard.
+
+    Feature shard ``shard_NNNNN.npz`` holds the training samples (``shards.keep_sample``) of reply shard
+    ``shard_NNNNN.jsonl``, in its record order, and is written **before** it; so after a kill a feature shard
+    whose reply shard never landed is an orphan (its prompts are answered again) and is dropped when the
+    directory is opened. The directory is a features directory like any other (:class:`FeatureSet`).
+
+    Args:
+        out_dir: created if missing. regen_files: file names of the reply shards listed in the regeneration
+            manifest. meta: settings; ``teacher``, ``max_len`` and ``aux_layers`` must equal the directory's.
+    Raises:
+        ValueError: ``meta`` disagrees with the directory's (names the key and both values).
     """
 
-    def __init__(self, out_dir: str):
-        manifest = read_manifest(out_dir)
-        if not manifest["shards"]:
-            raise FileNotFoundError(f"{out_dir}: no finished feature shards (run feature extraction first)")
-        self.meta = manifest["meta"]
-        self._shards, self._index = [], []
-        for s in manifest["shards"]:
-            z = np.load(os.path.join(out_dir, s["file"]))
-            data = {k: z[k] for k in z.files}
-            k = len(self._shards)
-            self._shards.append(data)
-            self._index += [(k, j) for j in range(len(data["offsets"]) - 1)]
+    KEYS = ("teacher", "max_len", "aux_layers")
+
+    def __init__(self, out_dir: str, regen_files: set, meta: dict):
+        os.makedirs(out_dir, exist_ok=True)
+        self.dir, man = out_dir, read_manifest(out_dir)
+        for k in self.KEYS:
+            if man["shards"] and k in man["meta"] and k in meta and man["meta"][k] != meta[k]:
+                raise ValueError(f"--features-dir {out_dir} holds features made with {k} = {man['meta'][k]!r}, "
+                                 f"not {meta[k]!r}; use another directory")
+        man["meta"] = {**man["meta"], **meta, "source": "regen"}
+        keep = [e for e in man["shards"] if e.get("regen_shard") in regen_files]
+        for e in man["shards"]:
+            if e not in keep and os.path.exists(os.path.join(out_dir, e["file"])):
+                os.remove(os.path.join(out_dir, e["file"]))
+        man["shards"] = keep
+        self.manifest = man
+        _write_manifest(out_dir, man)
+
+    def write(self, regen_shard: str, part: list) -> dict | None:
+        """Write the samples of reply shard ``regen_shard`` (dicts from :func:`sample_columns`); None if empty."""
+        if not part:
+            return None
+        first = sum(e["n"] for e in self.manifest["shards"])
+        name = regen_shard.replace(".jsonl", ".npz")
+        return write_shard(self.dir, self.manifest, name, first, part, regen_shard=regen_shard)
+
+
+class FeatureSet:
+    """Random access to the samples of one or more features directories (all shards loaded into memory).
+
+    ``len(fs)``; ``fs[i]`` -> dict(input_ids int32 [n], loss_mask uint8 [n], aux f16 [n, 3H], hidden f16 [n, H],
+    argmax int32 [n]). ``fs.meta`` is the first directory's manifest meta.
+
+    Args:
+        out_dir: a directory, a comma-separated list of them, or a list; samples are numbered directory by
+            directory in the given order (so the trainer's held-out samples, the last ones, come from the last
+            directory: keep a fixed directory last to keep the held-out set fixed as data grows).
+    Raises:
+        FileNotFoundError: a directory without a manifest or finished shard.
+        ValueError: directories made with different ``aux_layers`` or ``max_len``.
+    """
+
+    def __init__(self, out_dir):
+        dirs = [d for d in (out_dir.split(",") if isinstance(out_dir, str) else out_dir) if d]
+        self._shards, self._index, self.meta = [], [], None
+        for d in dirs:
+            manifest = read_manifest(d)
+            if not manifest["shards"]:
+                raise FileNotFoundError(f"{d}: no finished feature shards (run feature extraction first)")
+            if self.meta is None:
+                self.meta = manifest["meta"]
+            for key in ("aux_layers", "max_len"):          # where both directories record it
+                if None not in (manifest["meta"].get(key), self.meta.get(key)) and \
+                        manifest["meta"][key] != self.meta[key]:
+                    raise ValueError(f"features directories disagree on {key}: {dirs[0]} has "
+                                     f"{self.meta.get(key)!r}, {d} has {manifest['meta'].get(key)!r}")
+            for s in manifest["shards"]:
+                z = np.load(os.path.join(d, s["file"]))
+                data = {k: z[k] for k in z.files}
+                k = len(self._shards)
+                self._shards.append(data)
+                self._index += [(k, j) for j in range(len(data["offsets"]) - 1)]
+        if self.meta is None:
+            raise FileNotFoundError(f"no features directory given ({out_dir!r})")
 
     def __len__(self) -> int:
         return len(self._index)
@@ -155,7 +243,7 @@ class FeatureSet:
         k, j = self._index[i]
         d = self._shards[k]
         a, b = d["offsets"][j], d["offsets"][j + 1]
-        return {name: d[name][a:b] for name in ("input_ids", "loss_mask", "aux", "hidden", "argmax")}
+        return {name: d[name][a:b] for name in COLUMNS}
 
     @property
     def tokens(self) -> int:

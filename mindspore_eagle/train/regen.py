@@ -26,7 +26,7 @@ def _pick(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> i
 
 def generate_stream(runner, items, eos, batch: int = 16, temperature: float = 0.0,
                     rng: np.random.Generator | None = None, width_step: int = 512, counts: dict | None = None,
-                    should_stop=None):
+                    should_stop=None, features: bool = False):
     """Continuous-batching generation; yields each sequence as soon as it finishes.
 
     Args:
@@ -40,9 +40,15 @@ def generate_stream(runner, items, eos, batch: int = 16, temperature: float = 0.
             in flight included (what a throughput figure must count when a run is cut short).
         should_stop: optional callable() -> bool, asked before every decode step; True ends the generator (rows still
             in flight are freed, not yielded).
+        features: also collect the teacher's training features of every position the teacher was fed (the prompt
+            and every reply token but the last), from the same calls that pick the tokens
+            (``TargetRunner.prefill_with_hidden`` / ``decode_batch(with_hidden=True)``; the picks are unchanged).
     Yields:
         (index of the item, reply ids list[int], stop, end id) in finishing order: stop "eos" with the end
-        token the teacher emitted (not in the reply), or "length" with None.
+        token the teacher emitted (not in the reply), or "length" with None. With ``features`` a fifth element
+        (hidden float32 [f, H] final-normed, aux float32 [f, 3H]) for the fed positions 0..f-1 of prompt + reply:
+        f = len(prompt) + len(reply) after "eos" (every reply token was fed), one less after "length" (the last
+        reply token was produced, never fed); i.e. every position of the training sample but its last.
         A row's KV blocks are freed before it is yielded; closing the generator (or an error) frees the rest.
     Raises:
         ValueError: batch < 1 or a budget < 1.
@@ -67,7 +73,11 @@ def generate_stream(runner, items, eos, batch: int = 16, temperature: float = 0.
                     raise ValueError(f"generate_stream: item {i} has budget {budget}, need >= 1")
                 a = {"i": i, "sid": runner.new_seq(), "budget": budget, "out": [], "freed": False}
                 active.append(a)            # before prefill: an error there still frees its blocks
-                logits, _ = runner.prefill(a["sid"], ids)
+                if features:
+                    logits, hid, aux = runner.prefill_with_hidden(a["sid"], ids)
+                    a["hid"], a["aux"] = [hid], [aux]
+                else:
+                    logits, _ = runner.prefill(a["sid"], ids)
                 a["next"] = _pick(logits, temperature, rng)
             live, finished = [], []
             for a in active:
@@ -86,11 +96,21 @@ def generate_stream(runner, items, eos, batch: int = 16, temperature: float = 0.
                 a["freed"] = True
             active = live                                 # finished rows are already freed
             for a, stop, end in finished:
-                yield a["i"], a["out"], stop, end
+                if features:
+                    yield a["i"], a["out"], stop, end, (np.concatenate(a["hid"]), np.concatenate(a["aux"]))
+                else:
+                    yield a["i"], a["out"], stop, end
             if not active:
                 continue
-            logits = runner.decode_batch([a["sid"] for a in active], [a["next"] for a in active], rows=batch,
-                                         width_step=width_step)
+            sids, toks = [a["sid"] for a in active], [a["next"] for a in active]
+            if features:
+                logits, hid, aux = runner.decode_batch(sids, toks, rows=batch, width_step=width_step,
+                                                       with_hidden=True)
+                for i, a in enumerate(active):
+                    a["hid"].append(hid[i:i + 1])
+                    a["aux"].append(aux[i:i + 1])
+            else:
+                logits = runner.decode_batch(sids, toks, rows=batch, width_step=width_step)
             for a, row in zip(active, logits):
                 a["next"] = _pick(row, temperature, rng)
     finally:                            # on an error or close mid-pass, free each row exactly once

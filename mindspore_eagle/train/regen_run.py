@@ -5,11 +5,17 @@ those already in ``--out`` (``train.shards.ShardStore``), and answers the rest w
 (``regen.generate_stream``), writing a shard every ``--shard-size`` finished replies. Stop it at any time
 (SIGTERM / Ctrl-C flush the finished replies; SIGKILL loses at most one unflushed shard) and start the same
 command again to go on. A later training run reads the directory with ``--regen-dir`` (``--stage features``).
+
+With ``--features-dir F`` the teacher's training features (aux, final-normed hidden, argmax; train/features.py)
+of every kept sample are taken from the very calls that decode it and written to F, one feature shard per reply
+shard (``features.RegenFeatureWriter``), so F trains directly (``--stage train --features-dir F``) without a
+separate feature pass (which costs about a third of the data compute: docs/training_data.md).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -34,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-reply", type=int, default=16, help="skip prompts leaving fewer reply tokens than this")
     p.add_argument("--time-limit", type=float, default=None, help="stop (and flush) after this many seconds")
     p.add_argument("--status", action="store_true", help="print the progress of --out and exit (no model loaded)")
+    p.add_argument("--features-dir", default=None,
+                   help="also write the teacher's training features of the new replies here, as they decode")
     p.add_argument("--width-step", type=int, default=512,
                    help="decode width padding in KV slots (a multiple of 16; one compiled graph per width)")
     args = p.parse_args(argv)
@@ -59,7 +67,7 @@ def make_record(p, prompt_ids, reply_ids, stop, end_id) -> dict:
 
 def regenerate_to_shards(runner, tok, prompts: list, store, max_len: int, batch: int, shard_size: int = 64,
                          min_reply: int = 16, time_limit: float | None = None, log=print,
-                         width_step: int = 512) -> dict:
+                         width_step: int = 512, features=None) -> dict:
     """Answer the prompts not yet in ``store`` and write their records in shards of ``shard_size``.
 
     Args:
@@ -67,6 +75,8 @@ def regenerate_to_shards(runner, tok, prompts: list, store, max_len: int, batch:
         prompts: list of ``prompts.Prompt`` (registry order). store: ``shards.ShardStore``.
         time_limit: seconds after which no more replies are taken (the finished ones are flushed).
         log: callable(str) for one progress line per shard. width_step: see ``regen.generate_stream``.
+        features: None, or (``features.RegenFeatureWriter``, teacher lm_head float32 [V, H]): each reply shard's
+            kept samples (``shards.keep_sample``) get a feature shard, written just before the reply shard.
     Returns:
         {"prompts_done": records written this run, "generated": of which the teacher answered, "new_tokens":
          reply tokens in those records, "decoded_tokens": reply tokens decoded this run (rows cut off by the time
@@ -76,9 +86,12 @@ def regenerate_to_shards(runner, tok, prompts: list, store, max_len: int, batch:
          to do}.
         On a shared machine wall-clock rates depend on the other jobs; tokens per CPU second much less so.
     """
+    from .features import sample_columns
     from .regen import generate_stream
+    from .shards import keep_sample, record_sample
 
     done = store.done_ids()
+    feats = {}                          # prompt id -> (hidden [f, H], aux [f, 3H]) of the pending records
     todo = [p for p in prompts if p.prompt_id not in done]
     pending, fed = [], []
     stats = {"prompts_done": 0, "generated": 0, "new_tokens": 0}
@@ -89,6 +102,14 @@ def regenerate_to_shards(runner, tok, prompts: list, store, max_len: int, batch:
     def flush():
         if pending:
             sig["writing"] = True           # a SIGTERM now waits: the shard and the manifest are written together
+            if features is not None:
+                part = []
+                for rec in pending:
+                    ids, mask = record_sample(rec, max_len)
+                    if keep_sample(rec, mask):
+                        part.append(sample_columns(ids, mask, *feats[rec["prompt_id"]], features[1]))
+                features[0].write(store.next_name(), part)
+                feats.clear()
             store.write(pending)
             sig["writing"] = False
             stats["prompts_done"] += len(pending)
@@ -122,11 +143,13 @@ def regenerate_to_shards(runner, tok, prompts: list, store, max_len: int, batch:
         return time_limit is not None and time.monotonic() - t0 >= time_limit
 
     gen = generate_stream(runner, items(), tok.eos_token_ids, batch, width_step=width_step, counts=counts,
-                          should_stop=out_of_time)
+                          should_stop=out_of_time, features=features is not None)
     try:
-        for j, reply, stop, end in gen:
+        for j, reply, stop, end, *fx in gen:
             p, ids = fed[j]
             pending.append(make_record(p, ids, reply, stop, end))
+            if fx:
+                feats[p.prompt_id] = fx[0]
             stats["generated"] += 1
             stats["new_tokens"] += len(reply)
             if len(pending) >= shard_size:
@@ -202,11 +225,23 @@ def main(argv=None) -> int:
             "registry": reg.meta}
     store = ShardStore(args.out, meta)
     runner, _ = build_batch_runner(cfg, tensors, args.max_len, args.batch)
+    features = None
+    if args.features_dir:
+        from .features import RegenFeatureWriter, head_weight
+
+        fmeta = {"teacher": args.teacher, "max_len": args.max_len, "aux_layers": list(cfg.aux_layers),
+                 "regen_dir": os.path.abspath(args.out)}
+        try:
+            writer = RegenFeatureWriter(args.features_dir, {s["file"] for s in store.manifest["shards"]}, fmeta)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        features = (writer, head_weight(cfg, tensors))
     print(f"[regen] {len(store.done_ids())} prompts already in {args.out}; batch {args.batch}, max_len "
           f"{args.max_len}, shard size {args.shard_size}", flush=True)
     res = regenerate_to_shards(runner, tok, prompts, store, args.max_len, args.batch, args.shard_size,
                                args.min_reply, args.time_limit, log=lambda s: print(s, flush=True),
-                               width_step=args.width_step)
+                               width_step=args.width_step, features=features)
     print("[regen] summary " + json.dumps({"batch": args.batch, "width_step": args.width_step, **res}), flush=True)
     return 0
 

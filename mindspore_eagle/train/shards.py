@@ -93,6 +93,10 @@ class ShardStore:
         nums = [int(_SHARD.match(s["file"]).group(1)) for s in self.manifest["shards"]]
         return max(nums) + 1 if nums else 0
 
+    def next_name(self) -> str:
+        """File name the next :meth:`write` will use."""
+        return f"shard_{self.next_index():05d}.jsonl"
+
     def write(self, records: list) -> dict:
         """Write ``records`` as the next shard (atomically) and list it in the manifest; returns its entry.
 
@@ -106,7 +110,7 @@ class ShardStore:
                 raise ValueError(f"bad shard record {r.get('prompt_id')}: missing {sorted(missing)}, "
                                  f"stop {r.get('stop')!r} (allowed {STOPS}), or already finished")
             done.add(r["prompt_id"])
-        name = f"shard_{self.next_index():05d}.jsonl"
+        name = self.next_name()
         _atomic_write(os.path.join(self.dir, name), "".join(json.dumps(r) + "\n" for r in records))
         entry = _entry(name, records)
         self.manifest["shards"].append(entry)
@@ -137,6 +141,12 @@ def record_sample(rec: dict, max_len: int) -> tuple[np.ndarray, np.ndarray]:
     return ids, mask[:max_len]
 
 
+def keep_sample(rec: dict, mask: np.ndarray, min_assistant: int = 16) -> bool:
+    """Whether a record's sample (``record_sample``: its loss ``mask``) is trained on: it was answered and keeps at
+    least ``min_assistant`` loss-masked tokens after the cut."""
+    return rec["stop"] != "prompt_too_long" and int(mask.sum()) >= min_assistant
+
+
 def samples_from_shards(out_dir: str, max_len: int, n_samples: int | None = None,
                         min_assistant: int = 16) -> tuple[list, dict]:
     """Training samples (list of (ids, mask)) from a shard directory, in shard order, for ``--stage features``.
@@ -152,7 +162,7 @@ def samples_from_shards(out_dir: str, max_len: int, n_samples: int | None = None
             break
         st["read"] += 1
         ids, mask = record_sample(rec, max_len)
-        if rec["stop"] == "prompt_too_long" or int(mask.sum()) < min_assistant:
+        if not keep_sample(rec, mask, min_assistant):
             st["too_few_assistant"] += 1
             continue
         samples.append((ids, mask))
@@ -165,4 +175,5 @@ def samples_from_shards(out_dir: str, max_len: int, n_samples: int | None = None
     return samples, st
 
 
-__all__ = ["ShardStore", "iter_records", "read_shard", "record_sample", "samples_from_shards", "STOPS"]
+__all__ = ["ShardStore", "iter_records", "keep_sample", "read_shard", "record_sample", "samples_from_shards",
+           "STOPS"]
