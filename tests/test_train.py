@@ -490,7 +490,9 @@ def test_training_loss_falls_and_accuracy_rises(trained):
     c = held["cov"]["k4"]
     assert held["L_implied"]["D3"]["k4"] == pytest.approx(1 + c[0] + c[0] * c[1] + c[0] * c[1] * c[2], abs=2e-4)
     evals = [json.loads(ln) for ln in open(out / "eval_log.jsonl")]
-    assert [e["step"] for e in evals] == [100, 200, 300] and evals[-1]["cov"] == held["cov"]
+    assert [e["step"] for e in evals] == [0, 100, 200, 300] and evals[-1]["cov"] == held["cov"]
+    assert evals[0]["tokens_seen"] == 0 and evals[0]["acc"][0] < held["acc"][0] - 0.2      # the random init
+    assert evals[-1]["tokens_seen"] == sum(r["tokens"] for r in log)
 
 
 @pytest.mark.parametrize("batch_size,pack_len,steps", [(1, 0, 30), (3, 0, 10), (2, 160, 10)])

@@ -215,5 +215,6 @@ def test_two_msrun_workers_reproduce_one_process_global_batch_and_resume(tiny_di
     assert h2["loss"] == pytest.approx(h1["loss"], rel=1e-5)
     evals1 = [json.loads(ln) for ln in open(one / "eval_log.jsonl")]
     evals2 = [json.loads(ln) for ln in open(two / "eval_log.jsonl")]
-    assert [e["step"] for e in evals2] == [e["step"] for e in evals1] == [2, 4]
+    assert [e["step"] for e in evals2] == [e["step"] for e in evals1] == [0, 2, 4]
+    assert [e["tokens_seen"] for e in evals2] == [e["tokens_seen"] for e in evals1]
     np.testing.assert_allclose([e["acc"] for e in evals2], [e["acc"] for e in evals1], atol=5e-3)

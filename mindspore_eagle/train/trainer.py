@@ -8,8 +8,10 @@ Layout of ``<out>`` (the drafter directory):
     train_log.jsonl                  one line per step: step, lr, loss, step losses [S], correct [S], masked [S],
                                      samples and real tokens of the step, stream cursor after it, elapsed_s /
                                      cpu_s (wall / this process's CPU seconds since the loop began)
-    eval_log.jsonl                   one line per checkpoint: held-out loss, top-1 accuracy, top-k coverage per
-                                     TTT step and the implied L_k (coverage.py)
+    eval_log.jsonl                   one line per checkpoint (and one at step 0, the initial weights, when a run
+                                     starts): held-out loss, top-1 accuracy, top-k coverage per TTT step, the
+                                     implied L_k (coverage.py) and tokens_seen (real training tokens so far,
+                                     over resumes: the x axis of an L_k-against-tokens curve)
     summary.json                     final numbers (accuracies, coverage, throughput, wall time, data counts,
                                      vocab mass, command)
     resume/state.npz                 float32 weights, optimiser moments, step, stream cursor, batch layout, vocab
@@ -326,6 +328,7 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistC
              "pack_len": np.array(tc.pack_len),
              "rng": np.array(json.dumps({"seed": tc.seed, "order": "permutation(seed, epoch)"}))}
     lengths = np.array([min(len(fs[i]["input_ids"]), T) for i in range(n_train)])
+    tokens_before = int(state["tokens_seen"]) if state is not None and "tokens_seen" in state else 0
     held_idx = list(range(n_train, n_total))
     fwd_eval = None
     bar = tqdm(total=tc.steps, initial=start, desc="train", unit="step", disable=not (tc.progress and main),
@@ -334,6 +337,14 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistC
     tok_seen, samples_seen, t_loop, c_loop, history = 0, 0, time.time(), time.process_time(), []
     eval_s, first, held, held_step = 0.0, (0.0, 0, 0), {}, None
     stop = tc.steps if tc.stop_at is None else min(tc.steps, tc.stop_at)
+    if held_idx and start == 0:              # the curve's origin: the initial (random or --init-from) weights
+        import mindspore as ms
+
+        t0, fwd_eval = time.time(), ms.jit(net.eval_topk)
+        held, held_step = evaluate(net, fs, held_idx, t2d, T, S, fwd_eval, dist=dist), 0
+        eval_s += time.time() - t0
+        if main:
+            _append(eval_path, {"step": 0, "tokens_seen": 0, **held})
     for step in range(start, stop):
         t0 = time.time()
         b, cursor = next_batch(fs, cursor, lengths, tc, t2d, dist)
@@ -361,7 +372,8 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistC
             dist.check_same([p.asnumpy() for p in net.trainable()], f"weights after step {step + 1}")
             if main:
                 export(tc.out, dcfg, net, vocab)
-                save_resume(rpath, net, ts, step + 1, {**extra, "cursor": np.array(cursor, np.int64)})
+                save_resume(rpath, net, ts, step + 1, {**extra, "cursor": np.array(cursor, np.int64),
+                                                       "tokens_seen": np.array(tokens_before + tok_seen, np.int64)})
             if held_idx:
                 t0 = time.time()
                 if fwd_eval is None:
@@ -371,7 +383,7 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistC
                 held, held_step = evaluate(net, fs, held_idx, t2d, T, S, fwd_eval, dist=dist), step + 1
                 eval_s += time.time() - t0
                 if main:
-                    _append(eval_path, {"step": step + 1, **held})
+                    _append(eval_path, {"step": step + 1, "tokens_seen": tokens_before + tok_seen, **held})
     bar.close()
     if main:
         export(tc.out, dcfg, net, vocab)
