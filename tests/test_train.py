@@ -507,6 +507,9 @@ def test_resume_reproduces_uninterrupted_losses(tiny, tiny_features, tmp_path, b
     full = train(_tc(tmp_path / "a", tiny_features, checkpoint_every=half, **kw), cfg, tensors)
     part = train(_tc(tmp_path / "b", tiny_features, stop_at=half, **kw), cfg, tensors)
     assert len(part["losses_this_run"]) == half
+    if batch_size == 1:              # another features set (here the same directory twice) is refused on resume
+        with pytest.raises(ValueError, match="samples per features directory changed"):
+            train(_tc(tmp_path / "b", f"{tiny_features},{tiny_features}", **kw), cfg, tensors, resume=True)
     rest = train(_tc(tmp_path / "b", tiny_features, **kw), cfg, tensors, resume=True)
     assert rest["resumed_from"] == half
     np.testing.assert_allclose(rest["losses_this_run"], full["losses_this_run"][half:], atol=1e-5, rtol=0)

@@ -270,6 +270,11 @@ def test_regeneration_writes_the_features_a_separate_pass_would(tiny, ms_runtime
     assert len(FeatureSet(str(fdir))) == len(fs) and not (fdir / "shard_09999.npz").exists()
     with pytest.raises(ValueError, match="max_len"):
         RegenFeatureWriter(str(fdir), set(), {**fmeta, "max_len": 64})
+    with pytest.raises(ValueError, match="separate feature pass"):       # never mixes with (or deletes) those
+        RegenFeatureWriter(str(tmp_path / "ref"), set(), fmeta)
+    assert len(FeatureSet(str(tmp_path / "ref"))) == len(fs)
+    with pytest.raises(ValueError, match="written by regeneration"):
+        extract_features(single, head, samples, str(fdir), shard_size=8)
     # two directories read as one set, in the given order
     both = FeatureSet(f"{tmp_path / 'ref'},{fdir}")
     assert len(both) == 2 * len(fs)

@@ -208,7 +208,7 @@ def main(argv=None) -> int:
                                                                                   else argv)))
     try:
         train(tc, cfg, tensors, resume=args.resume, dist=dist)
-    except DistError as e:
+    except (ValueError, FileNotFoundError) as e:       # DistError is a ValueError: every one-line option error
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -107,8 +107,8 @@ def generate_stream(runner, items, eos, batch: int = 16, temperature: float = 0.
                 logits, hid, aux = runner.decode_batch(sids, toks, rows=batch, width_step=width_step,
                                                        with_hidden=True)
                 for i, a in enumerate(active):
-                    a["hid"].append(hid[i:i + 1])
-                    a["aux"].append(aux[i:i + 1])
+                    a["hid"].append(hid[i:i + 1].copy())      # copies: a view would keep the whole call's
+                    a["aux"].append(aux[i:i + 1].copy())      # output alive until the row finishes
             else:
                 logits = runner.decode_batch(sids, toks, rows=batch, width_step=width_step)
             for a, row in zip(active, logits):

@@ -91,7 +91,7 @@ def regenerate_to_shards(runner, tok, prompts: list, store, max_len: int, batch:
     from .shards import keep_sample, record_sample
 
     done = store.done_ids()
-    feats = {}                          # prompt id -> (hidden [f, H], aux [f, 3H]) of the pending records
+    feats = {}                          # prompt id -> stored feature columns of a pending kept sample
     todo = [p for p in prompts if p.prompt_id not in done]
     pending, fed = [], []
     stats = {"prompts_done": 0, "generated": 0, "new_tokens": 0}
@@ -102,18 +102,14 @@ def regenerate_to_shards(runner, tok, prompts: list, store, max_len: int, batch:
     def flush():
         if pending:
             sig["writing"] = True           # a SIGTERM now waits: the shard and the manifest are written together
-            if features is not None:
-                part = []
-                for rec in pending:
-                    ids, mask = record_sample(rec, max_len)
-                    if keep_sample(rec, mask):
-                        part.append(sample_columns(ids, mask, *feats[rec["prompt_id"]], features[1]))
-                features[0].write(store.next_name(), part)
-                feats.clear()
+            if features is not None:        # the feature shard first: a kill between the two leaves an orphan
+                features[0].write(store.next_name(), [feats[r["prompt_id"]] for r in pending
+                                                      if r["prompt_id"] in feats])
             store.write(pending)
-            sig["writing"] = False
             stats["prompts_done"] += len(pending)
             pending.clear()
+            feats.clear()
+            sig["writing"] = False
             sec = time.monotonic() - t0
             log(f"[regen] {len(store.manifest['shards'])} shards, {len(done) + stats['prompts_done']} prompts "
                 f"done ({stats['prompts_done']} this run, {len(todo) - stats['prompts_done']} left); "
@@ -147,9 +143,12 @@ def regenerate_to_shards(runner, tok, prompts: list, store, max_len: int, batch:
     try:
         for j, reply, stop, end, *fx in gen:
             p, ids = fed[j]
-            pending.append(make_record(p, ids, reply, stop, end))
-            if fx:
-                feats[p.prompt_id] = fx[0]
+            rec = make_record(p, ids, reply, stop, end)
+            if fx:                      # stored columns now, outside the SIGTERM-deferred write
+                sample, mask = record_sample(rec, max_len)
+                if keep_sample(rec, mask):
+                    feats[p.prompt_id] = sample_columns(sample, mask, *fx[0], features[1], next_from=len(ids) - 1)
+            pending.append(rec)
             stats["generated"] += 1
             stats["new_tokens"] += len(reply)
             if len(pending) >= shard_size:

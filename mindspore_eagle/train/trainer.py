@@ -21,8 +21,8 @@ The training stream is a pure function of (seed, epoch) (a permutation per epoch
 step takes the next samples of the stream (``batch_size`` rows of one sample each, or first-fit packed rows of
 ``pack_len`` tokens, batching.plan_rows) and the stream cursor is saved with the weights; the learning rate is
 a pure function of the step (``ttt.lr_at``). So a resumed run repeats the uninterrupted loss curve. Shapes are
-fixed (B x T), the step compiles once. The last ``n_eval`` samples are held out and scored at every checkpoint
-and at the end (per-step top-1 accuracy, eagle3.md §4 "Accuracy metric", and top-k coverage, coverage.py).
+fixed (B x T), the step compiles once. The last ``n_eval`` samples are held out and scored when a run starts
+(step 0), at every checkpoint and at the end (per-step top-1 accuracy, eagle3.md §4 "Accuracy metric", and top-k coverage, coverage.py).
 
 Data parallelism (msrun, W ranks; distributed.py): ``batch_size`` G is the global batch; each rank trains on its
 B = G / W rows of every step's G stream positions with a gradient all-reduce (mean) inside the jitted step,
@@ -262,6 +262,11 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistC
         if not os.path.exists(rpath):
             raise FileNotFoundError(f"--resume: no resume state at {rpath}")
         state = dict(np.load(rpath))
+    feats = json.dumps({"dirs": [os.path.abspath(d) for d in fs.dirs], "counts": fs.counts})
+    if state is not None and "features" in state and json.loads(str(state["features"]))["counts"] != fs.counts:
+        raise ValueError(f"--resume: the samples per features directory changed since the run started (was "
+                         f"{state['features']}, now {feats}), which would shift the training stream and the held-out "
+                         "set; start a new run (--init-from the last export) to train on the new set")
     n_total = int(state["n_samples"]) if state is not None else min(len(fs), tc.max_samples or len(fs))
     if n_total < 2:
         raise ValueError(f"need at least 2 samples with features, have {n_total}")
@@ -325,10 +330,13 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistC
         _trim_log(log_path, start)                      # train_log "step" = 0-based step index
         _trim_log(eval_path, start + 1 if start else 0)  # eval_log "step" = steps done at the checkpoint
     extra = {"vocab_used": used, "n_samples": np.array(n_total), "batch_size": np.array(tc.batch_size),
+             "features": np.array(feats),
              "pack_len": np.array(tc.pack_len),
              "rng": np.array(json.dumps({"seed": tc.seed, "order": "permutation(seed, epoch)"}))}
     lengths = np.array([min(len(fs[i]["input_ids"]), T) for i in range(n_train)])
-    tokens_before = int(state["tokens_seen"]) if state is not None and "tokens_seen" in state else 0
+    tokens_before = 0
+    if state is not None:        # states before tokens_seen was kept: the sum over the (trimmed) step log
+        tokens_before = int(state["tokens_seen"]) if "tokens_seen" in state else _logged_tokens(log_path)
     held_idx = list(range(n_train, n_total))
     fwd_eval = None
     bar = tqdm(total=tc.steps, initial=start, desc="train", unit="step", disable=not (tc.progress and main),
@@ -428,6 +436,14 @@ def _rates(steps: int, tokens: int, samples: int, seconds: float, row_tokens: in
     return {"steps": steps, "seconds": round(seconds, 1), "steps_per_s": round(steps / seconds, 3),
             "tokens_per_s": round(tokens / seconds, 1), "samples_per_s": round(samples / seconds, 3),
             "padded_tokens_per_s": round(steps * row_tokens / seconds, 1)}
+
+
+def _logged_tokens(path: str) -> int:
+    """Real tokens over the steps of a step log (train_log.jsonl; 0 when there is none)."""
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return int(sum(json.loads(ln)["tokens"] for ln in f if ln.strip()))
 
 
 def _append(path: str, rec: dict) -> None:
