@@ -22,7 +22,8 @@ step takes the next samples of the stream (``batch_size`` rows of one sample eac
 ``pack_len`` tokens, batching.plan_rows) and the stream cursor is saved with the weights; the learning rate is
 a pure function of the step (``ttt.lr_at``). So a resumed run repeats the uninterrupted loss curve. Shapes are
 fixed (B x T), the step compiles once. The last ``n_eval`` samples are held out and scored when a run starts
-(step 0), at every checkpoint and at the end (per-step top-1 accuracy, eagle3.md §4 "Accuracy metric", and top-k coverage, coverage.py).
+(step 0), at every checkpoint and at the end (per-step top-1 accuracy, eagle3.md §4 "Accuracy metric", and top-k
+coverage, coverage.py).
 
 Data parallelism (msrun, W ranks; distributed.py): ``batch_size`` G is the global batch; each rank trains on its
 B = G / W rows of every step's G stream positions with a gradient all-reduce (mean) inside the jitted step,
@@ -345,14 +346,21 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistC
     tok_seen, samples_seen, t_loop, c_loop, history = 0, 0, time.time(), time.process_time(), []
     eval_s, first, held, held_step = 0.0, (0.0, 0, 0), {}, None
     stop = tc.steps if tc.stop_at is None else min(tc.steps, tc.stop_at)
-    if held_idx and start == 0:              # the curve's origin: the initial (random or --init-from) weights
+
+    def score(done: int) -> None:
+        """Score the held-out samples after ``done`` steps (every rank) and log the line (rank 0)."""
+        nonlocal fwd_eval, held, held_step, eval_s
         import mindspore as ms
 
-        t0, fwd_eval = time.time(), ms.jit(net.eval_topk)
-        held, held_step = evaluate(net, fs, held_idx, t2d, T, S, fwd_eval, dist=dist), 0
+        t0 = time.time()
+        fwd_eval = fwd_eval or ms.jit(net.eval_topk)           # compiled once, reused by every checkpoint
+        held, held_step = evaluate(net, fs, held_idx, t2d, T, S, fwd_eval, dist=dist), done
         eval_s += time.time() - t0
         if main:
-            _append(eval_path, {"step": 0, "tokens_seen": 0, **held})
+            _append(eval_path, {"step": done, "tokens_seen": tokens_before + tok_seen, **held})
+
+    if held_idx and start == 0:              # the curve's origin: the initial (random or --init-from) weights
+        score(0)
     for step in range(start, stop):
         t0 = time.time()
         b, cursor = next_batch(fs, cursor, lengths, tc, t2d, dist)
@@ -383,15 +391,7 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistC
                 save_resume(rpath, net, ts, step + 1, {**extra, "cursor": np.array(cursor, np.int64),
                                                        "tokens_seen": np.array(tokens_before + tok_seen, np.int64)})
             if held_idx:
-                t0 = time.time()
-                if fwd_eval is None:
-                    import mindspore as ms
-
-                    fwd_eval = ms.jit(net.eval_topk)
-                held, held_step = evaluate(net, fs, held_idx, t2d, T, S, fwd_eval, dist=dist), step + 1
-                eval_s += time.time() - t0
-                if main:
-                    _append(eval_path, {"step": step + 1, "tokens_seen": tokens_before + tok_seen, **held})
+                score(step + 1)
     bar.close()
     if main:
         export(tc.out, dcfg, net, vocab)
