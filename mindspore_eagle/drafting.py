@@ -45,16 +45,16 @@ class DrafterRunner:
         self.S, self.B, self.window = max_seq_len, block_size, int(window)
         self.buckets = pow2_buckets(chunk)
         self.widths = context_widths(max_seq_len, block_size)
-        self._fuse = CompiledFn(drafter.fuse, mode)
+        self._ctx = CompiledFn(drafter.context, mode)
         self._step = CompiledFn(drafter.construct, mode)
 
     @property
     def compiles(self) -> int:
-        return self._fuse.compiles + self._step.compiles
+        return self._ctx.compiles + self._step.compiles
 
     @property
     def compile_ms(self) -> float:
-        return self._fuse.compile_ms + self._step.compile_ms
+        return self._ctx.compile_ms + self._step.compile_ms
 
     def new_seq(self) -> int:
         return self.bm.new_seq()
@@ -93,6 +93,9 @@ class DrafterRunner:
             next_tokens: int [n], the token that follows each of them.
         Returns:
             (top_logp float32 [K], top_ids int64 [K] teacher ids, h_last mindspore.Tensor [1, H]).
+
+        One graph call per chunk of at most ``chunk`` pairs (``Eagle3Drafter.context``: fc, the layer, and the head
+        on the chunk's last pair only).
         """
         n = len(next_tokens)
         chunk = self.buckets[-1]
@@ -111,11 +114,13 @@ class DrafterRunner:
             mask[:m] = self._context_rows(p0, m, mask.shape[1])
             mask[m:, 0] = 0.0
             slots = self.bm.append(sid, m, k)
-            h = self._fuse(ms.Tensor(feats))
-            top_logp, top_ids, h_out = self._run(sid, h, tokens, positions, slots, mask)
+            table = self.bm.block_table(sid)[: mask.shape[1] // self.B]
+            top_logp, top_ids, h_last = self._ctx(
+                ms.Tensor(feats), ms.Tensor(tokens.astype(np.int32)), ms.Tensor(positions.astype(np.int32)),
+                ms.Tensor(np.asarray(slots, np.int32)), ms.Tensor(table), ms.Tensor(mask),
+                ms.Tensor(np.array([m - 1], np.int32)))
             self.bm.advance(sid, m)
-        row = m - 1
-        return top_logp.asnumpy()[row], top_ids.asnumpy()[row].astype(np.int64), h_out[row:row + 1]
+        return top_logp.asnumpy()[0], top_ids.asnumpy()[0].astype(np.int64), h_last
 
     # ------------------------------------------------------------------ tree expansion
     def build_tree(self, sid: int, root: int, first, M: int, D: int, grow=None) -> DraftTree:
@@ -207,15 +212,15 @@ class DrafterRunner:
             mask[r] = self._context_rows(p0, m, w)
             slots[r] = self.bm.append(sid, m, m)
             table[g] = self.bm.block_table(sid)[: w // self.B]
-        h = self._fuse(ms.Tensor(feats))
-        top_logp, top_ids, h_out = self._step(h, ms.Tensor(tokens.astype(np.int32)),
+        pick = np.zeros(groups, np.int32)                 # pad groups pick row 0 (ignored)
+        pick[: len(ms_)] = [g * kg + m - 1 for g, m in enumerate(ms_)]
+        top_logp, top_ids, h_last = self._ctx(ms.Tensor(feats), ms.Tensor(tokens.astype(np.int32)),
                                               ms.Tensor(positions.astype(np.int32)), ms.Tensor(slots),
-                                              ms.Tensor(table), ms.Tensor(mask))
+                                              ms.Tensor(table), ms.Tensor(mask), ms.Tensor(pick))
         for sid, m in zip(sids, ms_):
             self.bm.advance(sid, m)
         top_logp, top_ids = top_logp.asnumpy(), top_ids.asnumpy().astype(np.int64)
-        last = [g * kg + m - 1 for g, m in enumerate(ms_)]
-        return [(top_logp[r], top_ids[r], h_out[r:r + 1]) for r in last]
+        return [(top_logp[g], top_ids[g], h_last[g:g + 1]) for g in range(len(ms_))]
 
     def _build_trees(self, sids, roots, firsts, M: int, D: int, groups: int) -> list:
         """:meth:`build_tree` for every sequence, each expansion step one call of groups x K rows."""

@@ -7,8 +7,8 @@ configuration:
 - teacher: each prefill bucket (16..prefill_chunk) x each attention width (256, 512, ..., S); decode (1 query
   row) and verification (k = each tree budget of ``engine.verify_budgets()``) at each width; the K/V compaction of
   a commit (D_max + 2 rows);
-- drafter: each context-pass bucket (1..prefill_chunk rows, plus the feature fusion at that bucket) x each
-  width; tree expansion (top_k rows) at each width.
+- drafter: each context-pass bucket (1..prefill_chunk rows; feature fusion, layer and the head on the last row
+  in one graph) x each width; tree expansion (top_k rows) at each width.
 
 :func:`warmup` visits them directly (synthetic ids on scratch sequences; the K/V written there is garbage and is
 released), always in the same order, which is also what lets MindSpore's on-disk compile cache

@@ -50,10 +50,10 @@ def test_full_warmup_then_no_compile_in_any_turn(ms_runtime, tiny_dir):
     eng = build_engine(cfg)
     out = warmup(eng, cfg.generation, "full")
     # teacher: (prefill 16, decode, verify 8) x 2 widths + the commit's K/V compaction = 7 graphs;
-    # drafter: 5 context buckets x 2 widths + 5 feature fusions + expansion at 520 (2 rows at 256 / 512 are the
-    # context bucket 2) = 16 graphs
-    assert (out["mode"], out["compiles"]) == ("full", 23)
-    assert (eng.target.compiles, eng.drafter.compiles) == (7, 16)
+    # drafter: 5 context-pass buckets (fc + layer + head on the last row, one graph) x 2 widths + expansion at
+    # 256, 512 and 520 = 13 graphs
+    assert (out["mode"], out["compiles"]) == ("full", 20)
+    assert (eng.target.compiles, eng.drafter.compiles) == (7, 13)
     assert warmup(eng, cfg.generation, "full")["compiles"] == 0
     gens = eng.chat(["Hi", LONG, "Thanks"], cfg.generation)
     assert gens[1].turn.prompt_tokens > 256                     # the long turn reaches the second width
@@ -84,10 +84,9 @@ def test_batched_warmup_then_scheduler_compiles_nothing(ms_runtime, tiny_dir):
         + [f"drafter context 3 x {b} x 512" for b in (1, 2, 4, 8, 16)] + ["drafter expansion 3 x 2 x 512",
                                                                           "drafter expansion 3 x 2 x 520"])
     out = warmup(eng, cfg.generation, "full", max_batch=3)
-    # one-sequence graphs (test above) 23; teacher decode_batch + verify_batch at 2 widths 4; drafter: context
-    # passes of 3 x b rows at 2 widths 10 + their feature fusions 5 + expansion (6 rows = the context bucket 2
-    # at 256 / 512) at 520 only 1
-    assert out["compiles"] == 23 + 4 + 16
+    # one-sequence graphs (test above) 20; teacher decode_batch + verify_batch at 2 widths 4; drafter: context
+    # passes of 3 x b rows at 2 widths 10 + expansion (3 x 2 rows) at 256, 512 and 520 3
+    assert out["compiles"] == 20 + 4 + 13
     before = eng.target.compiles + eng.drafter.compiles
     recs = records([{"id": i, "prompt": p} for i, p in enumerate(["Hi", LONG, "Thanks", "What is 2+2?"])])
     sched = BatchScheduler(eng, cfg.generation, 3, speculative=True)
@@ -169,8 +168,8 @@ def test_graph_cache_reused_by_next_process_and_rebuilt_when_damaged(tmp_path, t
     assert cdir and cdir.startswith(str(tmp_path / "cache" / "graphs"))
     assert first["log"][0].startswith("warm-up: compiling and saving all graphs")
     files = sorted(os.listdir(os.path.join(cdir, "rank_0", "graph_cache")))
-    assert len([f for f in files if f.endswith(".mindir")]) == 23
-    assert json.load(open(os.path.join(cdir, "complete.json")))["compiles"] == 23
+    assert len([f for f in files if f.endswith(".mindir")]) == 20
+    assert json.load(open(os.path.join(cdir, "complete.json")))["compiles"] == 20
 
     assert sorted(os.listdir(tmp_path / "cache" / "graphs")) == [os.path.basename(cdir)]   # no .tmp<pid> left
     second = _run(tmp_path, tiny_dir)
@@ -184,4 +183,4 @@ def test_graph_cache_reused_by_next_process_and_rebuilt_when_damaged(tmp_path, t
                 fh.write(b"not a graph")
     third = _run(tmp_path, tiny_dir)
     assert third["ids"] == first["ids"] and third["compiles_after"] == 0
-    assert third["warm"]["compiles"] == 23
+    assert third["warm"]["compiles"] == 20

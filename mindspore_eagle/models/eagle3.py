@@ -217,6 +217,11 @@ class Eagle3Drafter(nn.Cell):
         fuse(aux [k, 3Ht] f32) -> [k, H]                         (``fc``)
         construct(h [k, H], tokens [k] i32, positions [k] i32, slots [k] i32, block_table [S/B] i32,
                   mask [k, S] f32) -> (top_logp [k, K] f32, top_ids [k, K] i32 teacher ids, h_out [k, H])
+        context(aux [k, 3Ht] f32, tokens, positions, slots, block_table, mask as above, pick [r] i32)
+                  -> (top_logp [r, K], top_ids [r, K], h_out [r, H]) at the rows ``pick`` only
+    ``context`` is ``fuse`` + ``construct`` in one call with the head applied to the ``pick`` rows alone: a context
+    pass needs the prediction of its last pair only (of each sequence's last pair when batched), and the 8192-row
+    head is about half of a row's multiply-adds (eagle3.md §2; docs/results.md, session 5).
     ``top_logp`` are log-softmax values over the draft vocabulary in fp32 (eagle3.md §2), ``top_ids`` already
     mapped to teacher ids through d2t. ``h`` / ``h_out`` are in the compute dtype.
 
@@ -268,6 +273,18 @@ class Eagle3Drafter(nn.Cell):
         return self.matmul_t(aux, self.fc)
 
     def construct(self, h, tokens, positions, slots, block_table, mask):
+        h_out = self._layer(h, tokens, positions, slots, block_table, mask)
+        top_logp, top_ids = self._top(h_out)
+        return top_logp, top_ids, h_out
+
+    def context(self, aux, tokens, positions, slots, block_table, mask, pick):
+        h_out = self._layer(self.fuse(aux), tokens, positions, slots, block_table, mask)
+        h_pick = ops.gather(h_out, pick, 0)
+        top_logp, top_ids = self._top(h_pick)
+        return top_logp, top_ids, h_pick
+
+    def _layer(self, h, tokens, positions, slots, block_table, mask):
+        """The midlayer over k rows: writes their K/V at ``slots``, returns h_out [k, H] (pre-norm)."""
         k_len = h.shape[0]
         e = ops.gather(self.embed, tokens, 0)
         x = ops.concat((self.input_layernorm(e), self.hidden_norm(h)), -1)
@@ -283,14 +300,17 @@ class Eagle3Drafter(nn.Cell):
         ctx = self.backend.attend(q, k, v, self.key_cache, self.value_cache, meta, self.scale)
         h = h + self.matmul_t(ctx, self.wo)
         gate, up = ops.split(self.matmul_t(self.post_attention_layernorm(h), self.w_gate_up), self.ffn, -1)
-        h_out = h + self.matmul_t(ops.silu(gate) * up, self.w_down)
+        return h + self.matmul_t(ops.silu(gate) * up, self.w_down)
+
+    def _top(self, h_out):
+        """h_out [r, H] -> (top_logp [r, K] f32 log-softmax over Vd, top_ids [r, K] i32 teacher ids via d2t)."""
         logits = self.matmul_t(self.norm(h_out), self.lm_head)
         if logits.dtype != ms.float32:
             logits = logits.astype(ms.float32)
         logp = ops.log_softmax(logits, -1)
         top_logp, top_idx = ops.topk(logp, self.top_k)
         top_ids = top_idx + ops.gather(self.d2t, top_idx.reshape(-1), 0).reshape(top_idx.shape)
-        return top_logp, top_ids, h_out
+        return top_logp, top_ids
 
     def attention_probs(self, h, tokens, positions, block_table, mask):
         """Attention weights [k, S] (mean over heads) of the midlayer for ``h``/``tokens`` against the cache.
