@@ -12,9 +12,13 @@ written; the drafter's scratch writes are rolled back.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
 def main() -> None:
@@ -52,7 +56,7 @@ def main() -> None:
         tg.decode(sid, 5)
         return time.perf_counter() - t0
 
-    calls = [(f"context pass, {n} pairs", lambda n=n: extend(n)) for n in (1, 2, 4)]
+    calls = [(f"context pass, {n} pair{'s' if n > 1 else ''}", lambda n=n: extend(n)) for n in (1, 2, 4)]
     calls += [(f"tree expansion, D_max {d}", lambda d=d: tree(d)) for d in (2, 3)]
     for name, fn in calls:
         for _ in range(3):
