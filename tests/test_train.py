@@ -525,6 +525,39 @@ def test_resume_reproduces_uninterrupted_losses(tiny, tiny_features, tmp_path, b
             train(_tc(tmp_path / "b", tiny_features, **{**kw, "batch_size": 1}), cfg, tensors, resume=True)
 
 
+def test_sigterm_saves_state_and_resume_continues_the_curve(tiny, tiny_features, tmp_path, monkeypatch):
+    """SIGTERM during step 4 ends the run after that step with the resume state written (summary stopped_by),
+    the handler before the run is restored, and --resume repeats the uninterrupted loss curve."""
+    import os
+    import signal
+
+    from mindspore_eagle.train import trainer
+
+    cfg, tensors, _ = tiny
+    kw = dict(steps=10, n_eval=8, batch_size=1, checkpoint_every=100)
+    full = trainer.train(_tc(tmp_path / "a", tiny_features, **kw), cfg, tensors)
+    real_lr = trainer.lr_at
+
+    def lr_and_term(step, *a):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_lr(step, *a)
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(trainer, "lr_at", lr_and_term)
+    part = trainer.train(_tc(tmp_path / "b", tiny_features, **kw), cfg, tensors)
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert part["stopped_by"] == "SIGTERM" and len(part["losses_this_run"]) == 4
+    state = np.load(tmp_path / "b" / "resume" / "state.npz")
+    assert int(state["step"]) == 4 and int(state["cursor"]) == 4
+    monkeypatch.setattr(trainer, "lr_at", real_lr)
+    rest = trainer.train(_tc(tmp_path / "b", tiny_features, **kw), cfg, tensors, resume=True)
+    assert rest["resumed_from"] == 4 and rest["stopped_by"] is None
+    np.testing.assert_allclose(part["losses_this_run"] + rest["losses_this_run"], full["losses_this_run"],
+                               atol=1e-5, rtol=0)
+    assert [json.loads(ln)["step"] for ln in open(tmp_path / "b" / "eval_log.jsonl")] == [0, 10]
+
+
 def test_export_loads_and_inference_cell_matches_training_step0(tiny, tiny_features, trained):
     import mindspore as ms
     from mindspore import Parameter, Tensor

@@ -54,7 +54,8 @@ INITS = ("random", "teacher")
 class TrainConfig:
     """Options of :func:`train` (CLI names in ``__main__``). ``warmup`` None = 3 % of steps; ``intermediate``
     None = the teacher's FFN width; ``n_eval`` held-out samples; ``max_samples`` caps the samples used;
-    ``stop_at`` ends the loop early (as if killed there; the schedule still spans ``steps``); ``init_from`` a
+    ``stop_at`` ends the loop early (as if killed there; the schedule still spans ``steps``; SIGTERM does the same
+    at the next step boundary: state saved, summary ``stopped_by`` "SIGTERM", no held-out pass); ``init_from`` a
     SpecForge drafter directory to fine-tune (its weights and its draft vocabulary; ``vd`` must match);
     ``batch_size`` rows per optimiser step (over all msrun ranks: the global batch G, a multiple of the ranks);
     ``pack_len`` 0 = one sample per row of ``max_len`` tokens, else the row length (>= max_len) into which whole
@@ -361,37 +362,47 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistC
 
     if held_idx and start == 0:              # the curve's origin: the initial (random or --init-from) weights
         score(0)
-    for step in range(start, stop):
-        t0 = time.time()
-        b, cursor = next_batch(fs, cursor, lengths, tc, t2d, dist)
-        lr = lr_at(step, tc.lr, warmup, tc.steps, tc.schedule)
-        loss, losses, correct = ts(b, lr)
-        loss, losses, correct, masked, n_samples, n_valid = reduce_step_stats(  # global batch (W > 1)
-            dist, loss, losses, correct, b.loss_mask.sum((1, 2)), b.n_samples, b.n_valid)
-        if step == start:                                                   # includes compiling the step
-            first = (time.time() - t0, n_valid, n_samples)
-        rec = {"step": step, "lr": lr, "loss": loss, "losses": np.round(losses, 5).tolist(),
-               "correct": correct.tolist(), "masked": masked.tolist(), "samples": n_samples,
-               "tokens": n_valid, "cursor": cursor, "elapsed_s": round(time.time() - t_loop, 3),
-               "cpu_s": round(time.process_time() - c_loop, 3)}
-        history.append(loss)
-        if main:
-            _append(log_path, rec)
-        win_c, win_m, win_l = (win_c + [correct])[-100:], (win_m + [masked])[-100:], (win_l + [loss])[-100:]
-        tok_seen += n_valid
-        samples_seen += n_samples
-        acc = np.sum(win_c, 0) / np.maximum(np.sum(win_m, 0), 1)
-        bar.update(1)
-        bar.set_postfix(loss=f"{np.mean(win_l):.3f}", acc0=f"{acc[0]:.3f}",
-                        tok_s=f"{tok_seen / max(time.time() - t_loop - eval_s, 1e-9):.0f}", refresh=False)
-        if (step + 1) % tc.checkpoint_every == 0 or step + 1 == stop:
-            dist.check_same([p.asnumpy() for p in net.trainable()], f"weights after step {step + 1}")
+    stopped_by = None
+    with _TermFlag() as term:
+        for step in range(start, stop):
+            t0 = time.time()
+            b, cursor = next_batch(fs, cursor, lengths, tc, t2d, dist)
+            lr = lr_at(step, tc.lr, warmup, tc.steps, tc.schedule)
+            loss, losses, correct = ts(b, lr)
+            loss, losses, correct, masked, n_samples, n_valid = reduce_step_stats(  # global batch (W > 1)
+                dist, loss, losses, correct, b.loss_mask.sum((1, 2)), b.n_samples, b.n_valid)
+            if step == start:                                                   # includes compiling the step
+                first = (time.time() - t0, n_valid, n_samples)
+            rec = {"step": step, "lr": lr, "loss": loss, "losses": np.round(losses, 5).tolist(),
+                   "correct": correct.tolist(), "masked": masked.tolist(), "samples": n_samples,
+                   "tokens": n_valid, "cursor": cursor, "elapsed_s": round(time.time() - t_loop, 3),
+                   "cpu_s": round(time.process_time() - c_loop, 3)}
+            history.append(loss)
             if main:
-                export(tc.out, dcfg, net, vocab)
-                save_resume(rpath, net, ts, step + 1, {**extra, "cursor": np.array(cursor, np.int64),
-                                                       "tokens_seen": np.array(tokens_before + tok_seen, np.int64)})
-            if held_idx:
-                score(step + 1)
+                _append(log_path, rec)
+            win_c, win_m, win_l = (win_c + [correct])[-100:], (win_m + [masked])[-100:], (win_l + [loss])[-100:]
+            tok_seen += n_valid
+            samples_seen += n_samples
+            acc = np.sum(win_c, 0) / np.maximum(np.sum(win_m, 0), 1)
+            bar.update(1)
+            bar.set_postfix(loss=f"{np.mean(win_l):.3f}", acc0=f"{acc[0]:.3f}",
+                            tok_s=f"{tok_seen / max(time.time() - t_loop - eval_s, 1e-9):.0f}", refresh=False)
+            halt = term.agreed(dist)                    # SIGTERM: checkpoint this step and end the run
+            if (step + 1) % tc.checkpoint_every == 0 or step + 1 == stop or halt:
+                dist.check_same([p.asnumpy() for p in net.trainable()], f"weights after step {step + 1}")
+                if main:
+                    export(tc.out, dcfg, net, vocab)
+                    save_resume(rpath, net, ts, step + 1, {
+                        **extra, "cursor": np.array(cursor, np.int64),
+                        "tokens_seen": np.array(tokens_before + tok_seen, np.int64)})
+                if held_idx and not halt:               # stopping: no held-out pass (a grace period is short)
+                    score(step + 1)
+                if halt:
+                    if main:
+                        print(f"[train] SIGTERM: stopped after step {step + 1}, state saved; continue with --resume",
+                              flush=True)
+                    stop, stopped_by = step + 1, "SIGTERM"
+                    break
     bar.close()
     if main:
         export(tc.out, dcfg, net, vocab)
@@ -399,7 +410,7 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistC
     train_s = loop_s - eval_s
     n_steps = stop - start
     acc_train = (np.sum(win_c, 0) / np.maximum(np.sum(win_m, 0), 1)).round(4).tolist() if win_c else []
-    if held_idx and held_step != stop:
+    if held_idx and held_step != stop and stopped_by is None:
         held = evaluate(net, fs, held_idx, t2d, T, S, fwd_eval, dist=dist)
     summary = {
         "samples_train": n_train, "samples_eval": n_eval, "train_tokens": int(sum(len(fs[i]["input_ids"])
@@ -416,7 +427,7 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistC
         "tokens_per_s": round(tok_seen / max(train_s, 1e-9), 1),
         "throughput_after_first_step": _rates(n_steps - 1, tok_seen - first[1], samples_seen - first[2],
                                               train_s - first[0], tc.batch_size * R),
-        "first_step_seconds": round(first[0], 2), "command": tc.command,
+        "first_step_seconds": round(first[0], 2), "stopped_by": stopped_by, "command": tc.command,
         "config": asdict(tc), "losses_this_run": [round(x, 5) for x in history],
     }
     if main:
@@ -425,6 +436,39 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistC
         print(f"[done] train acc(last 100) {acc_train}; held-out {held.get('acc')}; coverage {held.get('cov')}; "
               f"L_implied {held.get('L_implied')}", flush=True)
     return summary
+
+
+class _TermFlag:
+    """SIGTERM as a request to stop at the next step boundary (a context manager; the previous handler is
+    restored on exit). Outside the main thread no handler can be set and SIGTERM keeps its default action.
+    ``agreed(dist)`` is True once any rank got the signal (one scalar all-reduce per step when W > 1, so all
+    ranks stop after the same step and write the same state)."""
+
+    def __init__(self):
+        self.flag, self._old = False, None
+
+    def __enter__(self) -> "_TermFlag":
+        import signal
+
+        try:
+            self._old = signal.signal(signal.SIGTERM, self._on_term)
+        except ValueError:                                   # not the main thread
+            self._old = None
+        return self
+
+    def _on_term(self, signum, frame) -> None:
+        self.flag = True
+
+    def agreed(self, dist: DistContext) -> bool:
+        if dist.world == 1:
+            return self.flag
+        return bool(dist.sum(np.array([float(self.flag)], np.float32))[0] > 0)
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
 
 
 def _rates(steps: int, tokens: int, samples: int, seconds: float, row_tokens: int) -> dict:
