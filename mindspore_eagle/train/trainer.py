@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from dataclasses import dataclass, asdict
 
@@ -448,8 +449,6 @@ class _TermFlag:
         self.flag, self._old = False, None
 
     def __enter__(self) -> "_TermFlag":
-        import signal
-
         try:
             self._old = signal.signal(signal.SIGTERM, self._on_term)
         except ValueError:                                   # not the main thread
@@ -465,8 +464,6 @@ class _TermFlag:
         return bool(dist.sum(np.array([float(self.flag)], np.float32))[0] > 0)
 
     def __exit__(self, *exc) -> None:
-        import signal
-
         if self._old is not None:
             signal.signal(signal.SIGTERM, self._old)
 
