@@ -11,12 +11,16 @@ Architecture (eagle3.md §1, reference E ``eagle/model/cnets.py``, SF ``specforg
   ``target_id = draft_id + d2t[draft_id]`` (pitfall P9: identity is zeros).
 - the token embedding is the teacher's (shared, never saved); RoPE theta from the *drafter* config (10000
   when absent, eagle3.md §1).
-- the output fed back as the next feature is the **pre-norm** layer output (P6).
+- optional later decoder layers (``num_hidden_layers`` > 1; vLLM ``llama_eagle3.py``: layer 0 takes the 2H
+  concat, layers 1.. are plain Llama pre-norm layers over the H-wide residual stream, keys ``layers.{i}.*``).
+- the output fed back as the next feature is the **pre-norm** output of the last layer (P6).
 
 Checkpoint (directory): ``config.json`` + ``model.safetensors`` with keys ``fc.weight [H, 3Ht]``,
 ``midlayer.self_attn.{q,k,v,o}_proj.weight``, ``midlayer.mlp.{gate,up,down}_proj.weight``,
 ``midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}.weight``, ``norm.weight``,
-``lm_head.weight [Vd, H]``, ``d2t [Vd] int64``, ``t2d [V] bool``.
+``lm_head.weight [Vd, H]``, ``d2t [Vd] int64``, ``t2d [V] bool``; per later layer i >= 1
+``layers.{i}.self_attn.{q,k,v,o}_proj.weight`` (q/k/v input H), ``layers.{i}.mlp.{gate,up,down}_proj.weight``,
+``layers.{i}.{input_layernorm,post_attention_layernorm}.weight``.
 """
 from __future__ import annotations
 
@@ -45,6 +49,9 @@ class DrafterConfig:
         target_hidden_size: Ht of the teacher whose 3 layers are fused by ``fc``.
         aux_layers: teacher layers whose *inputs* are captured (eagle3.md §1; P5 off-by-one).
         draft_vocab_size: Vd; vocab_size: V (teacher vocabulary).
+        num_hidden_layers: decoder layers (1 = the EAGLE-3 drafter; more = vLLM's multi-layer layout above).
+    Raises:
+        DrafterCheckpointError: num_hidden_layers < 1.
     """
     hidden_size: int
     intermediate_size: int
@@ -58,8 +65,12 @@ class DrafterConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     aux_layers: tuple = ()
+    num_hidden_layers: int = 1
 
     def __post_init__(self):
+        if int(self.num_hidden_layers) < 1:
+            raise DrafterCheckpointError(f"drafter num_hidden_layers must be >= 1, got {self.num_hidden_layers}")
+        self.num_hidden_layers = int(self.num_hidden_layers)
         if not self.head_dim:
             self.head_dim = self.hidden_size // self.num_attention_heads
         self.aux_layers = tuple(int(i) for i in self.aux_layers)
@@ -70,7 +81,7 @@ class DrafterConfig:
             "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim, "num_hidden_layers": 1, "rms_norm_eps": self.rms_norm_eps,
+            "head_dim": self.head_dim, "num_hidden_layers": self.num_hidden_layers, "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta, "max_position_embeddings": self.max_position_embeddings,
             "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size,
             "target_hidden_size": self.target_hidden_size, "tie_word_embeddings": False,
@@ -90,15 +101,24 @@ class DrafterConfig:
                        head_dim=d.get("head_dim") or 0, rms_norm_eps=d.get("rms_norm_eps", 1e-5),
                        rope_theta=d.get("rope_theta", 10000.0),
                        max_position_embeddings=d.get("max_position_embeddings", 2048),
-                       aux_layers=tuple(i + 1 for i in aux) if aux else ())
+                       aux_layers=tuple(i + 1 for i in aux) if aux else (),
+                       num_hidden_layers=d.get("num_hidden_layers", 1))
         except KeyError as e:
             raise DrafterCheckpointError(f"drafter config.json is missing field {e.args[0]!r}") from None
 
 
 def drafter_tensor_shapes(cfg: DrafterConfig) -> dict:
-    """Expected SpecForge key -> shape for ``cfg`` (t2d / d2t included)."""
+    """Expected SpecForge key -> shape for ``cfg`` (t2d / d2t included; later layers ``layers.{i}.*``)."""
     H, F, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     qo, kvo = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    later = {}
+    for i in range(1, cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        later.update({
+            p + "self_attn.q_proj.weight": (qo, H), p + "self_attn.k_proj.weight": (kvo, H),
+            p + "self_attn.v_proj.weight": (kvo, H), p + "self_attn.o_proj.weight": (H, qo),
+            p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H), p + "mlp.down_proj.weight": (H, F),
+            p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)})
     return {
         "fc.weight": (H, 3 * cfg.target_hidden_size),
         "midlayer.self_attn.q_proj.weight": (qo, 2 * H), "midlayer.self_attn.k_proj.weight": (kvo, 2 * H),
@@ -108,21 +128,29 @@ def drafter_tensor_shapes(cfg: DrafterConfig) -> dict:
         "midlayer.hidden_norm.weight": (H,), "midlayer.input_layernorm.weight": (H,),
         "midlayer.post_attention_layernorm.weight": (H,), "norm.weight": (H,),
         "lm_head.weight": (cfg.draft_vocab_size, H), "d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,),
-    }
+    } | later
 
 
 def init_drafter_tensors(cfg: DrafterConfig, seed: int = 0, used_ids: np.ndarray | None = None) -> dict:
     """Randomly initialised drafter tensors (normal std 0.02, norms 1), SpecForge keys.
 
-    ``used_ids`` (sorted int [Vd]) defines the draft vocabulary; default the first Vd teacher ids.
+    ``used_ids`` (sorted int [Vd]) defines the draft vocabulary; default the first Vd teacher ids. The output
+    projections (o_proj, down_proj) of layers 1.. start at zero, so each later layer starts as the identity on the
+    residual stream (a drafter grown from a 1-layer checkpoint starts as that checkpoint; zero-init residual
+    branches as in Goyal et al. 2017, "Accurate, Large Minibatch SGD"). Layer 0's tensors do not depend on ``num_hidden_layers``.
     """
     rng = np.random.default_rng(seed)
     out = {}
-    for key, shape in drafter_tensor_shapes(cfg).items():
+    shapes = drafter_tensor_shapes(cfg)
+    for key, shape in shapes.items():                      # layer 0's keys first: its draws match a 1-layer config
         if key in ("d2t", "t2d"):
             continue
-        out[key] = np.ones(shape, np.float32) if key.endswith("norm.weight") else \
-            (rng.normal(size=shape) * 0.02).astype(np.float32)
+        if key.endswith("norm.weight"):
+            out[key] = np.ones(shape, np.float32)
+        elif key.startswith("layers.") and key.endswith(("o_proj.weight", "down_proj.weight")):
+            out[key] = np.zeros(shape, np.float32)
+        else:
+            out[key] = (rng.normal(size=shape) * 0.02).astype(np.float32)
     used = np.arange(cfg.draft_vocab_size) if used_ids is None else np.asarray(used_ids, np.int64)
     out.update(vocab_maps(used, cfg.vocab_size))
     return out
@@ -191,23 +219,77 @@ def load_fused_weights(cell, t: dict) -> None:
 
     The one place that knows the fused layout shared by :class:`Eagle3Drafter` (inference) and
     ``train.ttt.TTTDrafter`` (training): ``wqkv`` = concat(q, k, v) rows, ``w_gate_up`` = concat(gate, up) rows,
-    HF [out, in] layout; ``cell`` needs Parameters fc, wqkv, wo, w_gate_up, w_down, lm_head and RMSNorm Cells
-    hidden_norm, input_layernorm, post_attention_layernorm, norm. Raises KeyError naming a missing tensor.
+    HF [out, in] layout; ``cell`` needs Parameters fc, wqkv, wo, w_gate_up, w_down, lm_head, RMSNorm Cells
+    hidden_norm, input_layernorm, post_attention_layernorm, norm, and ``blocks`` (:class:`DraftBlock` per layer
+    1..). Raises KeyError naming a missing tensor.
     """
     f32 = lambda name: np.asarray(t[name], np.float32)
     dt = cell.fc.dtype                                    # the matrices' compute dtype; norm weights stay float32
     T = Tensor if dt == ms.float32 else (lambda arr: Tensor(arr, dt))
-    p = "midlayer."
+
+    def layer(c, p):
+        c.wqkv.set_data(T(np.concatenate([f32(p + "self_attn.q_proj.weight"), f32(p + "self_attn.k_proj.weight"),
+                                          f32(p + "self_attn.v_proj.weight")], 0)))
+        c.wo.set_data(T(f32(p + "self_attn.o_proj.weight")))
+        c.w_gate_up.set_data(T(np.concatenate([f32(p + "mlp.gate_proj.weight"), f32(p + "mlp.up_proj.weight")], 0)))
+        c.w_down.set_data(T(f32(p + "mlp.down_proj.weight")))
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            getattr(c, name).weight.set_data(Tensor(f32(p + name + ".weight")))
+
     cell.fc.set_data(T(f32("fc.weight")))
-    cell.wqkv.set_data(T(np.concatenate([f32(p + "self_attn.q_proj.weight"), f32(p + "self_attn.k_proj.weight"),
-                                         f32(p + "self_attn.v_proj.weight")], 0)))
-    cell.wo.set_data(T(f32(p + "self_attn.o_proj.weight")))
-    cell.w_gate_up.set_data(T(np.concatenate([f32(p + "mlp.gate_proj.weight"), f32(p + "mlp.up_proj.weight")], 0)))
-    cell.w_down.set_data(T(f32(p + "mlp.down_proj.weight")))
-    for name in ("hidden_norm", "input_layernorm", "post_attention_layernorm"):
-        getattr(cell, name).weight.set_data(Tensor(f32(p + name + ".weight")))
+    layer(cell, "midlayer.")
+    cell.hidden_norm.weight.set_data(Tensor(f32("midlayer.hidden_norm.weight")))
+    for i, block in enumerate(cell.blocks, 1):
+        layer(block, f"layers.{i}.")
     cell.norm.weight.set_data(Tensor(f32("norm.weight")))
     cell.lm_head.set_data(T(f32("lm_head.weight")))
+
+
+def export_fused_weights(cell) -> dict:
+    """Inverse of :func:`load_fused_weights` for the trained tensors: SpecForge-keyed float32 numpy arrays (no
+    embedding, no d2t / t2d)."""
+    nq, nk, F = cell.nh * cell.hd, cell.nkv * cell.hd, cell.ffn
+
+    def layer(c, p):
+        qkv, gu = c.wqkv.asnumpy().astype(np.float32), c.w_gate_up.asnumpy().astype(np.float32)
+        return {p + "self_attn.q_proj.weight": qkv[:nq], p + "self_attn.k_proj.weight": qkv[nq:nq + nk],
+                p + "self_attn.v_proj.weight": qkv[nq + nk:], p + "self_attn.o_proj.weight": c.wo.asnumpy(),
+                p + "mlp.gate_proj.weight": gu[:F], p + "mlp.up_proj.weight": gu[F:],
+                p + "mlp.down_proj.weight": c.w_down.asnumpy(),
+                p + "input_layernorm.weight": c.input_layernorm.weight.asnumpy(),
+                p + "post_attention_layernorm.weight": c.post_attention_layernorm.weight.asnumpy()}
+
+    out = {"fc.weight": cell.fc.asnumpy(), "midlayer.hidden_norm.weight": cell.hidden_norm.weight.asnumpy(),
+           "norm.weight": cell.norm.weight.asnumpy(), "lm_head.weight": cell.lm_head.asnumpy()}
+    out.update(layer(cell, "midlayer."))
+    for i, block in enumerate(cell.blocks, 1):
+        out.update(layer(block, f"layers.{i}."))
+    return {k: np.asarray(v, np.float32) for k, v in out.items()}
+
+
+class DraftBlock(nn.Cell):
+    """The weights of one drafter decoder layer after the first (plain Llama pre-norm layer over H): ``wqkv``
+    [(nh + 2 n_kv) hd, H], ``wo`` [H, nh hd], ``w_gate_up`` [2F, H], ``w_down`` [H, F] in ``dtype``; RMSNorms
+    ``input_layernorm`` / ``post_attention_layernorm`` (float32). With ``backend`` (inference) it also owns the
+    layer's paged KV cache ``key_cache`` / ``value_cache`` (named ``draft_{key,value}_cache_{index}``). Holds no
+    computation: :class:`Eagle3Drafter` and ``train.ttt.TTTDrafter`` run it with their own attention.
+    """
+
+    def __init__(self, cfg: DrafterConfig, dtype, index: int, backend=None):
+        super().__init__()
+        H, F, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        z = lambda *s: Tensor(np.zeros(s, np.float32)) if dtype == ms.float32 else Tensor(np.zeros(s, np.float16),
+                                                                                          dtype)
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.wqkv = Parameter(z((nh + 2 * nkv) * hd, H), name="wqkv")
+        self.wo = Parameter(z(H, nh * hd), name="wo")
+        self.w_gate_up = Parameter(z(2 * F, H), name="w_gate_up")
+        self.w_down = Parameter(z(H, F), name="w_down")
+        if backend is not None:
+            self.key_cache = backend.make_cache(f"draft_key_cache_{index}")
+            self.value_cache = backend.make_cache(f"draft_value_cache_{index}")
 
 
 class Eagle3Drafter(nn.Cell):
@@ -219,6 +301,7 @@ class Eagle3Drafter(nn.Cell):
                   mask [k, S] f32) -> (top_logp [k, K] f32, top_ids [k, K] i32 teacher ids, h_out [k, H])
         context(aux [k, 3Ht] f32, tokens, positions, slots, block_table, mask as above, pick [r] i32)
                   -> (top_logp [r, K], top_ids [r, K], h_out [r, H]) at the rows ``pick`` only
+    With ``num_hidden_layers`` L > 1 every call runs the L layers in turn, each with its own cache (``blocks``);
     ``context`` is ``fuse`` + ``construct`` in one call with the head applied to the ``pick`` rows alone: a context
     pass needs the prediction of its last pair only (of each sequence's last pair when batched), and the 8192-row
     head is about half of a row's multiply-adds (eagle3.md §2; docs/results.md, session 5).
@@ -260,6 +343,7 @@ class Eagle3Drafter(nn.Cell):
         self.backend = make_backend(attention, num_blocks, block_size, self.nkv, self.nh, hd, dt, self.scale)
         self.key_cache = self.backend.make_cache("draft_key_cache")
         self.value_cache = self.backend.make_cache("draft_value_cache")
+        self.blocks = nn.CellList([DraftBlock(cfg, dt, i, self.backend) for i in range(1, cfg.num_hidden_layers)])
         cos, sin = rope_tables(hd, max_seq_len, cfg.rope_theta)
         self.cos, self.sin = Tensor(cos), Tensor(sin)
         self.swap = rope_swap_index(hd)
@@ -284,23 +368,36 @@ class Eagle3Drafter(nn.Cell):
         return top_logp, top_ids, h_pick
 
     def _layer(self, h, tokens, positions, slots, block_table, mask):
-        """The midlayer over k rows: writes their K/V at ``slots``, returns h_out [k, H] (pre-norm)."""
-        k_len = h.shape[0]
+        """All decoder layers over k rows: each writes its K/V at ``slots``; returns h_out [k, H] (pre-norm)."""
         e = ops.gather(self.embed, tokens, 0)
         x = ops.concat((self.input_layernorm(e), self.hidden_norm(h)), -1)
-        qkv = self.matmul_t(x, self.wqkv)
-        nq, nk = self.nh * self.hd, self.nkv * self.hd
         cos = ops.gather(self.cos, positions, 0).expand_dims(1)
         sin = ops.gather(self.sin, positions, 0).expand_dims(1)
+        meta = self.backend.prepare(slots, block_table, mask)
+        h = h + self._attn(x, self.wqkv, self.wo, self.key_cache, self.value_cache, cos, sin, meta)
+        h = h + self._mlp(self.post_attention_layernorm(h), self.w_gate_up, self.w_down)
+        for block in self.blocks:
+            h = h + self._attn(block.input_layernorm(h), block.wqkv, block.wo, block.key_cache, block.value_cache,
+                               cos, sin, meta)
+            h = h + self._mlp(block.post_attention_layernorm(h), block.w_gate_up, block.w_down)
+        return h
+
+    def _attn(self, x, wqkv, wo, key_cache, value_cache, cos, sin, meta):
+        """Attention of one layer: x [k, in] (normed input) -> [k, H]; writes the rows' K/V into the cache."""
+        k_len = x.shape[0]
+        qkv = self.matmul_t(x, wqkv)
+        nq, nk = self.nh * self.hd, self.nkv * self.hd
         qk, v = ops.split(qkv, (nq + nk, nk), -1)
         qk = apply_rope(qk.reshape(k_len, self.nh + self.nkv, self.hd), cos, sin, self.swap)
         q, k = ops.split(qk, (self.nh, self.nkv), 1)
         v = v.reshape(k_len, self.nkv, self.hd)
-        meta = self.backend.prepare(slots, block_table, mask)
-        ctx = self.backend.attend(q, k, v, self.key_cache, self.value_cache, meta, self.scale)
-        h = h + self.matmul_t(ctx, self.wo)
-        gate, up = ops.split(self.matmul_t(self.post_attention_layernorm(h), self.w_gate_up), self.ffn, -1)
-        return h + self.matmul_t(ops.silu(gate) * up, self.w_down)
+        ctx = self.backend.attend(q, k, v, key_cache, value_cache, meta, self.scale)
+        return self.matmul_t(ctx, wo)
+
+    def _mlp(self, x, w_gate_up, w_down):
+        """SiLU MLP: x [k, H] (normed) -> [k, H]."""
+        gate, up = ops.split(self.matmul_t(x, w_gate_up), self.ffn, -1)
+        return self.matmul_t(ops.silu(gate) * up, w_down)
 
     def _top(self, h_out):
         """h_out [r, H] -> (top_logp [r, K] f32 log-softmax over Vd, top_ids [r, K] i32 teacher ids via d2t)."""
@@ -313,7 +410,7 @@ class Eagle3Drafter(nn.Cell):
         return top_logp, top_ids
 
     def attention_probs(self, h, tokens, positions, block_table, mask):
-        """Attention weights [k, S] (mean over heads) of the midlayer for ``h``/``tokens`` against the cache.
+        """Attention weights [k, S] (mean over heads) of the first layer for ``h``/``tokens`` against its cache.
 
         Read-only (writes nothing); used by the benchmark's draft-attention evidence (paper Figure 7).
         """

@@ -42,6 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="warmup steps (default 3%% of --steps)")
     p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
     p.add_argument("--intermediate", type=int, default=None, help="drafter MLP width (default: teacher's)")
+    p.add_argument("--num-layers", type=int, default=1,
+                   help="drafter decoder layers (EAGLE-3: 1); with --init-from a drafter of fewer layers, the new"
+                        " layers start as the identity")
     p.add_argument("--regenerate", type=int, default=0, help="answer the first N prompts with the teacher itself")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature for --regenerate")
     p.add_argument("--regen-batch", type=int, default=16,
@@ -66,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     for name, val, lo in (("--batch-size", a.batch_size, 1), ("--ttt-length", a.ttt_length, 1),
                           ("--steps", a.steps, 1), ("--checkpoint-every", a.checkpoint_every, 1),
-                          ("--max-len", a.max_len, 8), ("--n-eval", a.n_eval, 0)):
+                          ("--max-len", a.max_len, 8), ("--n-eval", a.n_eval, 0), ("--num-layers", a.num_layers, 1)):
         if val < lo:
             p.error(f"{name} must be >= {lo}, got {val}")
     if a.stop_at is not None and a.stop_at < 1:
@@ -203,7 +206,7 @@ def main(argv=None) -> int:
                      lr=args.lr, warmup=args.warmup, schedule=args.schedule, max_len=args.max_len,
                      intermediate=args.intermediate, seed=args.seed, checkpoint_every=args.checkpoint_every,
                      init_from=args.init_from, batch_size=args.batch_size, pack_len=args.pack_len,
-                     init=args.init, n_eval=args.n_eval, stop_at=args.stop_at,
+                     init=args.init, n_eval=args.n_eval, stop_at=args.stop_at, num_layers=args.num_layers,
                      command=" ".join(["python -m mindspore_eagle.train"] + list(sys.argv[1:] if argv is None
                                                                                   else argv)))
     try:

@@ -61,7 +61,9 @@ class TrainConfig:
     ``batch_size`` rows per optimiser step (over all msrun ranks: the global batch G, a multiple of the ranks);
     ``pack_len`` 0 = one sample per row of ``max_len`` tokens, else the row length (>= max_len) into which whole
     samples are packed (one process only); ``init`` "random" | "teacher" (see
-    :func:`initial_tensors`; ignored with ``init_from``)."""
+    :func:`initial_tensors`; ignored with ``init_from``); ``num_layers`` drafter decoder layers (1 = EAGLE-3's;
+    ``init_from`` a drafter with fewer layers grows it: the new layers start as the identity,
+    ``init_drafter_tensors``)."""
     out: str
     features_dir: str
     vd: int = 8192
@@ -83,6 +85,7 @@ class TrainConfig:
     batch_size: int = 1
     pack_len: int = 0
     init: str = "random"
+    num_layers: int = 1
 
     def check(self) -> None:
         """Raise ValueError naming the first out-of-range option (CLI names)."""
@@ -94,18 +97,21 @@ class TrainConfig:
             raise ValueError(f"--ttt-length must be >= 1, got {self.ttt_length}")
         if self.init not in INITS:
             raise ValueError(f"--init must be one of {INITS}, got {self.init!r}")
+        if self.num_layers < 1:
+            raise ValueError(f"--num-layers must be >= 1, got {self.num_layers}")
         if self.steps < 1 or self.checkpoint_every < 1:
             raise ValueError("--steps and --checkpoint-every must be >= 1")
 
 
-def drafter_config(cfg, vd: int, intermediate: int | None = None) -> DrafterConfig:
-    """Drafter config for teacher ``cfg``: H, heads, KV heads, head_dim and (default) FFN of the teacher, one
-    layer, RoPE theta 10000 (eagle3.md §1), aux layers = the teacher's capture layers."""
+def drafter_config(cfg, vd: int, intermediate: int | None = None, num_layers: int = 1) -> DrafterConfig:
+    """Drafter config for teacher ``cfg``: H, heads, KV heads, head_dim and (default) FFN of the teacher,
+    ``num_layers`` layers (EAGLE-3: one), RoPE theta 10000 (eagle3.md §1), aux layers = the teacher's capture
+    layers."""
     return DrafterConfig(hidden_size=cfg.hidden_size, intermediate_size=intermediate or cfg.intermediate_size,
                          num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
                          head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, draft_vocab_size=vd,
                          target_hidden_size=cfg.hidden_size, rms_norm_eps=cfg.rms_norm_eps,
-                         aux_layers=tuple(cfg.aux_layers))
+                         aux_layers=tuple(cfg.aux_layers), num_hidden_layers=num_layers)
 
 
 def sample_order(step: int, n: int, seed: int) -> int:
@@ -284,6 +290,9 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistC
         icfg, init = load_drafter(tc.init_from)
         if icfg.draft_vocab_size != tc.vd:
             raise ValueError(f"--init-from {tc.init_from}: draft_vocab_size {icfg.draft_vocab_size} != --vd {tc.vd}")
+        if icfg.num_hidden_layers > tc.num_layers:
+            raise ValueError(f"--init-from {tc.init_from}: it has {icfg.num_hidden_layers} layers, more than "
+                             f"--num-layers {tc.num_layers}")
         used = np.nonzero(init["t2d"])[0]
         if main:
             print(f"[init] weights and draft vocabulary from {tc.init_from}", flush=True)
@@ -306,7 +315,12 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistC
         np.add.at(tcount, d["argmax"][:-1][d["loss_mask"][1:].astype(bool)], 1)
     mass = (float(counts[used].sum() / max(counts.sum(), 1)), float(tcount[used].sum() / max(tcount.sum(), 1)))
 
-    dcfg = drafter_config(cfg, tc.vd, tc.intermediate)
+    dcfg = drafter_config(cfg, tc.vd, tc.intermediate, tc.num_layers)
+    if init is not None and dcfg.num_hidden_layers > icfg.num_hidden_layers:    # grow: new layers start as identity
+        init = init_drafter_tensors(dcfg, tc.seed, used) | init
+        if main:
+            print(f"[init] layers {icfg.num_hidden_layers}..{dcfg.num_hidden_layers - 1} added (identity at start)",
+                  flush=True)
     head = head_weight(cfg, tensors)
     R = tc.pack_len or T
     net = TTTDrafter(dcfg, tensors["model.embed_tokens.weight"], head[used], vocab["d2t"], R, S, max_len=T)

@@ -6,7 +6,8 @@ KV heads / head dim, kmax = top-k width of the evaluation outputs.
 
 Math (eagle3.md §1 and §4; E ``eagle/traineagle3/cnets.py``, SF ``specforge/algorithms/eagle3/model.py``):
 
-* ``h = fc(aux)`` once; for s = 0..S-1: ``e = embed(ids_s)``, ``h_out = midlayer(e, h)`` (same math as
+* ``h = fc(aux)`` once; for s = 0..S-1: ``e = embed(ids_s)``, ``h_out = midlayer(e, h)`` then each later
+  layer (``num_hidden_layers`` > 1, each with its own step-by-step keys) (same math as
   :class:`~mindspore_eagle.models.eagle3.Eagle3Drafter`), ``logits_s = lm_head(norm(h_out))`` over Vd,
   then ``h <- h_out`` (the **pre-norm** output, P6) and ids/targets/mask move one position left. Step s thus
   conditions on the drafter's **own** previous outputs h (as at inference) but on the **true** tokens ids_s
@@ -40,7 +41,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import nn, ops, Parameter, Tensor
 
-from ..models.eagle3 import DrafterConfig, load_fused_weights
+from ..models.eagle3 import DraftBlock, DrafterConfig, export_fused_weights, load_fused_weights
 from ..models.pangu import RMSNorm, apply_rope, rope_swap_index, rope_tables
 from .batching import Batch, make_batch  # noqa: F401  (re-exported: the batch layout lives in batching.py)
 
@@ -125,6 +126,7 @@ class TTTDrafter(nn.Cell):
         self.w_gate_up = Parameter(z(2 * F, H), name="w_gate_up")
         self.w_down = Parameter(z(H, F), name="w_down")
         self.lm_head = Parameter(z(cfg.draft_vocab_size, H), name="lm_head")
+        self.blocks = nn.CellList([DraftBlock(cfg, ms.float32, i) for i in range(1, cfg.num_hidden_layers)])
         cos, sin = rope_tables(hd, T + S, cfg.rope_theta)
         self.cos, self.sin = Tensor(cos), Tensor(sin)
         self.swap = rope_swap_index(hd)
@@ -138,11 +140,11 @@ class TTTDrafter(nn.Cell):
         """x [..., in] @ w[out, in].T -> [..., out] (one 2-D MatMul)."""
         return self.matmul_t(x.reshape(-1, x.shape[-1]), w).reshape(x.shape[:-1] + (w.shape[0],))
 
-    def _qkv(self, e, h, pos, s):
-        """Projections of step s: q [B, T, nh, hd], k / v [B, T, n_kv, hd]; RoPE at positions pos + s."""
-        B, T = e.shape[0], self.T
-        x = ops.concat((self.input_layernorm(e), self.hidden_norm(h)), -1)
-        qkv = self._lin(x, self.wqkv)
+    def _qkv(self, x, wqkv, pos, s):
+        """Projections of step s from the normed layer input x [B, T, in]: q [B, T, nh, hd], k / v [B, T, n_kv,
+        hd]; RoPE at positions pos + s."""
+        B, T = x.shape[0], self.T
+        qkv = self._lin(x, wqkv)
         nq, nk = self.nh * self.hd, self.nkv * self.hd
         p = pos + s
         cos, sin = ops.gather(self.cos, p, 0).expand_dims(2), ops.gather(self.sin, p, 0).expand_dims(2)
@@ -171,13 +173,30 @@ class TTTDrafter(nn.Cell):
             ctx = ctx + pj * vs[j].expand_dims(3)
         return ctx.reshape(B, T, self.nh * hd)
 
-    def _mid(self, e, h, pos, s, ks, vs, bias):
-        q, k, v = self._qkv(e, h, pos, s)
-        ks, vs = ks + (k,), vs + (v,)
-        h = h + self._lin(self._attend(q, ks, vs, bias), self.wo)
-        gu = self._lin(self.post_attention_layernorm(h), self.w_gate_up)
-        h_out = h + self._lin(ops.silu(gu[..., :self.ffn]) * gu[..., self.ffn:], self.w_down)
-        return h_out, ks, vs
+    def _mid(self, e, h, pos, s, kvs, bias):
+        """All decoder layers at TTT step s. kvs: per layer (keys, values) of steps 0..s-1 (tuples of [B, T, n_kv,
+        hd]); returns h_out [B, T, H] (pre-norm) and kvs with step s appended."""
+        x = ops.concat((self.input_layernorm(e), self.hidden_norm(h)), -1)
+        h, kv0 = self._block(x, h, pos, s, kvs[0], bias, self.wqkv, self.wo, self.post_attention_layernorm,
+                             self.w_gate_up, self.w_down)
+        out = (kv0,)
+        for i, blk in enumerate(self.blocks):
+            h, kvi = self._block(blk.input_layernorm(h), h, pos, s, kvs[i + 1], bias, blk.wqkv, blk.wo,
+                                 blk.post_attention_layernorm, blk.w_gate_up, blk.w_down)
+            out = out + (kvi,)
+        return h, out
+
+    def _block(self, x, h, pos, s, kv, bias, wqkv, wo, post_ln, w_gate_up, w_down):
+        """One layer: attention of the normed input x over this layer's keys of steps 0..s, residual h, MLP."""
+        q, k, v = self._qkv(x, wqkv, pos, s)
+        ks, vs = kv[0] + (k,), kv[1] + (v,)
+        h = h + self._lin(self._attend(q, ks, vs, bias), wo)
+        gu = self._lin(post_ln(h), w_gate_up)
+        return h + self._lin(ops.silu(gu[..., :self.ffn]) * gu[..., self.ffn:], w_down), (ks, vs)
+
+    def _no_kv(self):
+        """Empty per-layer key / value history (before step 0)."""
+        return tuple(((), ()) for _ in range(self.cfg.num_hidden_layers))
 
     def _bias(self, seg):
         """Additive mask [B, T, T]: 0 where key u <= query t and seg[u] == seg[t], -1e9 elsewhere."""
@@ -191,12 +210,12 @@ class TTTDrafter(nn.Cell):
         h = self._lin(aux, self.fc)
         bias = self._bias(seg)
         denom = n_samples * self.max_len
-        ks, vs = (), ()
+        kvs = self._no_kv()
         losses, correct, tops = (), (), ()
         total = 0.0
         for s in range(self.S):
             e = ops.gather(self.embed, ids[s], 0)
-            h, ks, vs = self._mid(e, h, pos, s, ks, vs, bias)
+            h, kvs = self._mid(e, h, pos, s, kvs, bias)
             logp = ops.log_softmax(self._lin(self.norm(h), self.lm_head), -1)   # [B, T, Vd]
             ce = -(tp[:, s + 1:s + 1 + T] * logp).sum(-1)                     # [B, T]
             loss_s = (ce * pos_mask[s]).sum() / denom
@@ -224,14 +243,18 @@ class TTTDrafter(nn.Cell):
         h = self._lin(aux.expand_dims(0), self.fc)
         pos = ops.arange(0, T, dtype=ms.int32).expand_dims(0)
         bias = self._bias(ops.zeros((1, T), ms.int32))
-        h, _, _ = self._mid(ops.gather(self.embed, ids0.expand_dims(0), 0), h, pos, 0, (), (), bias)
+        h, _ = self._mid(ops.gather(self.embed, ids0.expand_dims(0), 0), h, pos, 0, self._no_kv(), bias)
         return ops.log_softmax(self._lin(self.norm(h), self.lm_head), -1)[0]
 
     # ------------------------------------------------------------------ tensors
     def trainable(self) -> list:
-        """The trained Parameters (fc, midlayer, norms, lm_head), in a fixed order."""
-        return [self.fc, self.wqkv, self.wo, self.w_gate_up, self.w_down, self.hidden_norm.weight,
-                self.input_layernorm.weight, self.post_attention_layernorm.weight, self.norm.weight, self.lm_head]
+        """The trained Parameters (fc, midlayer, norms, lm_head, then each later layer's), in a fixed order."""
+        out = [self.fc, self.wqkv, self.wo, self.w_gate_up, self.w_down, self.hidden_norm.weight,
+               self.input_layernorm.weight, self.post_attention_layernorm.weight, self.norm.weight, self.lm_head]
+        for blk in self.blocks:
+            out += [blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down, blk.input_layernorm.weight,
+                    blk.post_attention_layernorm.weight]
+        return out
 
     def load_tensors(self, t: dict) -> None:
         """Copy SpecForge-keyed float tensors (as from init_drafter_tensors / load_drafter) into the Parameters."""
@@ -239,21 +262,7 @@ class TTTDrafter(nn.Cell):
 
     def export_tensors(self) -> dict:
         """SpecForge-keyed float32 numpy tensors of the trained Parameters (no embedding, no d2t/t2d)."""
-        p, hd = "midlayer.", self.hd
-        qkv = self.wqkv.asnumpy()
-        nq, nk = self.nh * hd, self.nkv * hd
-        gu = self.w_gate_up.asnumpy()
-        return {
-            "fc.weight": self.fc.asnumpy(),
-            p + "self_attn.q_proj.weight": qkv[:nq], p + "self_attn.k_proj.weight": qkv[nq:nq + nk],
-            p + "self_attn.v_proj.weight": qkv[nq + nk:], p + "self_attn.o_proj.weight": self.wo.asnumpy(),
-            p + "mlp.gate_proj.weight": gu[:self.ffn], p + "mlp.up_proj.weight": gu[self.ffn:],
-            p + "mlp.down_proj.weight": self.w_down.asnumpy(),
-            p + "hidden_norm.weight": self.hidden_norm.weight.asnumpy(),
-            p + "input_layernorm.weight": self.input_layernorm.weight.asnumpy(),
-            p + "post_attention_layernorm.weight": self.post_attention_layernorm.weight.asnumpy(),
-            "norm.weight": self.norm.weight.asnumpy(), "lm_head.weight": self.lm_head.asnumpy(),
-        }
+        return export_fused_weights(self)
 
 
 def lr_at(step: int, peak: float, warmup: int, total: int, schedule: str = "cosine", floor: float = 0.1) -> float:
