@@ -15,15 +15,18 @@ from mindspore_eagle.tree import DraftTree
 from mindspore_eagle.trace import read_jsonl
 
 
-def tiny_drafter_dir(tmp_path, tcfg, seed=0, vd=96):
+def tiny_drafter_dir(tmp_path, tcfg, seed=0, vd=96, layers=1):
     rng = np.random.default_rng(seed)
     used = np.sort(rng.choice(tcfg.vocab_size, vd, replace=False))
     dcfg = DrafterConfig(hidden_size=tcfg.hidden_size, intermediate_size=96, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=tcfg.vocab_size, draft_vocab_size=vd,
-                         target_hidden_size=tcfg.hidden_size, aux_layers=tcfg.aux_layers)
+                         target_hidden_size=tcfg.hidden_size, aux_layers=tcfg.aux_layers, num_hidden_layers=layers)
     t = init_drafter_tensors(dcfg, seed, used)
     t = {k: (v * 25 if k == "lm_head.weight" else v) for k, v in t.items()}   # spread draft logits
-    d = tmp_path / f"drafter{seed}"
+    for k in t:                                          # later layers: non-zero output projections (not identity)
+        if k.startswith("layers.") and k.endswith(("o_proj.weight", "down_proj.weight")):
+            t[k] = (rng.normal(size=t[k].shape) * 0.2).astype(np.float32)
+    d = tmp_path / f"drafter{seed}" if layers == 1 else tmp_path / f"drafter{seed}_l{layers}"
     save_drafter(str(d), dcfg, t)
     return d
 
@@ -98,6 +101,35 @@ def test_greedy_lossless_high_acceptance(ms_runtime, tiny_dir, drafter_dir, mode
         spec = eng.generate_ids(ids, gen, speculative=True)
         assert spec.token_ids == base.token_ids
         assert max(spec.accept_lens) >= 4 and np.mean(spec.accept_lens) > 1.5
+
+
+def test_two_layer_drafter_lossless_and_fused_equals_eager(ms_runtime, tiny_dir, tiny, tmp_path):
+    """A 2-layer drafter (its own KV cache per layer, vLLM multi-layer layout) drafts through the same engine:
+    greedy output equals teacher-only decoding, fused and eager draft the same trees, and those trees differ from
+    the 1-layer drafter's with the same layer-0 weights (the second layer is used)."""
+    two = tiny_drafter_dir(tmp_path, tiny[0], seed=6, layers=2)
+    one = tiny_drafter_dir(tmp_path, tiny[0], seed=6)
+    assert load_drafter(str(two))[0].num_hidden_layers == 2
+    trees = {}
+    for name, d, mode in (("two_fused", two, "fused"), ("two_eager", two, "eager"), ("one_fused", one, "fused")):
+        eng, cfg = tiny_engine(tiny_dir, d, mode, ["speculative.M=12", "speculative.D_max=4", "speculative.top_k=3"])
+        gen = cfg.generation
+        gen.max_new_tokens = 12
+        trees[name] = []
+        build = eng.drafter.build_tree
+
+        def spy(*a, **kw):
+            tree = build(*a, **kw)
+            trees[name].append((tree.tokens.tolist(), tree.parents.tolist()))
+            return tree
+
+        eng.drafter.build_tree = spy
+        for p in PROMPTS:
+            spec = eng.generate(p, gen, speculative=True)
+            assert spec.token_ids == eng.generate(p, gen, speculative=False).token_ids, (name, p)
+    assert len(trees["two_fused"]) >= 3 * 6 and all(len(t[0]) == 12 for t in trees["two_fused"])
+    assert trees["two_fused"] == trees["two_eager"]
+    assert trees["two_fused"] != trees["one_fused"]
 
 
 def test_fused_and_eager_identical(ms_runtime, tiny_dir, drafter_dir, tmp_path):
@@ -203,6 +235,17 @@ def test_bad_drafter_checkpoints(tmp_path, tiny):
     (d / "pytorch_model.bin").write_bytes(b"x")
     with pytest.raises(DrafterCheckpointError, match="pickle"):
         load_drafter(str(d))
+    cfg_json = json.loads((tiny_drafter_dir(tmp_path, tcfg, seed=6).joinpath("config.json")).read_text())
+    (tmp_path / "zero_layers").mkdir()
+    (tmp_path / "zero_layers" / "config.json").write_text(json.dumps(cfg_json | {"num_hidden_layers": 0}))
+    with pytest.raises(DrafterCheckpointError, match="num_hidden_layers must be >= 1, got 0"):
+        load_drafter(str(tmp_path / "zero_layers"))
+    (tmp_path / "two_layers").mkdir()                     # config says 2 layers, tensors hold 1
+    (tmp_path / "two_layers" / "config.json").write_text(json.dumps(cfg_json | {"num_hidden_layers": 2}))
+    (tmp_path / "two_layers" / "model.safetensors").write_bytes(
+        (tmp_path / "drafter6" / "model.safetensors").read_bytes())
+    with pytest.raises(DrafterCheckpointError, match="missing tensor layers.1."):
+        load_drafter(str(tmp_path / "two_layers"))
     bad = DrafterConfig(hidden_size=32, intermediate_size=8, num_attention_heads=2, num_key_value_heads=1,
                         vocab_size=tcfg.vocab_size, draft_vocab_size=8, target_hidden_size=32)
     with pytest.raises(DrafterCheckpointError, match="hidden_size = 32 does not fit the teacher"):

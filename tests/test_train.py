@@ -30,7 +30,8 @@ def test_ttt_layout_matches_hand_written_t4_s3():
 
 
 def _numpy_ttt_losses(t, embed, head_rows, b, cfg, S):
-    """Expanded-form reference of the TTT forward (ttt_layout masks over all keys of steps 0..s), float64."""
+    """Expanded-form reference of the TTT forward (ttt_layout masks over all keys of steps 0..s), float64; layer 0
+    takes concat(norm(embed), hidden_norm(h)), layers 1.. (``layers.{i}.*``) norm the residual stream."""
     T = b.ids.shape[2]
     nh, nkv, hd, F = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
     W = {k: np.asarray(v, np.float64) for k, v in t.items() if k not in ("d2t", "t2d")}
@@ -41,30 +42,32 @@ def _numpy_ttt_losses(t, embed, head_rows, b, cfg, S):
         ang = np.concatenate([pos[:, None] * inv] * 2, -1)[:, None]
         return x * np.cos(ang) + np.concatenate([-x[..., hd // 2:], x[..., :hd // 2]], -1) * np.sin(ang)
 
-    p = "midlayer."
+    prefixes = ["midlayer."] + [f"layers.{i}." for i in range(1, cfg.num_hidden_layers)]
     ids, pos_mask = b.ids[:, 0], b.pos_mask[:, 0]                 # the batch's single row
     h = b.aux[0].astype(np.float64) @ W["fc.weight"].T
     logits_t = b.hid[0].astype(np.float64) @ head_rows.T
     tp = np.exp(logits_t - logits_t.max(-1, keepdims=True))
     tp /= tp.sum(-1, keepdims=True)
-    ks, vs, out = [], [], []
+    ks, vs, out = {p: [] for p in prefixes}, {p: [] for p in prefixes}, []
     for s in range(S):
-        x = np.concatenate([rms(embed[ids[s]], W[p + "input_layernorm.weight"]),
-                            rms(h, W[p + "hidden_norm.weight"])], -1)
         pos = np.arange(T) + s
-        q = rope((x @ W[p + "self_attn.q_proj.weight"].T).reshape(T, nh, hd), pos)
-        ks.append(rope((x @ W[p + "self_attn.k_proj.weight"].T).reshape(T, nkv, hd), pos))
-        vs.append((x @ W[p + "self_attn.v_proj.weight"].T).reshape(T, nkv, hd))
         vis = ttt_layout(T, s)[0]
-        K = np.repeat(np.concatenate(ks, 0), nh // nkv, 1)
-        V = np.repeat(np.concatenate(vs, 0), nh // nkv, 1)
-        sc = np.einsum("qhd,khd->hqk", q, K) / np.sqrt(hd) + np.where(vis, 0.0, -np.inf)[None]
-        pr = np.exp(sc - sc.max(-1, keepdims=True))
-        pr /= pr.sum(-1, keepdims=True)
-        h = h + np.einsum("hqk,khd->qhd", pr, V).reshape(T, nh * hd) @ W[p + "self_attn.o_proj.weight"].T
-        y = rms(h, W[p + "post_attention_layernorm.weight"])
-        g = y @ W[p + "mlp.gate_proj.weight"].T
-        h = h + (g / (1 + np.exp(-g)) * (y @ W[p + "mlp.up_proj.weight"].T)) @ W[p + "mlp.down_proj.weight"].T
+        for p in prefixes:
+            x = (np.concatenate([rms(embed[ids[s]], W[p + "input_layernorm.weight"]),
+                                 rms(h, W[p + "hidden_norm.weight"])], -1) if p == "midlayer."
+                 else rms(h, W[p + "input_layernorm.weight"]))
+            q = rope((x @ W[p + "self_attn.q_proj.weight"].T).reshape(T, nh, hd), pos)
+            ks[p].append(rope((x @ W[p + "self_attn.k_proj.weight"].T).reshape(T, nkv, hd), pos))
+            vs[p].append((x @ W[p + "self_attn.v_proj.weight"].T).reshape(T, nkv, hd))
+            K = np.repeat(np.concatenate(ks[p], 0), nh // nkv, 1)
+            V = np.repeat(np.concatenate(vs[p], 0), nh // nkv, 1)
+            sc = np.einsum("qhd,khd->hqk", q, K) / np.sqrt(hd) + np.where(vis, 0.0, -np.inf)[None]
+            pr = np.exp(sc - sc.max(-1, keepdims=True))
+            pr /= pr.sum(-1, keepdims=True)
+            h = h + np.einsum("hqk,khd->qhd", pr, V).reshape(T, nh * hd) @ W[p + "self_attn.o_proj.weight"].T
+            y = rms(h, W[p + "post_attention_layernorm.weight"])
+            g = y @ W[p + "mlp.gate_proj.weight"].T
+            h = h + (g / (1 + np.exp(-g)) * (y @ W[p + "mlp.up_proj.weight"].T)) @ W[p + "mlp.down_proj.weight"].T
         lg = rms(h, W["norm.weight"]) @ W["lm_head.weight"].T
         logp = lg - lg.max(-1, keepdims=True)
         logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
@@ -72,28 +75,79 @@ def _numpy_ttt_losses(t, embed, head_rows, b, cfg, S):
     return np.array(out)
 
 
-def test_ttt_cell_matches_expanded_numpy_reference(ms_runtime):
+def _tiny_dcfg(layers=1):
+    from mindspore_eagle.models.eagle3 import DrafterConfig
+
+    return DrafterConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                         vocab_size=50, draft_vocab_size=20, target_hidden_size=32, num_hidden_layers=layers)
+
+
+def _nontrivial(t, rng):
+    """Tensors with large projections and random (non-zero) output projections in every layer, random norms."""
+    out = {}
+    for k, v in t.items():
+        if k.endswith(("o_proj.weight", "down_proj.weight")) and k.startswith("layers."):
+            v = (rng.normal(size=v.shape) * 0.02).astype(np.float32)
+        if k.endswith("proj.weight") or k == "fc.weight":
+            v = v * 10
+        elif k.endswith("norm.weight"):
+            v = (1 + 0.3 * rng.normal(size=v.shape)).astype(np.float32)
+        out[k] = v
+    return out
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3])
+def test_ttt_cell_matches_expanded_numpy_reference(ms_runtime, layers):
     import mindspore as ms
 
-    from mindspore_eagle.models.eagle3 import DrafterConfig, init_drafter_tensors
+    from mindspore_eagle.models.eagle3 import init_drafter_tensors
     from mindspore_eagle.train.ttt import TTTDrafter
 
-    cfg = DrafterConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-                        vocab_size=50, draft_vocab_size=20, target_hidden_size=32)
+    cfg = _tiny_dcfg(layers)
     rng = np.random.default_rng(1)
     used = np.sort(rng.choice(50, 20, replace=False))
-    t = init_drafter_tensors(cfg, 3, used)
-    t = {k: (v * 10 if k.endswith("proj.weight") or k == "fc.weight" else v) for k, v in t.items()}  # non-trivial
+    t = _nontrivial(init_drafter_tensors(cfg, 3, used), rng)
     embed = rng.normal(size=(50, 32)).astype(np.float32)
-    T, S, n = 6, 3, 5
+    T, S, n = 8, 3, 8                        # teacher argmax tokens in the draft vocab: every step has a loss
     b = make_batch(rng.integers(0, 50, n), np.ones(n), rng.normal(size=(n, 96)).astype(np.float32),
-                   rng.normal(size=(n, 32)).astype(np.float32), rng.integers(0, 50, n), t["t2d"], T, S)
+                   rng.normal(size=(n, 32)).astype(np.float32), used[rng.integers(0, 20, n)], t["t2d"], T, S)
     net = TTTDrafter(cfg, embed, embed[used], t["d2t"], T, S)
     net.load_tensors(t)
     loss, losses, _ = ms.jit(net.construct)(*b.tensors())
     want = _numpy_ttt_losses(t, embed.astype(np.float64), embed[used].astype(np.float64), b, cfg, S)
+    assert want.min() > 0.1                                      # every step has loss-masked positions
     np.testing.assert_allclose(losses.asnumpy(), want, rtol=2e-4, atol=1e-5)
     assert abs(float(loss.asnumpy()) - sum(0.8 ** s * want[s] for s in range(S))) < 1e-4
+    exported = net.export_tensors()
+    assert sorted(exported) == sorted(k for k in t if k not in ("d2t", "t2d"))
+    for k, v in exported.items():
+        np.testing.assert_array_equal(v, t[k], err_msg=k)
+
+
+def test_later_layers_start_as_identity():
+    """init_drafter_tensors: layer 0's tensors do not depend on the layer count, later layers' output projections
+    are zero, so a 2-layer drafter grown from a 1-layer one computes the same losses (numpy reference)."""
+    from mindspore_eagle.models.eagle3 import drafter_tensor_shapes, init_drafter_tensors
+
+    rng = np.random.default_rng(4)
+    used = np.sort(rng.choice(50, 20, replace=False))
+    one, two = init_drafter_tensors(_tiny_dcfg(1), 7, used), init_drafter_tensors(_tiny_dcfg(2), 7, used)
+    assert set(two) - set(one) == {k for k in drafter_tensor_shapes(_tiny_dcfg(2)) if k.startswith("layers.1.")}
+    for k in one:
+        np.testing.assert_array_equal(one[k], two[k], err_msg=k)
+    assert not two["layers.1.self_attn.o_proj.weight"].any() and not two["layers.1.mlp.down_proj.weight"].any()
+    assert two["layers.1.self_attn.q_proj.weight"].std() > 0.01
+    one = _nontrivial(one, rng)
+    grown = two | one
+    embed = rng.normal(size=(50, 32))
+    T, S, n = 8, 3, 8
+    b = make_batch(rng.integers(0, 50, n), np.ones(n), rng.normal(size=(n, 96)).astype(np.float32),
+                   rng.normal(size=(n, 32)).astype(np.float32), used[rng.integers(0, 20, n)], one["t2d"], T, S)
+    a = _numpy_ttt_losses(one, embed, embed[used], b, _tiny_dcfg(1), S)
+    assert a.min() > 0.1
+    np.testing.assert_array_equal(_numpy_ttt_losses(grown, embed, embed[used], b, _tiny_dcfg(2), S), a)
+    grown["layers.1.mlp.down_proj.weight"] = rng.normal(size=(32, 48))
+    assert np.abs(_numpy_ttt_losses(grown, embed, embed[used], b, _tiny_dcfg(2), S) - a).max() > 1e-3
 
 
 def test_make_batch_shifts_ids_targets_and_mask_together():
@@ -635,6 +689,65 @@ def test_export_loads_and_inference_cell_matches_training_step0(tiny, tiny_featu
     want_idx = np.argsort(-ref, -1, kind="stable")[:, :K]
     np.testing.assert_allclose(top_logp.asnumpy(), np.take_along_axis(ref, want_idx, -1), atol=2e-4)
     np.testing.assert_array_equal(top_ids.asnumpy()[:, 0], used[want_idx[:, 0]])
+
+
+def test_multi_layer_inference_cell_matches_training_step0(ms_runtime, tmp_path):
+    """A 3-layer drafter saved and loaded (``layers.1.*``, ``layers.2.*``): the inference Cell over the paged
+    cache (each layer its own cache) gives the training Cell's step-0 log-probs (top-K values and ids)."""
+    import mindspore as ms
+    from mindspore import Parameter, Tensor
+
+    from mindspore_eagle.models.eagle3 import Eagle3Drafter, init_drafter_tensors, load_drafter, save_drafter
+    from mindspore_eagle.train.ttt import TTTDrafter
+
+    cfg = _tiny_dcfg(3)
+    rng = np.random.default_rng(9)
+    used = np.sort(rng.choice(50, 20, replace=False))
+    save_drafter(str(tmp_path / "d"), cfg, _nontrivial(init_drafter_tensors(cfg, 2, used), rng), dtype=np.float32)
+    dcfg, t = load_drafter(str(tmp_path / "d"))
+    assert dcfg.num_hidden_layers == 3 and "layers.2.mlp.down_proj.weight" in t
+    embed = rng.normal(size=(50, 32)).astype(np.float32)
+    T, K, B, n = 16, 4, 4, 11
+    aux = rng.normal(size=(T, 96)).astype(np.float32)
+    ids = rng.integers(0, 50, T).astype(np.int32)
+    train_net = TTTDrafter(dcfg, embed, embed[used], t["d2t"], T, 1)
+    train_net.load_tensors(t)
+    ref = ms.jit(train_net.step0_logp)(Tensor(aux), Tensor(ids)).asnumpy()[:n]
+    inf = Eagle3Drafter(dcfg, Parameter(Tensor(embed), name="shared_embed", requires_grad=False), top_k=K,
+                        num_blocks=T // B, block_size=B, max_seq_len=T)
+    inf.load_tensors(t)
+    mask = np.where(np.tri(n, T, dtype=bool), 0.0, -1e9).astype(np.float32)
+    top_logp, top_ids, _ = inf(inf.fuse(Tensor(aux[:n])), Tensor(ids[:n]), Tensor(np.arange(n, dtype=np.int32)),
+                               Tensor(np.arange(n, dtype=np.int32)), Tensor(np.arange(T // B, dtype=np.int32)),
+                               Tensor(mask))
+    want_idx = np.argsort(-ref, -1, kind="stable")[:, :K]
+    np.testing.assert_allclose(top_logp.asnumpy(), np.take_along_axis(ref, want_idx, -1), atol=2e-4)
+    np.testing.assert_array_equal(top_ids.asnumpy(), used[want_idx])
+
+
+def test_init_from_grows_a_one_layer_drafter(tiny, tiny_features, trained, tmp_path):
+    """--num-layers 2 --init-from a 1-layer drafter: layer 0 keeps the source's weights, the new layer starts as
+    the identity (held-out accuracy at step 0 equals the source's), it trains, and shrinking is refused."""
+    from mindspore_eagle.models.eagle3 import load_drafter
+    from mindspore_eagle.train.trainer import train
+
+    cfg, tensors, _ = tiny
+    src, _ = trained
+    _, t0 = load_drafter(str(src))
+    grown = tmp_path / "grown"
+    train(_tc(grown, tiny_features, steps=4, lr=1e-3, warmup=1, checkpoint_every=4, init_from=str(src),
+              num_layers=2), cfg, tensors)
+    c1, t1 = load_drafter(str(grown))
+    assert c1.num_hidden_layers == 2 and np.abs(t1["layers.1.mlp.down_proj.weight"]).max() > 0
+    ev = [json.loads(ln) for ln in open(grown / "eval_log.jsonl")]
+    same = tmp_path / "same"
+    train(_tc(same, tiny_features, steps=4, lr=1e-3, warmup=1, checkpoint_every=4, init_from=str(src)), cfg,
+          tensors)
+    ev1 = [json.loads(ln) for ln in open(same / "eval_log.jsonl")]
+    assert ev[0]["step"] == ev1[0]["step"] == 0
+    np.testing.assert_allclose(ev[0]["acc"], ev1[0]["acc"], atol=1e-6)
+    with pytest.raises(ValueError, match="it has 2 layers, more than --num-layers 1"):
+        train(_tc(tmp_path / "shrink", tiny_features, steps=2, init_from=str(grown)), cfg, tensors)
 
 
 def test_lk_curve_chains_runs_by_tokens_seen(tmp_path):
