@@ -267,26 +267,46 @@ def export_fused_weights(cell) -> dict:
     return {k: np.asarray(v, np.float32) for k, v in out.items()}
 
 
+def _declare_layer(cell, cfg: DrafterConfig, dtype, in_width: int) -> None:
+    """Zero Parameters of one decoder layer on ``cell``: ``wqkv`` [(nh + 2 n_kv) hd, in_width], ``wo`` [H, nh hd],
+    ``w_gate_up`` [2F, H], ``w_down`` [H, F] in ``dtype`` (float16 storage for half dtypes), RMSNorms
+    ``input_layernorm`` / ``post_attention_layernorm`` (float32)."""
+    H, F, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    z = lambda *s: Tensor(np.zeros(s, np.float32)) if dtype == ms.float32 else Tensor(np.zeros(s, np.float16), dtype)
+    cell.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+    cell.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+    cell.wqkv = Parameter(z((nh + 2 * nkv) * hd, in_width), name="wqkv")
+    cell.wo = Parameter(z(H, nh * hd), name="wo")
+    cell.w_gate_up = Parameter(z(2 * F, H), name="w_gate_up")
+    cell.w_down = Parameter(z(H, F), name="w_down")
+
+
+def declare_drafter_weights(cell, cfg: DrafterConfig, dtype, backend=None) -> None:
+    """The drafter's zero Parameters on ``cell``, shared by :class:`Eagle3Drafter` and ``train.ttt.TTTDrafter``
+    (the layout :func:`load_fused_weights` fills): ``fc`` [H, 3Ht], layer 0 (:func:`_declare_layer`, input 2H)
+    with ``hidden_norm``, final ``norm``, ``lm_head`` [Vd, H], and ``blocks``, one :class:`DraftBlock` per
+    layer 1.. (with a KV cache each when ``backend`` is given)."""
+    H = cfg.hidden_size
+    z = lambda *s: Tensor(np.zeros(s, np.float32)) if dtype == ms.float32 else Tensor(np.zeros(s, np.float16), dtype)
+    cell.fc = Parameter(z(H, 3 * cfg.target_hidden_size), name="fc")
+    _declare_layer(cell, cfg, dtype, 2 * H)
+    cell.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+    cell.norm = RMSNorm(H, cfg.rms_norm_eps)
+    cell.lm_head = Parameter(z(cfg.draft_vocab_size, H), name="lm_head")
+    cell.blocks = nn.CellList([DraftBlock(cfg, dtype, i, backend) for i in range(1, cfg.num_hidden_layers)])
+
+
 class DraftBlock(nn.Cell):
-    """The weights of one drafter decoder layer after the first (plain Llama pre-norm layer over H): ``wqkv``
-    [(nh + 2 n_kv) hd, H], ``wo`` [H, nh hd], ``w_gate_up`` [2F, H], ``w_down`` [H, F] in ``dtype``; RMSNorms
-    ``input_layernorm`` / ``post_attention_layernorm`` (float32). With ``backend`` (inference) it also owns the
-    layer's paged KV cache ``key_cache`` / ``value_cache`` (named ``draft_{key,value}_cache_{index}``). Holds no
-    computation: :class:`Eagle3Drafter` and ``train.ttt.TTTDrafter`` run it with their own attention.
+    """The weights of one drafter decoder layer after the first (plain Llama pre-norm layer over H;
+    :func:`_declare_layer` with input H). With ``backend`` (inference) it also owns the layer's paged KV cache
+    ``key_cache`` / ``value_cache`` (named ``draft_{key,value}_cache_{index}``). Holds no computation:
+    :class:`Eagle3Drafter` and ``train.ttt.TTTDrafter`` run it with their own attention.
     """
 
     def __init__(self, cfg: DrafterConfig, dtype, index: int, backend=None):
         super().__init__()
-        H, F, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-        nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
-        z = lambda *s: Tensor(np.zeros(s, np.float32)) if dtype == ms.float32 else Tensor(np.zeros(s, np.float16),
-                                                                                          dtype)
-        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
-        self.wqkv = Parameter(z((nh + 2 * nkv) * hd, H), name="wqkv")
-        self.wo = Parameter(z(H, nh * hd), name="wo")
-        self.w_gate_up = Parameter(z(2 * F, H), name="w_gate_up")
-        self.w_down = Parameter(z(H, F), name="w_down")
+        _declare_layer(self, cfg, dtype, cfg.hidden_size)
         if backend is not None:
             self.key_cache = backend.make_cache(f"draft_key_cache_{index}")
             self.value_cache = backend.make_cache(f"draft_value_cache_{index}")
@@ -321,34 +341,23 @@ class Eagle3Drafter(nn.Cell):
     def __init__(self, cfg: DrafterConfig, embed: Parameter, top_k: int, num_blocks: int, block_size: int,
                  max_seq_len: int, attention="auto"):
         super().__init__()
-        H, F, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        hd = cfg.head_dim
         self.cfg, self.top_k = cfg, top_k
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, hd
         self.group = self.nh // self.nkv
         dt = embed.dtype
-        z = lambda *s: Tensor(np.zeros(s, np.float32)) if dt == ms.float32 else Tensor(np.zeros(s, np.float16), dt)
         self.embed = embed
-        self.fc = Parameter(z(H, 3 * cfg.target_hidden_size), name="fc")
-        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
-        self.norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.wqkv = Parameter(z((self.nh + 2 * self.nkv) * hd, 2 * H), name="wqkv")
-        self.wo = Parameter(z(H, self.nh * hd), name="wo")
-        self.w_gate_up = Parameter(z(2 * F, H), name="w_gate_up")
-        self.w_down = Parameter(z(H, F), name="w_down")
-        self.lm_head = Parameter(z(cfg.draft_vocab_size, H), name="lm_head")
         self.d2t = Parameter(Tensor(np.zeros(cfg.draft_vocab_size, np.int32)), name="d2t", requires_grad=False)
         self.scale = 1.0 / float(np.sqrt(hd))
         self.backend = make_backend(attention, num_blocks, block_size, self.nkv, self.nh, hd, dt, self.scale)
+        declare_drafter_weights(self, cfg, dt, self.backend)
         self.key_cache = self.backend.make_cache("draft_key_cache")
         self.value_cache = self.backend.make_cache("draft_value_cache")
-        self.blocks = nn.CellList([DraftBlock(cfg, dt, i, self.backend) for i in range(1, cfg.num_hidden_layers)])
         cos, sin = rope_tables(hd, max_seq_len, cfg.rope_theta)
         self.cos, self.sin = Tensor(cos), Tensor(sin)
         self.swap = rope_swap_index(hd)
         self.matmul_t = ops.MatMul(transpose_b=True)
-        self.ffn = F
+        self.ffn = cfg.intermediate_size
 
     def fuse(self, aux):
         """aux f32 [k, 3Ht] -> fc(aux) [k, H] in the compute dtype."""

@@ -41,7 +41,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import nn, ops, Parameter, Tensor
 
-from ..models.eagle3 import DraftBlock, DrafterConfig, export_fused_weights, load_fused_weights
+from ..models.eagle3 import DrafterConfig, declare_drafter_weights, export_fused_weights, load_fused_weights
 from ..models.pangu import RMSNorm, apply_rope, rope_swap_index, rope_tables
 from .batching import Batch, make_batch  # noqa: F401  (re-exported: the batch layout lives in batching.py)
 
@@ -111,22 +111,11 @@ class TTTDrafter(nn.Cell):
         self.cfg, self.T, self.S, self.max_len, self.kmax = cfg, T, S, max_len, kmax
         self.nh, self.nkv, self.hd, self.ffn = cfg.num_attention_heads, cfg.num_key_value_heads, hd, F
         self.group = self.nh // self.nkv
-        z = lambda *s: Tensor(np.zeros(s, np.float32))  # noqa: E731
         self.embed = Parameter(Tensor(np.asarray(embed, np.float32)), name="embed", requires_grad=False)
         self.head_rows = Parameter(Tensor(np.asarray(head_rows, np.float32)), name="head_rows",
                                    requires_grad=False)
         self.d2t = Parameter(Tensor(np.asarray(d2t, np.int32)), name="d2t", requires_grad=False)
-        self.fc = Parameter(z(H, 3 * cfg.target_hidden_size), name="fc")
-        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
-        self.norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.wqkv = Parameter(z((self.nh + 2 * self.nkv) * hd, 2 * H), name="wqkv")
-        self.wo = Parameter(z(H, self.nh * hd), name="wo")
-        self.w_gate_up = Parameter(z(2 * F, H), name="w_gate_up")
-        self.w_down = Parameter(z(H, F), name="w_down")
-        self.lm_head = Parameter(z(cfg.draft_vocab_size, H), name="lm_head")
-        self.blocks = nn.CellList([DraftBlock(cfg, ms.float32, i) for i in range(1, cfg.num_hidden_layers)])
+        declare_drafter_weights(self, cfg, ms.float32)
         cos, sin = rope_tables(hd, T + S, cfg.rope_theta)
         self.cos, self.sin = Tensor(cos), Tensor(sin)
         self.swap = rope_swap_index(hd)
