@@ -236,15 +236,13 @@ def test_bad_drafter_checkpoints(tmp_path, tiny):
     with pytest.raises(DrafterCheckpointError, match="pickle"):
         load_drafter(str(d))
     cfg_json = json.loads((tiny_drafter_dir(tmp_path, tcfg, seed=6).joinpath("config.json")).read_text())
-    (tmp_path / "zero_layers").mkdir()
-    (tmp_path / "zero_layers" / "config.json").write_text(json.dumps(cfg_json | {"num_hidden_layers": 0}))
+    for name, layers in (("zero_layers", 0), ("two_layers", 2)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg_json | {"num_hidden_layers": layers}))
+        (tmp_path / name / "model.safetensors").write_bytes((tmp_path / "drafter6" / "model.safetensors").read_bytes())
     with pytest.raises(DrafterCheckpointError, match="num_hidden_layers must be >= 1, got 0"):
         load_drafter(str(tmp_path / "zero_layers"))
-    (tmp_path / "two_layers").mkdir()                     # config says 2 layers, tensors hold 1
-    (tmp_path / "two_layers" / "config.json").write_text(json.dumps(cfg_json | {"num_hidden_layers": 2}))
-    (tmp_path / "two_layers" / "model.safetensors").write_bytes(
-        (tmp_path / "drafter6" / "model.safetensors").read_bytes())
-    with pytest.raises(DrafterCheckpointError, match="missing tensor layers.1."):
+    with pytest.raises(DrafterCheckpointError, match="missing tensor layers.1."):   # config 2 layers, tensors 1
         load_drafter(str(tmp_path / "two_layers"))
     bad = DrafterConfig(hidden_size=32, intermediate_size=8, num_attention_heads=2, num_key_value_heads=1,
                         vocab_size=tcfg.vocab_size, draft_vocab_size=8, target_hidden_size=32)

@@ -620,6 +620,8 @@ def test_resume_reproduces_uninterrupted_losses(tiny, tiny_features, tmp_path, b
     if batch_size > 1:
         with pytest.raises(ValueError, match="--batch-size"):
             train(_tc(tmp_path / "b", tiny_features, **{**kw, "batch_size": 1}), cfg, tensors, resume=True)
+    with pytest.raises(ValueError, match="started with --num-layers 1, not 2"):   # never drops or invents a layer
+        train(_tc(tmp_path / "b", tiny_features, **{**kw, "num_layers": 2}), cfg, tensors, resume=True)
 
 
 def test_sigterm_saves_state_and_resume_continues_the_curve(tiny, tiny_features, tmp_path, monkeypatch):

@@ -137,7 +137,8 @@ def init_drafter_tensors(cfg: DrafterConfig, seed: int = 0, used_ids: np.ndarray
     ``used_ids`` (sorted int [Vd]) defines the draft vocabulary; default the first Vd teacher ids. The output
     projections (o_proj, down_proj) of layers 1.. start at zero, so each later layer starts as the identity on the
     residual stream (a drafter grown from a 1-layer checkpoint starts as that checkpoint; zero-init residual
-    branches as in Goyal et al. 2017, "Accurate, Large Minibatch SGD"). Layer 0's tensors do not depend on ``num_hidden_layers``.
+    branches as in Goyal et al. 2017, "Accurate, Large Minibatch SGD"). Layer 0's tensors do not depend on
+    ``num_hidden_layers``.
     """
     rng = np.random.default_rng(seed)
     out = {}
@@ -267,13 +268,20 @@ def export_fused_weights(cell) -> dict:
     return {k: np.asarray(v, np.float32) for k, v in out.items()}
 
 
+def _zeros(shape, dtype) -> Tensor:
+    """A zero Tensor of ``shape`` in ``dtype`` (float16 storage for half dtypes)."""
+    if dtype == ms.float32:
+        return Tensor(np.zeros(shape, np.float32))
+    return Tensor(np.zeros(shape, np.float16), dtype)
+
+
 def _declare_layer(cell, cfg: DrafterConfig, dtype, in_width: int) -> None:
     """Zero Parameters of one decoder layer on ``cell``: ``wqkv`` [(nh + 2 n_kv) hd, in_width], ``wo`` [H, nh hd],
     ``w_gate_up`` [2F, H], ``w_down`` [H, F] in ``dtype`` (float16 storage for half dtypes), RMSNorms
     ``input_layernorm`` / ``post_attention_layernorm`` (float32)."""
     H, F, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    z = lambda *s: Tensor(np.zeros(s, np.float32)) if dtype == ms.float32 else Tensor(np.zeros(s, np.float16), dtype)
+    z = lambda *s: _zeros(s, dtype)  # noqa: E731
     cell.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
     cell.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
     cell.wqkv = Parameter(z((nh + 2 * nkv) * hd, in_width), name="wqkv")
@@ -288,7 +296,7 @@ def declare_drafter_weights(cell, cfg: DrafterConfig, dtype, backend=None) -> No
     with ``hidden_norm``, final ``norm``, ``lm_head`` [Vd, H], and ``blocks``, one :class:`DraftBlock` per
     layer 1.. (with a KV cache each when ``backend`` is given)."""
     H = cfg.hidden_size
-    z = lambda *s: Tensor(np.zeros(s, np.float32)) if dtype == ms.float32 else Tensor(np.zeros(s, np.float16), dtype)
+    z = lambda *s: _zeros(s, dtype)  # noqa: E731
     cell.fc = Parameter(z(H, 3 * cfg.target_hidden_size), name="fc")
     _declare_layer(cell, cfg, dtype, 2 * H)
     cell.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)

@@ -284,6 +284,9 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistC
     init = None
     if state is not None:
         used = state["vocab_used"]
+        got = 1 + len({k.split(".")[1] for k in state if k.startswith("w:layers.")})
+        if got != tc.num_layers:
+            raise ValueError(f"--resume: the run was started with --num-layers {got}, not {tc.num_layers}")
     elif tc.init_from:
         from ..models.eagle3 import load_drafter
 
