@@ -42,7 +42,7 @@ import mindspore as ms
 from mindspore import nn, ops, Parameter, Tensor
 
 from ..models.eagle3 import DrafterConfig, declare_drafter_weights, export_fused_weights, load_fused_weights
-from ..models.pangu import RMSNorm, apply_rope, rope_swap_index, rope_tables
+from ..models.pangu import apply_rope, rope_swap_index, rope_tables
 from .batching import Batch, make_batch  # noqa: F401  (re-exported: the batch layout lives in batching.py)
 
 NEG = -1e9
