@@ -248,7 +248,7 @@ def parse_override(text: str) -> tuple[str, str, object]:
     section, name = key.strip().split(".", 1)
     try:
         parsed = yaml_load(value) if value.strip() else ""
-    except yaml.YAMLError as e:
+    except yaml.YAMLError:
         raise ConfigError(f"--set {key}: value {value!r} is not valid YAML") from None
     return section, name, parsed
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import numpy as np
 
 from .config import Config
 from .models.checkpoints import CheckpointError

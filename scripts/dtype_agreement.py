@@ -98,7 +98,6 @@ def main():
     r16 = run(a.config, "float16", prompts, a.tokens, True, a.policy)
     rows, same, total = [], 0, 0
     for i, (x, y, s) in enumerate(zip(r32["base"], r16["base"], r16["spec"])):
-        n = min(len(x), len(y))
         eq = sum(int(u == v) for u, v in zip(x, y))
         same, total = same + eq, total + max(len(x), len(y))
         rows.append({"prompt": index[i], "first_divergence": first_divergence(x, y), "same_tokens": eq,

@@ -47,7 +47,7 @@ def rebuild(score, depth, K, M):
 
 def simulate(path, costs_path, M, D, K):
     from mindspore_eagle.drafting import select_tree
-    from mindspore_eagle.policy import AdaptivePolicy, CostTable, FixedPolicy, compiled_budgets, top_nodes
+    from mindspore_eagle.policy import AdaptivePolicy, CostTable, compiled_budgets, top_nodes
     import json
 
     z = np.load(path)
@@ -68,7 +68,6 @@ def simulate(path, costs_path, M, D, K):
             rows = np.flatnonzero(turns == t)
             n = rows.size
             p = 0
-            conf = 1.0
             while p < n:
                 r = rows[p]
                 sc, par, dp = rebuild(z["score"][r], z["depth"][r], K, M)
@@ -115,7 +114,6 @@ def simulate(path, costs_path, M, D, K):
                 ms += cost
                 steps += 1
                 p += L
-                conf = float(z["t_conf"][rows[min(p, n - 1)]])
         rate = tok / ms
         base = 1.0 / costs.decode_ms
         print(f"{label:<28} speedup {rate / base:5.3f}x  L_k {np.mean(lens) if lens else 1:.2f}  "

@@ -1,7 +1,6 @@
 """Paged cache, branch / commit / rollback, and tree verification equivalence on the tiny openPangu model."""
 import numpy as np
 import pytest
-import mindspore as ms
 
 from conftest import make_target, tiny_tree
 from tiny_pangu import numpy_forward, causal_mask

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from conftest import tiny_tree
 from tiny_pangu import causal_mask, exact_two_tokens, numpy_forward
 from mindspore_eagle.config import load_config
 from mindspore_eagle.models.eagle3 import (DrafterConfig, init_drafter_tensors, load_drafter, save_drafter,

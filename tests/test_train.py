@@ -33,7 +33,7 @@ def _numpy_ttt_losses(t, embed, head_rows, b, cfg, S):
     """Expanded-form reference of the TTT forward (ttt_layout masks over all keys of steps 0..s), float64; layer 0
     takes concat(norm(embed), hidden_norm(h)), layers 1.. (``layers.{i}.*``) norm the residual stream."""
     T = b.ids.shape[2]
-    nh, nkv, hd, F = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     W = {k: np.asarray(v, np.float64) for k, v in t.items() if k not in ("d2t", "t2d")}
     rms = lambda x, w: x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.rms_norm_eps) * w  # noqa: E731
     inv = 1.0 / cfg.rope_theta ** (np.arange(0, hd, 2) / hd)

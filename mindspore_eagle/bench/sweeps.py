@@ -14,7 +14,6 @@ spec over baseline), mean and p90 L_k; the fastest point (highest mean tok/s) is
 """
 from __future__ import annotations
 
-import numpy as np
 
 from .throughput import Setting, stats
 

@@ -185,7 +185,8 @@ def init_from_env(env: dict | None = None) -> DistContext:
     """
     env = os.environ if env is None else env
     role = env.get("MS_ROLE")
-    rank, world = _env_int(env, "RANK_ID", 0), _env_int(env, "RANK_SIZE", 1)
+    _env_int(env, "RANK_ID", 0)  # a malformed RANK_ID is refused; the rank itself comes from the cluster
+    world = _env_int(env, "RANK_SIZE", 1)
     if role is None:
         if world > 1:
             raise DistError(f"RANK_SIZE={world} but this process was not started by msrun (no MS_ROLE); launch "

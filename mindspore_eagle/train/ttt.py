@@ -49,18 +49,18 @@ NEG = -1e9
 LOSS_DECAY = 0.8
 
 
-def ttt_layout(T: int, step: int, n_valid: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def ttt_layout(T: int, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Reference attention pattern of TTT step ``step`` in expanded form (keys of steps 0..step concatenated).
 
     Args:
-        T: sequence length; step: s >= 0; n_valid: real tokens (rest is right padding; default T).
+        T: sequence length; step: s >= 0.
     Returns:
         visible bool [T, (s+1) T]: entry [t, j T + u] is True iff query t of step s sees key u of step j;
-        j = 0: u <= t (causal over step-0 keys; padded queries t >= n_valid see only key 0, keeping the softmax
-        finite), j >= 1: u == t (same position of each later step, itself included).
+        j = 0: u <= t (causal over step-0 keys), j >= 1: u == t (same position of each later step, itself
+        included). Right padding needs no special case: a real query t never sees a key u > t, and every query
+        sees at least key t, so each softmax row stays finite.
         q_pos int [T] = t + s (RoPE positions of the queries), k_pos int [(s+1) T] = u + j.
     """
-    n = T if n_valid is None else n_valid
     vis = np.zeros((T, (step + 1) * T), bool)
     for t in range(T):
         vis[t, : t + 1] = True
