@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-
 from .config import Config
 from .models.checkpoints import CheckpointError
 from .models.eagle3 import DrafterCheckpointError, DrafterConfig, init_drafter_tensors, load_drafter
