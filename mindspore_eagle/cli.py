@@ -85,16 +85,32 @@ def config_from_args(args) -> Config:
     return cfg.validate()
 
 
-def _engine(cfg: Config, warmup: str = "none"):
+def _engine(cfg: Config, warmup: str = "none", log=None):
     """Build the engine of ``cfg`` and warm it up (``warmup``: full | short | none, see mindspore_eagle.warmup);
-    progress (downloads, warm-up, graphs compiled on first use) goes to stderr."""
+    progress (downloads, warm-up, graphs compiled on first use) goes to ``log`` (default: a line on stderr)."""
     from .pipeline import build_engine
     from .warmup import prepare, report_compiles, stderr_log
 
+    log = log or stderr_log
     engine = build_engine(cfg)
-    prepare(engine, cfg, cfg.generation, warmup, stderr_log, graph_cache=cfg.context.graph_cache)
-    report_compiles(stderr_log)
+    prepare(engine, cfg, cfg.generation, warmup, log, graph_cache=cfg.context.graph_cache)
+    report_compiles(log)
     return engine
+
+
+def line_breaking_log(current, same_terminal: bool, log=None):
+    """A progress ``log`` for ``generate``: where stdout and stderr are one terminal (``same_terminal``), a line
+    logged while ``current()`` (the answer's :class:`Streamer`, or None) stands mid-line starts on a line of its
+    own; elsewhere lines pass through unchanged. stdout's text is never changed."""
+    from .warmup import stderr_log
+
+    log = log or stderr_log
+
+    def emit(line: str) -> None:
+        s = current()
+        log((s.break_line() if same_terminal and s is not None else "") + line)
+
+    return emit
 
 
 def _add_warmup_arg(p: argparse.ArgumentParser, default: str, note: str) -> None:
@@ -112,6 +128,7 @@ class Streamer:
 
     EOS tokens are not printed; text that could still turn into a stop string (the last max(len(stop)) - 1
     characters) is held back until it cannot, so what is printed is always a prefix of ``Generation.text``.
+    ``mid_line`` says whether the last character written is not a newline (see :meth:`break_line`).
     """
 
     def __init__(self, tokenizer, eos_ids, stop, out=None):
@@ -121,6 +138,21 @@ class Streamer:
         self.out = out or sys.stdout
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.text, self.printed, self.stopped = "", 0, False
+        self.mid_line = False
+
+    def write(self, text: str) -> None:
+        """Write ``text`` to the output now (flushed), e.g. a chat label before the answer."""
+        if text:
+            self.out.write(text)
+            self.out.flush()
+            self.mid_line = not text.endswith("\n")
+
+    def break_line(self) -> str:
+        """``"\n"`` if the output stands mid-line (then it counts as at a line start), else ``""``: what a
+        progress line on the same terminal (a graph compiled mid-answer) prints first, so that it gets a line of
+        its own instead of cutting into the answer's text. The output itself is not changed."""
+        brk, self.mid_line = ("\n" if self.mid_line else ""), False
+        return brk
 
     def __call__(self, token: int) -> None:
         if token in self.eos or self.stopped:
@@ -135,16 +167,14 @@ class Streamer:
 
     def _emit(self, upto: int) -> None:
         if upto > self.printed:
-            self.out.write(self.text[self.printed:upto])
-            self.out.flush()
+            self.write(self.text[self.printed:upto])
             self.printed = upto
 
     def finish(self, final_text: str) -> None:
         """Print the rest of the turn's final text and a newline."""
         shown = self.text[:self.printed]
         rest = final_text[len(shown):] if final_text.startswith(shown) else "\n" + final_text
-        self.out.write(rest + "\n")
-        self.out.flush()
+        self.write(rest + "\n")
 
 
 def turn_summary(g, mode: str, speculative: bool) -> str:
@@ -188,7 +218,9 @@ def cmd_generate(args) -> int:
         raise ConfigError("generate needs --prompt TEXT (repeatable for a multi-turn chat) or --chat")
     cfg = config_from_args(args)
     multi = args.chat or len(args.prompt) > 1
-    engine = _engine(cfg, ("full" if multi else "none") if args.warmup == "auto" else args.warmup)
+    live = {"streamer": None}
+    log = line_breaking_log(lambda: live["streamer"], sys.stdout.isatty() and sys.stderr.isatty())
+    engine = _engine(cfg, ("full" if multi else "none") if args.warmup == "auto" else args.warmup, log)
     speculative = engine.drafter is not None
     gen, steps, turns = cfg.generation, [], []
     turns_in = args.prompt if args.prompt else _stdin_turns(sys.stdin.isatty())
@@ -199,9 +231,9 @@ def cmd_generate(args) -> int:
             messages = messages[:1] if args.system else []
             continue
         messages.append({"role": "user", "content": text})
+        streamer = live["streamer"] = Streamer(engine.tokenizer, engine.eos, gen.stop)
         if labelled and not args.chat:
-            sys.stdout.write(f"user: {text}\nassistant: ")
-        streamer = Streamer(engine.tokenizer, engine.eos, gen.stop)
+            streamer.write(f"user: {text}\nassistant: ")
         try:
             g = engine.generate(messages, gen, speculative, turn_id=str(i), on_token=streamer)
         except known_errors() as e:  # interactive: report (e.g. context full) and keep the session

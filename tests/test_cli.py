@@ -324,6 +324,32 @@ def test_streamer_skips_eos(tiny_cfg):
     assert buf.getvalue() == tok.decode(ids) + "\n"
 
 
+def test_progress_line_mid_answer_gets_its_own_line_on_a_shared_terminal(tiny_cfg):
+    _, _, tok = tiny_cfg
+    ids = tok.encode("The capital of France is Paris.", add_bos=False)
+    buf = io.StringIO()
+    s = cli.Streamer(tok, eos_ids=[], stop=[], out=buf)
+    assert s.break_line() == ""                     # nothing printed yet: the cursor is at a line start
+    s.write("user: Hi\nassistant: ")
+    logged = []
+    shared = cli.line_breaking_log(lambda: s, True, logged.append)
+    apart = cli.line_breaking_log(lambda: s, False, logged.append)
+    shared("compiled graph 1: a")                   # right after the chat label: mid-line
+    shared("compiled graph 2: b")                   # the first progress line already ended the line
+    for i in ids[:3]:
+        s(i)
+    apart("compiled graph 3: c")                    # stdout and stderr apart: passed through unchanged
+    shared("compiled graph 4: d")                   # mid-answer
+    for i in ids[3:]:
+        s(i)
+    s.finish(tok.decode(ids))
+    shared("compiled graph 5: e")                   # after the answer's newline
+    cli.line_breaking_log(lambda: None, True, logged.append)("warm-up: f")   # before any answer
+    assert logged == ["\ncompiled graph 1: a", "compiled graph 2: b", "compiled graph 3: c",
+                      "\ncompiled graph 4: d", "compiled graph 5: e", "warm-up: f"]
+    assert buf.getvalue() == "user: Hi\nassistant: " + tok.decode(ids) + "\n"   # stdout's text is unchanged
+
+
 # ------------------------------------------------------------------------------------------------- inspect --
 def test_inspect_teacher_dir(capsys, tiny):
     rc, out, err = run_main(capsys, ["inspect", str(tiny)])
