@@ -12,8 +12,8 @@ Configuration: ``--config FILE`` (repeatable: a deployment then a preset, merged
 section.key=value`` (repeatable), then the shorthand flags (``--mode``, ``--max-new-tokens``, ``--baseline``,
 ``--trace``), which win. Without ``--config`` the built-in defaults (= configs/default.yaml) apply.
 
-Every known error (ConfigError, CheckpointError, DrafterCheckpointError, GenerationError, CacheExhaustedError,
-AssetError, BatchError) is printed as one line ``error: ...`` on stderr with exit code 2, never a traceback.
+Every known error (a subclass of ``errors.MsEagleError``: ConfigError, CheckpointError, GenerationError, ...
+docs/errors.md) is printed as one line ``error: ...`` on stderr with exit code 2, never a traceback.
 The answer goes to stdout; summaries, prompts and progress bars go to stderr.
 """
 from __future__ import annotations
@@ -23,24 +23,18 @@ import json
 import os
 import sys
 
-from .fetch import AssetError
-from .batch import BatchError
-from .config import Config, ConfigError, load_config
-from .models.config import CheckpointError
+from mindspore_eagle.config import Config, ConfigError, load_config
+from mindspore_eagle.errors import MsEagleError
+from mindspore_eagle.models.config import CheckpointError
+from mindspore_eagle.serving.batch_job import BatchError
 
 EXIT_ERROR = 2
-_LAZY_ERRORS = (("mindspore_eagle.models.eagle3", "DrafterCheckpointError"),
-                ("mindspore_eagle.engine", "GenerationError"), ("mindspore_eagle.kv", "CacheExhaustedError"))
 
 
 def known_errors() -> tuple:
-    """Exception classes reported as ``error: ...`` (exit 2). Classes of modules not imported yet cannot have
-    been raised, so they are looked up lazily (keeps ``--help`` and config errors free of the MindSpore import)."""
-    classes = [ConfigError, CheckpointError, AssetError, BatchError]
-    for module, name in _LAZY_ERRORS:
-        if module in sys.modules:
-            classes.append(getattr(sys.modules[module], name))
-    return tuple(classes)
+    """Exception classes reported as ``error: ...`` (exit 2): every :class:`~mindspore_eagle.errors.MsEagleError`
+    (config, checkpoint, asset, batch input, generation, cache, distributed-launch errors)."""
+    return (MsEagleError,)
 
 
 def one_line(e: BaseException) -> str:
@@ -86,10 +80,10 @@ def config_from_args(args) -> Config:
 
 
 def _engine(cfg: Config, warmup: str = "none", log=None):
-    """Build the engine of ``cfg`` and warm it up (``warmup``: full | short | none, see mindspore_eagle.warmup);
+    """Build the engine of ``cfg`` and warm it up (``warmup``: full | short | none, see mindspore_eagle.runners.warmup);
     progress (downloads, warm-up, graphs compiled on first use) goes to ``log`` (default: a line on stderr)."""
-    from .pipeline import build_engine
-    from .warmup import prepare, report_compiles, stderr_log
+    from mindspore_eagle.runners.warmup import prepare, report_compiles, stderr_log
+    from mindspore_eagle.serving.pipeline import build_engine
 
     log = log or stderr_log
     engine = build_engine(cfg)
@@ -102,7 +96,7 @@ def line_breaking_log(current, same_terminal: bool, log=None):
     """A progress ``log`` for ``generate``: where stdout and stderr are one terminal (``same_terminal``), a line
     logged while ``current()`` (the answer's :class:`Streamer`, or None) stands mid-line starts on a line of its
     own; elsewhere lines pass through unchanged. stdout's text is never changed."""
-    from .warmup import stderr_log
+    from mindspore_eagle.runners.warmup import stderr_log
 
     log = log or stderr_log
 
@@ -132,7 +126,7 @@ class Streamer:
     """
 
     def __init__(self, tokenizer, eos_ids, stop, out=None):
-        from .tokenizer import IncrementalDecoder
+        from mindspore_eagle.models.tokenizer import IncrementalDecoder
 
         self.decoder, self.eos, self.stop = IncrementalDecoder(tokenizer), set(eos_ids), list(stop)
         self.out = out or sys.stdout
@@ -248,7 +242,7 @@ def cmd_generate(args) -> int:
         steps += g.steps
         turns.append(g.turn)
     if args.stats and turns:
-        from .trace import format_summary
+        from mindspore_eagle.core.trace import format_summary
 
         print(format_summary(steps, turns), file=sys.stderr)
     return 0
@@ -266,8 +260,8 @@ def _parse_shard(text: str) -> tuple:
 
 
 def cmd_batch(args) -> int:
-    """``batch``: run a JSONL file (see mindspore_eagle.batch), one result line per record."""
-    from . import batch
+    """``batch``: run a JSONL file (see mindspore_eagle.serving.batch_job), one result line per record."""
+    from mindspore_eagle.serving import batch_job as batch
 
     cfg = config_from_args(args)
     records = batch.read_input(args.input)
@@ -313,9 +307,14 @@ def describe_teacher(path) -> dict:
     """
     from pathlib import Path
 
-    from .models.checkpoints import _read_json, _resolve, gguf_config, open_gguf
-    from .models.config import ModelConfig
-    from .tokenizer import Tokenizer
+    from mindspore_eagle.models.checkpoints import (
+        _read_json,
+        _resolve,
+        gguf_config,
+        open_gguf,
+    )
+    from mindspore_eagle.models.config import ModelConfig
+    from mindspore_eagle.models.tokenizer import Tokenizer
 
     p = _resolve(path)
     if p.suffix.lower() == ".gguf":
@@ -344,14 +343,14 @@ def cmd_inspect(args) -> int:
     speculation policy's cost table measured on this machine for ``--config`` / ``--set``."""
     from pathlib import Path
 
-    from .pipeline import EMBEDDED_DRAFTER, resolve_teacher
+    from mindspore_eagle.serving.pipeline import EMBEDDED_DRAFTER, resolve_teacher
 
     if args.path == "costs":
         return _inspect_costs(args)
     path = {"embedded": resolve_teacher("embedded"), "embedded-drafter": EMBEDDED_DRAFTER}.get(args.path, args.path)
     cfg_json = Path(path) / "config.json"
     if Path(path).is_dir() and cfg_json.is_file():
-        from .models.checkpoints import _read_json
+        from mindspore_eagle.models.checkpoints import _read_json
 
         if _is_drafter_config(_read_json(cfg_json)):
             return _inspect_drafter(path, args.teacher)
@@ -385,8 +384,8 @@ def _inspect_costs(args) -> int:
 
 
 def _inspect_drafter(path, teacher) -> int:
-    from .models.eagle3 import load_drafter
-    from .pipeline import check_drafter_fits, resolve_teacher
+    from mindspore_eagle.models.eagle3 import load_drafter
+    from mindspore_eagle.serving.pipeline import check_drafter_fits, resolve_teacher
 
     d, tensors = load_drafter(path)
     n = sum(int(v.size) for k, v in tensors.items() if k not in ("d2t", "t2d"))

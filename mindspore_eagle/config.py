@@ -16,6 +16,8 @@ from dataclasses import dataclass, field, fields
 
 import yaml
 
+from mindspore_eagle.errors import MsEagleError
+
 
 class YamlLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that also reads YAML 1.2 floats: PyYAML (YAML 1.1) needs a dot, so ``1e-6`` or
@@ -33,7 +35,7 @@ def yaml_load(text_or_stream):
     return yaml.load(text_or_stream, Loader=YamlLoader)  # noqa: S506 - YamlLoader is a SafeLoader
 
 
-class ConfigError(ValueError):
+class ConfigError(MsEagleError, ValueError):
     """A configuration value is missing, unknown, of the wrong type, or out of range (message names the key)."""
 
 

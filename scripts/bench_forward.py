@@ -18,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from mindspore_eagle import runtime  # noqa: E402
+from mindspore_eagle.kernels import runtime  # noqa: E402
 
 
 def median_ms(fn, repeat):
@@ -98,9 +98,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     runtime.configure()
     import mindspore as ms
+
     from mindspore_eagle.config import load_config
-    from mindspore_eagle.pipeline import build_engine, load_models
-    from mindspore_eagle.tree import NEG_BIAS
+    from mindspore_eagle.core.tree import NEG_BIAS
+    from mindspore_eagle.serving.pipeline import build_engine, load_models
 
     cfg = load_config(None, [f"model.teacher={args.teacher}", "model.drafter=none"])
     loaded = load_models(cfg)
@@ -112,7 +113,7 @@ def main(argv=None):
     results = {}
     for mode in ("fused", "eager"):
         eng = build_engine(load_config(None, ["model.drafter=none", f"speculative.mode={mode}"]), loaded)
-        tg = eng.target
+        tg = eng.teacher
         sid = tg.new_seq()
         t0 = time.perf_counter()
         tg.prefill(sid, ctx)
@@ -165,7 +166,7 @@ def main(argv=None):
 def drafter_cost(loaded, ctx, decode_ms, repeat):
     """Drafter cost of one round with the config's budget (fused): context pass of one pair + build_tree."""
     from mindspore_eagle.config import load_config
-    from mindspore_eagle.pipeline import build_engine, load_models
+    from mindspore_eagle.serving.pipeline import build_engine, load_models
 
     cfg = load_config(None, [])
     dl = load_models(cfg)

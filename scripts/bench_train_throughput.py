@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from mindspore_eagle import runtime  # noqa: E402
+from mindspore_eagle.kernels import runtime  # noqa: E402
 
 
 def parse_config(text: str) -> tuple:
@@ -42,12 +42,17 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=40.0)
     a = p.parse_args()
     runtime.configure()
-    from mindspore_eagle.fetch import embedded_teacher_path
     from mindspore_eagle.models.checkpoints import load_teacher
     from mindspore_eagle.models.eagle3 import vocab_maps
+    from mindspore_eagle.models.fetch import embedded_teacher_path
     from mindspore_eagle.train.features import FeatureSet, head_weight
-    from mindspore_eagle.train.trainer import TrainConfig, drafter_config, initial_tensors, next_batch
-    from mindspore_eagle.train.ttt import TTTDrafter, TrainStep
+    from mindspore_eagle.train.trainer import (
+        TrainConfig,
+        drafter_config,
+        initial_tensors,
+        next_batch,
+    )
+    from mindspore_eagle.train.ttt import TrainStep, TTTDrafter
     from mindspore_eagle.train.vocab import build_vocab
 
     cfg, tensors, _ = load_teacher(a.teacher or str(embedded_teacher_path()))

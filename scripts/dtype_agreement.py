@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def run(cfg_path, dtype, prompts, tokens, speculative_too, policy="fixed"):
     from mindspore_eagle.config import load_config
-    from mindspore_eagle.pipeline import build_engine
+    from mindspore_eagle.serving.pipeline import build_engine
 
     over = [f"model.dtype={dtype}", f"generation.max_new_tokens={tokens}", "generation.temperature=0",
             f"speculative.policy={policy}"]

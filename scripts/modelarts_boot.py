@@ -12,7 +12,7 @@ pangu_mindformers.md §4):
                since the ranks exchange nothing but files (no mindspore.communication.init()).
 
 Steps: every rank reads the whole input (so ids are checked the same way everywhere), keeps record i when
-i % N == r, and runs it with ``mindspore_eagle.batch.run_batch`` to ``OUT.rank{r}.jsonl`` (resumed by default: a
+i % N == r, and runs it with ``mindspore_eagle.serving.batch_job.run_batch`` to ``OUT.rank{r}.jsonl`` (resumed by default: a
 restarted job skips what its shard already holds). Rank 0 then waits until every shard is complete and writes
 OUT.jsonl with all records in input order. ``--merge`` only does that last step (e.g. as a separate job step).
 Exit codes: 0 ok, 2 a known error (one line ``error: ...``).
@@ -32,9 +32,9 @@ def rank_env() -> tuple:
     """(rank, size, device_id or None) from RANK_ID / RANK_SIZE / DEVICE_ID.
 
     Raises:
-        mindspore_eagle.batch.BatchError: malformed or inconsistent values.
+        mindspore_eagle.serving.batch_job.BatchError: malformed or inconsistent values.
     """
-    from mindspore_eagle.batch import BatchError
+    from mindspore_eagle.serving.batch_job import BatchError
 
     try:
         rank, size = int(os.environ.get("RANK_ID", 0)), int(os.environ.get("RANK_SIZE", 1))
@@ -50,7 +50,7 @@ def rank_env() -> tuple:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="modelarts_boot.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", required=True, metavar="IN.jsonl", help="batch records (see mindspore_eagle.batch)")
+    p.add_argument("--input", required=True, metavar="IN.jsonl", help="batch records (see mindspore_eagle.serving.batch_job)")
     p.add_argument("--output", required=True, metavar="OUT.jsonl", help="merged output; shards OUT.rank{r}.jsonl")
     p.add_argument("--overwrite", action="store_true", help="start this rank's shard afresh instead of resuming")
     p.add_argument("--merge", action="store_true", help="only merge the (complete) shards into OUT.jsonl")
@@ -62,8 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def boot(args) -> int:
     """Run this rank's shard, then (rank 0) wait for all shards and merge them."""
-    from mindspore_eagle import batch
-    from mindspore_eagle.pipeline import build_engine
+    from mindspore_eagle.serving import batch_job as batch
+    from mindspore_eagle.serving.pipeline import build_engine
 
     rank, size, device = rank_env()
     records = batch.read_input(args.input)

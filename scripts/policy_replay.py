@@ -11,7 +11,7 @@ training data; no evaluation prompt).
     python scripts/policy_replay.py --prompts 24 --out runs/replay.npz            # collect
     python scripts/policy_replay.py --simulate runs/replay.npz [--costs costs.json]  # replay policies on it
 
-The simulation drives the real policy objects (mindspore_eagle.policy) step by step over the recorded positions:
+The simulation drives the real policy objects (mindspore_eagle.core.policy) step by step over the recorded positions:
 a step at position p with budget m accepts the recorded labels of the best m - 1 candidates drafted so far, then
 moves to p + L. It prints tokens per modelled ms against plain decoding for fixed budgets and the adaptive policy.
 Not a test: data for docs/results.md.
@@ -46,9 +46,15 @@ def rebuild(score, depth, K, M):
 
 
 def simulate(path, costs_path, M, D, K):
-    from mindspore_eagle.drafting import select_tree
-    from mindspore_eagle.policy import AdaptivePolicy, CostTable, compiled_budgets, top_nodes
     import json
+
+    from mindspore_eagle.core.policy import (
+        AdaptivePolicy,
+        CostTable,
+        compiled_budgets,
+        top_nodes,
+    )
+    from mindspore_eagle.runners.drafter import select_tree
 
     z = np.load(path)
     if costs_path:
@@ -130,7 +136,7 @@ def simulate(path, costs_path, M, D, K):
 
 
 def _strip(tree, real):
-    from mindspore_eagle.tree import DraftTree
+    from mindspore_eagle.core.tree import DraftTree
     if real.all():
         return tree
     keep = np.flatnonzero(real)
@@ -143,7 +149,7 @@ class _FixedSim:
     """FixedPolicy with a depth cap (expansions stop at depth d) for the simulation."""
 
     def __init__(self, m, d):
-        from mindspore_eagle.policy import FixedPolicy
+        from mindspore_eagle.core.policy import FixedPolicy
         self.p, self.d = FixedPolicy(m, d), d
         self.costs = None
 
@@ -180,11 +186,11 @@ def main():
 
     from mindspore_eagle.config import load_config
     from mindspore_eagle.evalsets import sharegpt_conversations
-    from mindspore_eagle.pipeline import build_engine
+    from mindspore_eagle.serving.pipeline import build_engine
 
     cfg = load_config(a.config, [f"speculative.D_max={a.depth}", "speculative.top_k=4"])
     eng = build_engine(cfg)
-    tg, dr = eng.target, eng.drafter
+    tg, dr = eng.teacher, eng.drafter
     K, D = dr.K, a.depth
     C = K + (D - 1) * K * K
     convs = sharegpt_conversations(a.offset + 4 * a.prompts)[a.offset:]

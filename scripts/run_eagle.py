@@ -10,7 +10,7 @@ Arguments (pangu_mindformers.md §2.1):
     --config             our YAML (configs/*.yaml; repeatable to add a preset). Default: built-in defaults.
     --run_mode           only ``predict`` (drafters are trained with ``mindspore-eagle train-drafter``).
     --predict_data       one or more texts, or a file: ``.txt`` = one prompt per line, ``.jsonl`` = batch records
-                         ({"id", "prompt" | "messages" | "turns"}, see mindspore_eagle/batch.py).
+                         ({"id", "prompt" | "messages" | "turns"}, see mindspore_eagle/serving/batch_job.py).
     --load_checkpoint / --pretrained_model_dir   teacher path (overrides model.teacher).
     --device_id          context.device_id.  --mode 0|1   context.mode (1 = PyNative, eager).
     --use_parallel       True: data parallel over RANK_SIZE processes (RANK_ID from ModelArts or msrun), record
@@ -73,7 +73,7 @@ def build_records(predict_data: list) -> list:
     Raises:
         BatchError: an empty file or prompt, a bad .jsonl file (see ``batch.read_input``).
     """
-    from mindspore_eagle.batch import BatchError, InputRecord, read_input
+    from mindspore_eagle.serving.batch_job import BatchError, InputRecord, read_input
 
     if len(predict_data) == 1 and os.path.isfile(predict_data[0]):
         path = predict_data[0]
@@ -97,8 +97,8 @@ def predict(args) -> int:
     if args.run_mode != "predict":
         raise ConfigError(f"run_mode {args.run_mode!r} is not supported by run_eagle.py: only 'predict' "
                           "(train drafters with mindspore-eagle train-drafter)")
-    from mindspore_eagle import batch
-    from mindspore_eagle.pipeline import build_engine
+    from mindspore_eagle.serving import batch_job as batch
+    from mindspore_eagle.serving.pipeline import build_engine
 
     overrides = list(args.set)
     cfg = load_config(args.config or None, overrides)

@@ -35,10 +35,12 @@ These run on the host through ``asnumpy`` / ``set_data``, so only in PyNative (e
 """
 from __future__ import annotations
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 
-from mindspore_eagle.attention import AscendKernels as _REAL_KERNELS    # bound now: tests monkeypatch the name
+from mindspore_eagle.kernels.attention import (
+    AscendKernels as _REAL_KERNELS,  # bound now: tests monkeypatch the name
+)
 
 MUTATIONS = ("transposed_layout", "mask_inverted", "slot_off_by_one")
 

@@ -37,7 +37,7 @@ def release_graphs():
 
 @pytest.fixture(scope="session")
 def ms_runtime():
-    from mindspore_eagle import runtime
+    from mindspore_eagle.kernels import runtime
 
     runtime.configure()
     return runtime
@@ -59,26 +59,26 @@ def tiny(tiny_dir):
 
 
 def make_target(loaded_cfg, tensors, mode, num_blocks=32, block_size=8, max_seq_len=128, chunk=16):
-    from mindspore_eagle.models.pangu import PanguTeacher
-    from mindspore_eagle.target import TargetRunner
+    from mindspore_eagle.models.llama import LlamaModel
+    from mindspore_eagle.runners.teacher import TeacherRunner
 
-    net = PanguTeacher(loaded_cfg, num_blocks, block_size, max_seq_len)
+    net = LlamaModel(loaded_cfg, num_blocks, block_size, max_seq_len)
     net.load_hf_weights(tensors)
-    return TargetRunner(net, num_blocks, block_size, max_seq_len, mode, chunk)
+    return TeacherRunner(net, num_blocks, block_size, max_seq_len, mode, chunk)
 
 
 @pytest.fixture(scope="session")
 def real_loaded():
     """numpy weights of the embedded default teacher (SmolLM2-135M-Instruct GGUF) + drafter, read once."""
     from mindspore_eagle.config import load_config
-    from mindspore_eagle.pipeline import load_models
+    from mindspore_eagle.serving.pipeline import load_models
 
     return load_models(load_config(None, ["model.drafter=none"]))
 
 
 def tiny_tree(rng, root, M, D, vocab):
     """A random DraftTree (root + up to M-1 nodes, depth <= D, distinct sibling tokens)."""
-    from mindspore_eagle.tree import DraftTree
+    from mindspore_eagle.core.tree import DraftTree
 
     n = int(rng.integers(1, M + 1))
     parents, depth, tokens = [0], [0], [root]

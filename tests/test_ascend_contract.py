@@ -14,26 +14,30 @@ semantics (tests/ascend_reference.py) in place of the Ascend ops, and compared w
 - each contract fails on a wrong kernel: a transposed cache layout, an inverted mask convention, an off-by-one
   slot (``test_contract_detects_wrong_kernel``).
 """
+import mindspore as ms
 import numpy as np
 import pytest
-import mindspore as ms
-
-from ascend_reference import KernelContractError, MUTATIONS, ReferenceKernels
+from ascend_reference import MUTATIONS, KernelContractError, ReferenceKernels
 from conftest import tiny_tree
-from mindspore_eagle.attention import FusedBackend, PortableBackend, select_backend
-from mindspore_eagle.kv import slot_view
-from mindspore_eagle.tree import tensorize
+
+from mindspore_eagle.core.tree import tensorize
+from mindspore_eagle.kernels.attention import (
+    FusedBackend,
+    PortableBackend,
+    select_backend,
+)
+from mindspore_eagle.kernels.kv import slot_view
 
 NB, B, S, CHUNK = 32, 8, 128, 32
 
 
 def runner(cfg, tensors, backend, dtype):
-    from mindspore_eagle.models.pangu import PanguTeacher
-    from mindspore_eagle.target import TargetRunner
+    from mindspore_eagle.models.llama import LlamaModel
+    from mindspore_eagle.runners.teacher import TeacherRunner
 
-    net = PanguTeacher(cfg, NB, B, S, dtype, attention=backend)
+    net = LlamaModel(cfg, NB, B, S, dtype, attention=backend)
     net.load_hf_weights(tensors)
-    return TargetRunner(net, NB, B, S, "eager", CHUNK)
+    return TeacherRunner(net, NB, B, S, "eager", CHUNK)
 
 
 def cache_diff(rp, rf, sid, n_kv):
@@ -42,7 +46,7 @@ def cache_diff(rp, rf, sid, n_kv):
     slots = rp.bm.slots(sid, np.arange(rp.length(sid)))
     assert np.array_equal(slots, rf.bm.slots(sid, np.arange(rf.length(sid))))
     worst = 0.0
-    for (kp, vp), (kf, vf) in zip(rp.teacher.caches(), rf.teacher.caches()):
+    for (kp, vp), (kf, vf) in zip(rp.model.caches(), rf.model.caches()):
         for p, f in ((kp, kf), (vp, vf)):
             a = slot_view(p.asnumpy().astype(np.float32), n_kv)[slots]
             fa = f.asnumpy().astype(np.float32)
@@ -67,8 +71,8 @@ def contract_diffs(tiny, kernels, dtype=ms.float32, seed=0):
     rp = runner(cfg, tensors, "portable", dtype)
     rf = runner(cfg, tensors, FusedBackend(NB, B, cfg.num_kv_heads, cfg.num_heads, cfg.head_dim, dtype, 1.0,
                                            kernels), dtype)
-    assert isinstance(rp.teacher.backend, PortableBackend)
-    assert rf.teacher.layers[0].attn.key_cache.shape == (NB + 1, B, cfg.num_kv_heads, cfg.head_dim)
+    assert isinstance(rp.model.backend, PortableBackend)
+    assert rf.model.layers[0].attn.key_cache.shape == (NB + 1, B, cfg.num_kv_heads, cfg.head_dim)
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France? " * 3}]))
     ids = ids[:40]                # chunk 1: 32 rows (FlashAttention), chunk 2: 8 rows in bucket 16 (PagedAttention)
     rng = np.random.default_rng(seed)
@@ -159,14 +163,15 @@ def test_kernels_refuse_out_of_range_indices(ms_runtime):
 def test_speculative_engine_on_fused_path_is_lossless(ms_runtime, tiny_dir, tiny, tmp_path, monkeypatch):
     """float16, teacher and drafter both on the fused path (reference kernels with MindSpore's inference check),
     eager: greedy speculative output equals teacher-only greedy on the same path and on the portable path."""
-    from mindspore_eagle import attention
     from test_spec import PROMPTS, tiny_drafter_dir, tiny_engine
+
+    from mindspore_eagle.kernels import attention
 
     d = tiny_drafter_dir(tmp_path, tiny[0])
     extra = ["model.dtype=float16", "speculative.M=10", "speculative.D_max=4", "speculative.top_k=3",
              "cache.prefill_chunk=32"]
     ref, cfg = tiny_engine(tiny_dir, d, "eager", extra)
-    assert isinstance(ref.target.teacher.backend, PortableBackend)
+    assert isinstance(ref.teacher.model.backend, PortableBackend)
     gen = cfg.generation
     gen.max_new_tokens = 16
     portable = [ref.generate(p, gen, speculative=False).token_ids for p in PROMPTS[:2]]
@@ -175,7 +180,7 @@ def test_speculative_engine_on_fused_path_is_lossless(ms_runtime, tiny_dir, tiny
     monkeypatch.setattr(attention, "AscendKernels", ReferenceKernels.factory(None, calls, infer_check=True))
     assert select_backend() == "fused"
     eng, _ = tiny_engine(tiny_dir, d, "eager", extra)
-    assert isinstance(eng.target.teacher.backend, FusedBackend) and isinstance(eng.drafter.drafter.backend,
+    assert isinstance(eng.teacher.model.backend, FusedBackend) and isinstance(eng.drafter.drafter.backend,
                                                                               FusedBackend)
     for p, want in zip(PROMPTS[:2], portable):
         base = eng.generate(p, gen, speculative=False)
@@ -223,14 +228,18 @@ def test_fused_graphs_compile_up_to_kernel_selection(ms_runtime, tiny, monkeypat
     FlashAttention, decode and tree verification through PagedAttention, commit through ReshapeAndCache, a drafter
     step) gets through parsing and MindSpore's whole-graph type / shape inference and stops only at kernel
     selection, which has no CPU kernel for these ops."""
-    from mindspore_eagle.models.eagle3 import DrafterConfig, Eagle3Drafter, init_drafter_tensors
-    from mindspore_eagle.models.pangu import PanguTeacher
-    from mindspore_eagle.target import TargetRunner
+    from mindspore_eagle.models.eagle3 import (
+        DrafterConfig,
+        Eagle3Drafter,
+        init_drafter_tensors,
+    )
+    from mindspore_eagle.models.llama import LlamaModel
+    from mindspore_eagle.runners.teacher import TeacherRunner
 
     cfg, tensors, _ = tiny
-    net = PanguTeacher(cfg, NB, B, S, ms.float16, attention="fused")
+    net = LlamaModel(cfg, NB, B, S, ms.float16, attention="fused")
     net.load_hf_weights(tensors)
-    r = TargetRunner(net, NB, B, S, "fused", CHUNK)
+    r = TeacherRunner(net, NB, B, S, "fused", CHUNK)
     sid = r.new_seq()
     tt = tensorize(tiny_tree(np.random.default_rng(0), 5, 12, 4, cfg.vocab_size), 12, 4)
     not_on_cpu = r"Unsupported op \[(ReshapeAndCache|PagedAttention|FlashAttentionScore)\] on CPU"

@@ -19,11 +19,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-from mindspore_eagle import batch
-from mindspore_eagle.batch import BatchError
-from mindspore_eagle.config import GenerationConfig
 from test_cli import check_row
+
+from mindspore_eagle.config import GenerationConfig
+from mindspore_eagle.serving import batch_job as batch
+from mindspore_eagle.serving.batch_job import BatchError
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -61,7 +61,7 @@ class FakeEngine:
         self.calls = []
 
     def generate(self, messages, gen, speculative=True, turn_id="", on_token=None):
-        from mindspore_eagle.engine import GenerationError
+        from mindspore_eagle.serving.engine import GenerationError
 
         text = messages if isinstance(messages, str) else messages[-1]["content"]
         if "TOO LONG" in text:
@@ -346,6 +346,6 @@ def test_msrun_two_processes_match_one_process(real_input, reference, tmp_path):
                                           ('{"id": 3 "prompt": 1}', "Expecting ',' delimiter at column 10")])
 def test_invalid_json_reason_reads_once(text, reason):
     """Issue 15 finding 7: json's own "starting at" reason never becomes "at at column"."""
-    from mindspore_eagle.batch import parse_record
+    from mindspore_eagle.serving.batch_job import parse_record
 
     assert parse_record(4, 0, text).error == f"line 4: invalid JSON ({reason})"

@@ -9,13 +9,27 @@ import pytest
 
 from mindspore_eagle.bench import cli_main
 from mindspore_eagle.bench import report as report_mod
-from mindspore_eagle.bench.sweeps import budget_points, dedupe, main_setting, parse_int_list, summarize_points, \
-    window_points
-from mindspore_eagle.bench.throughput import (OutputMismatchError, Setting, TurnSpec, accept_by_depth,
-                                              attention_buckets, read_records, run_turns, stats)
+from mindspore_eagle.bench.sweeps import (
+    budget_points,
+    dedupe,
+    main_setting,
+    parse_int_list,
+    summarize_points,
+    window_points,
+)
+from mindspore_eagle.bench.throughput import (
+    OutputMismatchError,
+    Setting,
+    TurnSpec,
+    accept_by_depth,
+    attention_buckets,
+    read_records,
+    run_turns,
+    stats,
+)
 from mindspore_eagle.config import GenerationConfig, SpeculativeConfig
-from mindspore_eagle.engine import Generation
-from mindspore_eagle.trace import StepTrace, TurnTrace
+from mindspore_eagle.core.trace import StepTrace, TurnTrace
+from mindspore_eagle.serving.engine import Generation
 
 STAT_KEYS = ("mean", "p50", "p90", "p99")
 
@@ -263,6 +277,7 @@ def _tokenizer_gguf(path):
 @pytest.mark.parametrize("tied", [True, False])
 def test_gguf_f32_writer_roundtrip(tmp_path, tied):
     from tiny_pangu import random_tensors
+
     from mindspore_eagle.bench.peer import permute_qk, write_gguf_f32
     from mindspore_eagle.models.checkpoints import load_teacher, unpermute_qk
     from mindspore_eagle.models.config import ModelConfig
@@ -310,10 +325,11 @@ def test_llamacpp_peer_with_fake_module(tmp_path, monkeypatch):
     fake.__spec__ = importlib.machinery.ModuleSpec("llama_cpp", None)
     monkeypatch.setitem(sys.modules, "llama_cpp", fake)
     from tiny_pangu import random_tensors
+
     from mindspore_eagle.bench import peer
     from mindspore_eagle.config import load_config
     from mindspore_eagle.models.config import ModelConfig
-    from mindspore_eagle.pipeline import Loaded
+    from mindspore_eagle.serving.pipeline import Loaded
 
     assert peer.available()
     cfg_t = ModelConfig(vocab_size=261, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,

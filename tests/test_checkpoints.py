@@ -5,11 +5,16 @@ import struct
 
 import numpy as np
 import pytest
-
-from mindspore_eagle.models.checkpoints import (CheckpointError, expected_shapes, load_hf_weights, load_teacher,
-                                                save_hf_checkpoint)
-from mindspore_eagle.models.config import ModelConfig, from_hf_config
 from tiny_pangu import causal_mask, numpy_forward, random_tensors, write_tiny_pangu
+
+from mindspore_eagle.models.checkpoints import (
+    CheckpointError,
+    expected_shapes,
+    load_hf_weights,
+    load_teacher,
+    save_hf_checkpoint,
+)
+from mindspore_eagle.models.config import ModelConfig, from_hf_config
 
 TOK_FILES = ("tokenizer.model", "tokenizer_config.json")
 
@@ -283,7 +288,7 @@ def test_gguf_roundtrip(tmp_path, arch, pre, bias, tied):
 # --------------------------------------------------------------------------------------- real SmolLM2 GGUF --
 @pytest.fixture(scope="module")
 def smollm():
-    from mindspore_eagle.fetch import AssetError, embedded_teacher_path
+    from mindspore_eagle.models.fetch import AssetError, embedded_teacher_path
 
     try:
         path = embedded_teacher_path()

@@ -88,7 +88,7 @@ def _drafter(tmp_path, tiny_cfg, name="drafter", **changes):
     from dataclasses import replace
 
     from mindspore_eagle.models.eagle3 import init_drafter_tensors, save_drafter
-    from mindspore_eagle.pipeline import random_drafter
+    from mindspore_eagle.serving.pipeline import random_drafter
 
     dcfg, _ = random_drafter(tiny_cfg[0])
     dcfg = replace(dcfg, **changes)
@@ -196,7 +196,7 @@ def _one_record(tmp_path) -> Path:
 
 
 def test_error_embedded_drafter_missing(capsys, tmp_path, tiny, monkeypatch):
-    from mindspore_eagle import pipeline
+    from mindspore_eagle.serving import pipeline
 
     monkeypatch.setattr(pipeline, "EMBEDDED_DRAFTER", str(tmp_path / "no_drafter"))
     expect_error(capsys, ["generate", "--set", f"model.teacher={tiny}", "--set", "model.drafter=embedded",
@@ -399,7 +399,7 @@ def test_missing_delegate_is_an_error(capsys, monkeypatch):
 # ------------------------------------------------------------------------------------ MindFormers entry --
 def test_run_eagle_answers_paris(tmp_path):
     """The MindFormers-style command of the issue, on the real embedded teacher (+ drafter once shipped)."""
-    from mindspore_eagle.pipeline import EMBEDDED_DRAFTER
+    from mindspore_eagle.serving.pipeline import EMBEDDED_DRAFTER
 
     drafter = "embedded" if os.path.isdir(EMBEDDED_DRAFTER) else "none"
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "run_eagle.py"), "--config",

@@ -2,23 +2,23 @@
 logits; lossless speculative decoding in float16; float32 unchanged; bfloat16 refused on CPU with one line."""
 import os
 
+import mindspore as ms
 import numpy as np
 import pytest
-import mindspore as ms
-
 from conftest import make_target
-from tiny_pangu import numpy_forward, causal_mask
-from mindspore_eagle.config import ConfigError, load_config
 from test_spec import PROMPTS, tiny_drafter_dir, tiny_engine
+from tiny_pangu import causal_mask, numpy_forward
+
+from mindspore_eagle.config import ConfigError, load_config
 
 
 def fp16_target(cfg, tensors, mode):
-    from mindspore_eagle.models.pangu import PanguTeacher
-    from mindspore_eagle.target import TargetRunner
+    from mindspore_eagle.models.llama import LlamaModel
+    from mindspore_eagle.runners.teacher import TeacherRunner
 
-    net = PanguTeacher(cfg, 32, 8, 128, ms.float16)
+    net = LlamaModel(cfg, 32, 8, 128, ms.float16)
     net.load_hf_weights(tensors)
-    return TargetRunner(net, 32, 8, 128, mode, 16)
+    return TeacherRunner(net, 32, 8, 128, mode, 16)
 
 
 @pytest.mark.parametrize("mode", ["eager", "fused"])
@@ -28,9 +28,9 @@ def test_float16_teacher_close_to_reference(ms_runtime, tiny, mode):
     cfg, tensors, tok = tiny
     r = fp16_target(cfg, tensors, mode)
     r32 = make_target(cfg, tensors, mode)
-    layer = r.teacher.layers[0].attn
+    layer = r.model.layers[0].attn
     assert layer.wqkv.dtype == ms.float16 and layer.key_cache.dtype == ms.float16
-    assert r.teacher.norm.weight.dtype == ms.float32
+    assert r.model.norm.weight.dtype == ms.float32
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
     sid, sid32 = r.new_seq(), r32.new_seq()
     last, aux = r.prefill(sid, ids)
@@ -77,7 +77,7 @@ def test_dtype_config_errors():
 def test_ascend_presets(size):
     """The openPangu Ascend presets layer on the model files: bfloat16, Ascend, verification width within the
     fused attention's 16 rows per sequence."""
-    from mindspore_eagle.attention import PA_MAX_Q
+    from mindspore_eagle.kernels.attention import PA_MAX_Q
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = load_config([os.path.join(root, "configs", f"openpangu_embedded_{size}.yaml"),
@@ -93,13 +93,13 @@ def test_float16_decode_rounds_like_verification(ms_runtime, real_loaded):
     verification from the same context (M = 8), so greedy teacher-only decoding and speculative verification
     cannot split on a near-tie. (With a one-row decode, MindSpore's CPU float16 MatMul rounds some outputs one
     half ulp differently and this fails.)"""
-    from mindspore_eagle.models.pangu import PanguTeacher
-    from mindspore_eagle.target import TargetRunner
-    from mindspore_eagle.tree import DraftTree, tensorize
+    from mindspore_eagle.core.tree import DraftTree, tensorize
+    from mindspore_eagle.models.llama import LlamaModel
+    from mindspore_eagle.runners.teacher import TeacherRunner
 
-    net = PanguTeacher(real_loaded.teacher_cfg, 20, 16, 256, ms.float16)
+    net = LlamaModel(real_loaded.teacher_cfg, 20, 16, 256, ms.float16)
     net.load_hf_weights(real_loaded.teacher_tensors)
-    r = TargetRunner(net, 20, 16, 256, "fused", 64)
+    r = TeacherRunner(net, 20, 16, 256, "fused", 64)
     tok = real_loaded.tokenizer
     sid = r.new_seq()
     last, _ = r.prefill(sid, tok.encode(tok.apply_chat_template([{"role": "user", "content": "Tell me a story."}])))

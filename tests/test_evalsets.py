@@ -6,9 +6,15 @@ from collections import Counter
 
 import pytest
 
-from mindspore_eagle import fetch
-from mindspore_eagle.evalsets import (HUMANEVAL_TEMPLATE, _iter_json_array, eval_turns, humaneval_prompts,
-                                      mtbench_questions, sharegpt_conversations)
+from mindspore_eagle.evalsets import (
+    HUMANEVAL_TEMPLATE,
+    _iter_json_array,
+    eval_turns,
+    humaneval_prompts,
+    mtbench_questions,
+    sharegpt_conversations,
+)
+from mindspore_eagle.models import fetch
 
 CATEGORIES = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
 

@@ -1,11 +1,11 @@
 """Paged cache, branch / commit / rollback, and tree verification equivalence on the tiny openPangu model."""
 import numpy as np
 import pytest
-
 from conftest import make_target, tiny_tree
-from tiny_pangu import numpy_forward, causal_mask
-from mindspore_eagle.kv import BlockManager, CacheExhaustedError, slot_view
-from mindspore_eagle.tree import tensorize, tree_attention_bias
+from tiny_pangu import causal_mask, numpy_forward
+
+from mindspore_eagle.core.tree import tensorize, tree_attention_bias
+from mindspore_eagle.kernels.kv import BlockManager, CacheExhaustedError, slot_view
 
 TOL = 1e-4
 
@@ -14,8 +14,8 @@ def cache_rows(runner, sid, start, stop):
     """K and V of logical positions [start, stop) of every layer, as numpy [L, 2, n, n_kv, hd]."""
     slots = runner.bm.slots(sid, np.arange(start, stop))
     out = []
-    for kc, vc in runner.teacher.caches():
-        n_kv = runner.teacher.cfg.num_kv_heads
+    for kc, vc in runner.model.caches():
+        n_kv = runner.model.cfg.num_kv_heads
         flat_k, flat_v = slot_view(kc.asnumpy(), n_kv), slot_view(vc.asnumpy(), n_kv)   # [slots, n_kv, hd]
         out.append(np.stack([flat_k[slots], flat_v[slots]]))
     return np.stack(out)

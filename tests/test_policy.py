@@ -3,12 +3,20 @@ teacher (lossless greedy, exact sampling, speculates with an oracle drafter, not
 import numpy as np
 import pytest
 from scipy import stats
-
 from tiny_pangu import causal_mask, exact_two_tokens, numpy_forward
-from mindspore_eagle.drafting import select_tree
-from mindspore_eagle.policy import (AcceptanceModel, AdaptivePolicy, CostTable, FixedPolicy, compiled_budgets,
-                                    likeliest_child, node_values, top_nodes)
-from mindspore_eagle.tree import DraftTree, tensorize, validate_tree
+
+from mindspore_eagle.core.policy import (
+    AcceptanceModel,
+    AdaptivePolicy,
+    CostTable,
+    FixedPolicy,
+    compiled_budgets,
+    likeliest_child,
+    node_values,
+    top_nodes,
+)
+from mindspore_eagle.core.tree import DraftTree, tensorize, validate_tree
+from mindspore_eagle.runners.drafter import select_tree
 
 BUDGETS = compiled_budgets(16)
 
@@ -189,11 +197,11 @@ def test_adaptive_random_drafter_rarely_speculates_and_is_lossless(ms_runtime, t
 
 def _oracle(eng, ref, prompt_len, rng, wrong_conf=0.3):
     """Scored trees holding the teacher's true continuation (drafter prob 0.95 each) beside wrong siblings."""
-    V = eng.target.teacher.cfg.vocab_size
+    V = eng.teacher.model.cfg.vocab_size
 
     def build(dsid, root, first, M, D, grow=None):
-        sid = next(iter(eng.target.bm._seqs))
-        done = eng.target.length(sid) - prompt_len + 1
+        sid = next(iter(eng.teacher.bm._seqs))
+        done = eng.teacher.length(sid) - prompt_len + 1
         truth = ref[done:done + D]
         tokens, parents, scores = [root], [0], [0.0]
         node = 0
@@ -236,7 +244,7 @@ def test_adaptive_near_the_end_of_the_cache(ms_runtime, tiny_dir, drafter_dir):
     eng, cfg = _engine(tiny_dir, drafter_dir, lambda m: 1e-3)
     gen = cfg.generation
     ids = eng.encode_chat(PROMPTS[0])
-    gen.max_new_tokens = eng.target.S - len(ids)
+    gen.max_new_tokens = eng.teacher.S - len(ids)
     gen.stop = []
     base = eng.generate_ids(ids, gen, speculative=False)
     rng = np.random.default_rng(3)
@@ -301,7 +309,7 @@ def test_cost_table_reused_from_file_for_a_day(ms_runtime, tiny_dir, drafter_dir
     a stale or unreadable file is measured again."""
     import os
 
-    from mindspore_eagle.engine import Engine
+    from mindspore_eagle.serving.engine import Engine
 
     eng, cfg = _engine(tiny_dir, drafter_dir, lambda m: 60.0)
     path = tmp_path / "costs.json"
@@ -310,11 +318,11 @@ def test_cost_table_reused_from_file_for_a_day(ms_runtime, tiny_dir, drafter_dir
     monkeypatch.setattr(Engine, "measure_costs", lambda self, *a, **k: table)
     assert eng.policy.costs is table and path.exists()
     monkeypatch.setattr(Engine, "measure_costs", lambda self, *a, **k: pytest.fail("measured again"))
-    again = Engine(eng.target, eng.tokenizer, eng.eos, eng.drafter, eng.spec, cost_file=str(path))
+    again = Engine(eng.teacher, eng.tokenizer, eng.eos, eng.drafter, eng.spec, cost_file=str(path))
     assert again.policy.costs.to_dict() == table.to_dict()
     old = os.path.getmtime(path) - Engine.COST_MAX_AGE_S - 1
     os.utime(path, (old, old))
-    stale = Engine(eng.target, eng.tokenizer, eng.eos, eng.drafter, eng.spec, cost_file=str(path))
+    stale = Engine(eng.teacher, eng.tokenizer, eng.eos, eng.drafter, eng.spec, cost_file=str(path))
     with pytest.raises(pytest.fail.Exception, match="measured again"):
         stale.policy
 
@@ -322,7 +330,7 @@ def test_cost_table_reused_from_file_for_a_day(ms_runtime, tiny_dir, drafter_dir
 def test_rate_gate_picks_the_faster_kind_and_probes_the_other():
     """Warm-up takes each kind twice; then the faster one runs, the other once every probe_every steps; when the
     rates swap, the choice follows within a few probes."""
-    from mindspore_eagle.policy import RateGate
+    from mindspore_eagle.core.policy import RateGate
 
     g = RateGate(("tree", "plain"), alpha=0.5, probe_every=4, warm=2)
     rates = {"tree": 1.0, "plain": 2.0}              # tokens per ms

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mindspore_eagle.config import load_config
-from mindspore_eagle.pipeline import EMBEDDED_DRAFTER, build_engine, load_models
+from mindspore_eagle.serving.pipeline import EMBEDDED_DRAFTER, build_engine, load_models
 
 N_PROMPTS = int(os.environ.get("MSEAGLE_TEST_PROMPTS", "12"))
 NEW_TOKENS = 64            # per prompt (the 240-turn benchmark checks 128-token turns; the suite must stay < 30 min)
@@ -73,10 +73,10 @@ def test_teacher_only_fused_equals_eager(loaded):
 
 
 def test_tree_verify_equals_sequential_decoding(loaded):
-    from mindspore_eagle.tree import DraftTree, tensorize
+    from mindspore_eagle.core.tree import DraftTree, tensorize
 
     eng = engine(loaded, "speculative.mode=fused")
-    tg = eng.target
+    tg = eng.teacher
     ids = eng.encode_chat("Give me three tips for staying healthy.")
     rng = np.random.default_rng(0)
     # a real draft tree: the teacher's own top tokens as siblings, 3 levels deep
@@ -123,7 +123,7 @@ def test_speculative_lossless_on_eval_prompts(loaded, prompts, baseline, budget)
 
 
 def test_random_drafter_still_lossless(loaded, prompts, baseline):
-    from mindspore_eagle.pipeline import random_drafter, Loaded
+    from mindspore_eagle.serving.pipeline import Loaded, random_drafter
 
     dcfg, dt = random_drafter(loaded.teacher_cfg, seed=1, draft_vocab_size=4096)
     rnd = Loaded(loaded.teacher_cfg, loaded.teacher_tensors, loaded.tokenizer, dcfg, dt)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from mindspore_eagle import batch
 from mindspore_eagle.config import load_config
-from mindspore_eagle.scheduler import BatchScheduler
+from mindspore_eagle.serving import batch_job as batch
+from mindspore_eagle.serving.scheduler import BatchScheduler
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["What is the capital of France?", "Hi", "Write a short story about a robot who learns to paint.",
@@ -39,7 +39,7 @@ class ScriptedGate:
 
 
 def tiny_engine(tiny_dir, extra=()):
-    from mindspore_eagle.pipeline import build_engine
+    from mindspore_eagle.serving.pipeline import build_engine
 
     cfg = load_config(None, [f"model.teacher={tiny_dir}", "model.drafter=none", "speculative.policy=fixed",
                              "cache.block_size=8",
@@ -54,7 +54,7 @@ def records(objs) -> list:
 
 def one_at_a_time(eng, gen, recs) -> dict:
     """Reference results: each record alone through the engine's teacher-only loop (batch.run_record)."""
-    from mindspore_eagle.engine import GenerationError
+    from mindspore_eagle.serving.engine import GenerationError
 
     out = {}
     for r in recs:
@@ -109,7 +109,7 @@ def test_batched_greedy_equals_one_at_a_time_with_eos_at_different_steps(ms_runt
     assert sched.peak_live == 3 and sched.reserved == 0
     assert sched.interleaved_steps > 0            # prompts of several 16-token chunks prefilled between steps
     assert order != [r.id for r in recs]          # records finished out of order: admission happened mid-run
-    assert eng.target.bm.free_blocks() == eng.target.bm.num_blocks
+    assert eng.teacher.bm.free_blocks() == eng.teacher.bm.num_blocks
 
 
 def test_multi_turn_and_messages_records_in_a_batch(ms_runtime, tiny_dir):
@@ -218,7 +218,7 @@ def test_speculative_batch_equals_one_at_a_time_greedy(ms_runtime, tiny, tiny_di
     import numpy as np
     from test_spec import tiny_drafter_dir
 
-    from mindspore_eagle.tree import DraftTree
+    from mindspore_eagle.core.tree import DraftTree
 
     d = tiny_drafter_dir(tmp_path, tiny[0])
     eng, cfg = tiny_engine(tiny_dir, [f"model.drafter={d}", "speculative.M=8", "speculative.D_max=4",
@@ -247,7 +247,7 @@ def test_speculative_batch_equals_one_at_a_time_greedy(ms_runtime, tiny, tiny_di
 
     def oracle(dsid, root, first, M, D, grow=None):
         s = by_dsid[dsid]
-        done = eng.target.length(s.sid) - s.prompt_tokens + 1
+        done = eng.teacher.length(s.sid) - s.prompt_tokens + 1
         want = truth[s.job.rec.id][done:done + D]
         tokens, parents, node = [root], [0], 0
         for t in want[: int(rng.integers(0, len(want) + 1))]:

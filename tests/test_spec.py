@@ -5,13 +5,18 @@ import json
 import numpy as np
 import pytest
 from scipy import stats
-
 from tiny_pangu import causal_mask, exact_two_tokens, numpy_forward
+
 from mindspore_eagle.config import load_config
-from mindspore_eagle.models.eagle3 import (DrafterConfig, init_drafter_tensors, load_drafter, save_drafter,
-                                           vocab_maps)
-from mindspore_eagle.tree import DraftTree
-from mindspore_eagle.trace import read_jsonl
+from mindspore_eagle.core.trace import read_jsonl
+from mindspore_eagle.core.tree import DraftTree
+from mindspore_eagle.models.eagle3 import (
+    DrafterConfig,
+    init_drafter_tensors,
+    load_drafter,
+    save_drafter,
+    vocab_maps,
+)
 
 
 def tiny_drafter_dir(tmp_path, tcfg, seed=0, vd=96, layers=1):
@@ -31,7 +36,7 @@ def tiny_drafter_dir(tmp_path, tcfg, seed=0, vd=96, layers=1):
 
 
 def tiny_engine(tiny_dir, drafter_dir, mode, extra=()):
-    from mindspore_eagle.pipeline import build_engine
+    from mindspore_eagle.serving.pipeline import build_engine
 
     cfg = load_config(None, [f"model.teacher={tiny_dir}", f"model.drafter={drafter_dir}",
                              f"speculative.mode={mode}", "speculative.policy=fixed", "cache.block_size=8", "cache.max_seq_len=256",
@@ -45,11 +50,11 @@ PROMPTS = ["What is the capital of France?", "Write a short story about a robot.
 def oracle_builder(engine, ref_out, prompt_len, rng, D):
     """Replace drafting with trees that contain the teacher's true continuation at a random depth, mixed with
     wrong siblings in random order (exercises long accepted paths and multi-node commits)."""
-    V = engine.target.teacher.cfg.vocab_size
+    V = engine.teacher.model.cfg.vocab_size
 
     def build(dsid, root, first, M, D_, grow=None):
-        sid = next(iter(engine.target.bm._seqs))
-        done = engine.target.length(sid) - prompt_len + 1
+        sid = next(iter(engine.teacher.bm._seqs))
+        done = engine.teacher.length(sid) - prompt_len + 1
         truth = ref_out[done:done + D]
         tokens, parents, depth = [root], [0], [0]
         node = 0
@@ -187,9 +192,10 @@ def test_drafter_checkpoint_roundtrip_and_reference_layout(ms_runtime, tmp_path,
     for k in t:
         assert np.array_equal(t[k], t3[k]), k
     # a checkpoint written with the EAGLE-3 reference names (vLLM-style "layers.0." too) and a non-trivial d2t
-    from safetensors.numpy import save_file
-    from mindspore_eagle.models.eagle3 import Eagle3Drafter
     import mindspore as ms
+    from safetensors.numpy import save_file
+
+    from mindspore_eagle.models.eagle3 import Eagle3Drafter
 
     used = np.array([3, 17, 40, 41, 99, 120, 250, 300])
     ref = {k.replace("midlayer.", "layers.0."): v.astype(np.float16) for k, v in t.items() if k not in ("d2t", "t2d")}
@@ -221,7 +227,7 @@ def test_drafter_checkpoint_roundtrip_and_reference_layout(ms_runtime, tmp_path,
 
 def test_bad_drafter_checkpoints(tmp_path, tiny):
     from mindspore_eagle.models.eagle3 import DrafterCheckpointError
-    from mindspore_eagle.pipeline import check_drafter_fits
+    from mindspore_eagle.serving.pipeline import check_drafter_fits
 
     tcfg = tiny[0]
     with pytest.raises(DrafterCheckpointError, match="no config.json"):
@@ -298,7 +304,7 @@ def test_drafter_window_truncation_masks_old_context(ms_runtime, tiny_dir, draft
 
 
 def test_bad_generation_inputs(ms_runtime, tiny_dir, drafter_dir):
-    from mindspore_eagle.engine import GenerationError
+    from mindspore_eagle.serving.engine import GenerationError
 
     eng, cfg = tiny_engine(tiny_dir, drafter_dir, "eager")
     with pytest.raises(GenerationError, match="prompt is empty"):
@@ -313,7 +319,7 @@ def test_draft_batch_equals_per_sequence_drafting(ms_runtime, tiny, tiny_dir, tm
     """DrafterRunner.draft_batch (context passes and expansion steps batched across sequences, each group over its
     own block table, one pad group) gives every sequence the tree that extend + build_tree give it alone: same
     tokens and parents, scores to float32 rounding; a long context pass (> BATCH_EXTEND_MAX pairs) runs alone."""
-    from mindspore_eagle.drafting import BATCH_EXTEND_MAX
+    from mindspore_eagle.runners.drafter import BATCH_EXTEND_MAX
 
     d = tiny_drafter_dir(tmp_path, tiny[0])
     one, _ = tiny_engine(tiny_dir, d, "fused", ["speculative.M=8", "speculative.D_max=4"])

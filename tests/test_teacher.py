@@ -1,11 +1,10 @@
 """Teacher Cell vs the independent numpy reference (tests/tiny_pangu.py) on the tiny openPangu checkpoint:
 prefill, decode with the paged cache, and a block of query tokens with an arbitrary mask; fused and eager."""
+import mindspore as ms
 import numpy as np
 import pytest
-import mindspore as ms
-
 from conftest import make_target
-from tiny_pangu import numpy_forward, causal_mask
+from tiny_pangu import causal_mask, numpy_forward
 
 TOL = 1e-4
 
@@ -40,7 +39,7 @@ def test_query_block_with_arbitrary_mask(ms_runtime, tiny, mode, k):
     """k query tokens after a prefix, each seeing the prefix plus an arbitrary subset of earlier block tokens.
 
     k = 6 and 40 take the usual matmul form, k = 12 the weight-left one (pangu.WEIGHT_LEFT_ROWS)."""
-    from mindspore_eagle.models.pangu import WEIGHT_LEFT_ROWS
+    from mindspore_eagle.models.llama import WEIGHT_LEFT_ROWS
 
     assert (WEIGHT_LEFT_ROWS[0] <= k <= WEIGHT_LEFT_ROWS[1]) == (k == 12)
     cfg, tensors, _ = tiny
@@ -71,12 +70,12 @@ def test_query_block_with_arbitrary_mask(ms_runtime, tiny, mode, k):
 
 
 def test_weight_shape_mismatch_names_tensor(ms_runtime, tiny):
-    from mindspore_eagle.models.pangu import PanguTeacher
+    from mindspore_eagle.models.llama import LlamaModel
 
     cfg, tensors, _ = tiny
     bad = dict(tensors)
     bad["model.layers.0.mlp.up_proj.weight"] = bad["model.layers.0.mlp.up_proj.weight"][:, :-1]
-    net = PanguTeacher(cfg, 4, 8, 32)
+    net = LlamaModel(cfg, 4, 8, 32)
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj\.weight.*\(128, 63\).*\(128, 64\)"):
         net.load_hf_weights(bad)
 
@@ -87,12 +86,13 @@ def test_batched_calls_match_one_sequence_calls(ms_runtime, tiny, grouped):
     rounding), in the grouped layout (a block table per sequence) and the concatenated one (one table, block-diagonal
     mask), with pad rows / pad groups and sequences of 3, 11 and 29 tokens (block size 8)."""
     from conftest import tiny_tree
-    from mindspore_eagle.tree import tensorize
+
+    from mindspore_eagle.core.tree import tensorize
 
     cfg, tensors, _ = tiny
     one, bat = make_target(cfg, tensors, "fused"), make_target(cfg, tensors, "fused")
     if not grouped:
-        bat.teacher.backend.grouped = False
+        bat.model.backend.grouped = False
     assert bat._grouped is grouped
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, cfg.vocab_size, size=n) for n in (3, 11, 29)]

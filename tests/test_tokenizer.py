@@ -2,10 +2,14 @@
 import json
 
 import pytest
+from tiny_pangu import write_tiny_pangu
 
 from mindspore_eagle.evalsets import eval_turns
-from mindspore_eagle.tokenizer import IncrementalDecoder, Tokenizer, decode_stream
-from tiny_pangu import write_tiny_pangu
+from mindspore_eagle.models.tokenizer import (
+    IncrementalDecoder,
+    Tokenizer,
+    decode_stream,
+)
 
 ODD_TEXTS = ["", " leading space", "two  spaces\n\ttab\r\nend  ", "x = 10 ** 2 + 0.5  # 1234567890",
              "héllo wörld — “quotes” 世界 你好 🙂🚀", "[unused9]用户：hi[unused10]", "<|im_start|>user\nhi<|im_end|>"]
@@ -13,8 +17,8 @@ ODD_TEXTS = ["", " leading space", "two  spaces\n\ttab\r\nend  ", "x = 10 ** 2 +
 
 @pytest.fixture(scope="module")
 def smol_tok():
-    from mindspore_eagle.fetch import AssetError, embedded_teacher_path
     from mindspore_eagle.models.checkpoints import open_gguf
+    from mindspore_eagle.models.fetch import AssetError, embedded_teacher_path
 
     try:
         path = embedded_teacher_path()

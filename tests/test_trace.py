@@ -8,9 +8,16 @@ import types
 import numpy as np
 import pytest
 
-import mindspore_eagle.trace as trace
-from mindspore_eagle.trace import (
-    PHASES, StepTrace, Timer, TraceWriter, TurnTrace, format_summary, read_jsonl, summarize,
+import mindspore_eagle.core.trace as trace
+from mindspore_eagle.core.trace import (
+    PHASES,
+    StepTrace,
+    Timer,
+    TraceWriter,
+    TurnTrace,
+    format_summary,
+    read_jsonl,
+    summarize,
 )
 
 

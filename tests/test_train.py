@@ -127,7 +127,10 @@ def test_ttt_cell_matches_expanded_numpy_reference(ms_runtime, layers):
 def test_later_layers_start_as_identity():
     """init_drafter_tensors: layer 0's tensors do not depend on the layer count, later layers' output projections
     are zero, so a 2-layer drafter grown from a 1-layer one computes the same losses (numpy reference)."""
-    from mindspore_eagle.models.eagle3 import drafter_tensor_shapes, init_drafter_tensors
+    from mindspore_eagle.models.eagle3 import (
+        drafter_tensor_shapes,
+        init_drafter_tensors,
+    )
 
     rng = np.random.default_rng(4)
     used = np.sort(rng.choice(50, 20, replace=False))
@@ -203,7 +206,12 @@ def test_plan_rows_first_fit_in_stream_order():
 
 
 def test_topk_coverage_and_implied_accept_length_hand_computed():
-    from mindspore_eagle.train.coverage import coverage_counts, coverage_report, implied_accept_length, topk_ids
+    from mindspore_eagle.train.coverage import (
+        coverage_counts,
+        coverage_report,
+        implied_accept_length,
+        topk_ids,
+    )
 
     used = np.array([2, 5, 7, 9])
     d2t = used - np.arange(4)                                  # offsets: draft id i -> teacher id used[i]
@@ -314,7 +322,11 @@ def _conversations(n, seed=0):
 def tiny_features(ms_runtime, tiny, tmp_path_factory):
     """Feature shards of 48 tiny-teacher samples (max_len 64)."""
     from mindspore_eagle.train.data import build_samples
-    from mindspore_eagle.train.features import build_runner, extract_features, head_weight
+    from mindspore_eagle.train.features import (
+        build_runner,
+        extract_features,
+        head_weight,
+    )
 
     cfg, tensors, tok = tiny
     samples, stats = build_samples(tok, _conversations(60), 48, 64, min_assistant=4, eval_keys=set())
@@ -356,7 +368,7 @@ def test_batched_and_packed_steps_equal_mean_of_single_sample_steps(tiny, tiny_f
     from mindspore_eagle.train.coverage import topk_ids
     from mindspore_eagle.train.features import FeatureSet, head_weight
     from mindspore_eagle.train.trainer import drafter_config, initial_tensors
-    from mindspore_eagle.train.ttt import TTTDrafter, TrainStep
+    from mindspore_eagle.train.ttt import TrainStep, TTTDrafter
 
     cfg, tensors, _ = tiny
     fs = FeatureSet(tiny_features)
@@ -699,7 +711,12 @@ def test_multi_layer_inference_cell_matches_training_step0(ms_runtime, tmp_path)
     import mindspore as ms
     from mindspore import Parameter, Tensor
 
-    from mindspore_eagle.models.eagle3 import Eagle3Drafter, init_drafter_tensors, load_drafter, save_drafter
+    from mindspore_eagle.models.eagle3 import (
+        Eagle3Drafter,
+        init_drafter_tensors,
+        load_drafter,
+        save_drafter,
+    )
     from mindspore_eagle.train.ttt import TTTDrafter
 
     cfg = _tiny_dcfg(3)

@@ -8,9 +8,17 @@ import os
 import numpy as np
 import pytest
 
-from mindspore_eagle import fetch
-from mindspore_eagle.train.prompts import (KINDS, EvalExcluder, Prompt, balanced_order, build_registry,
-                                           classify_kind, defined_names, interleave)
+from mindspore_eagle.models import fetch
+from mindspore_eagle.train.prompts import (
+    KINDS,
+    EvalExcluder,
+    Prompt,
+    balanced_order,
+    build_registry,
+    classify_kind,
+    defined_names,
+    interleave,
+)
 
 
 def _need(fn, *args):
@@ -22,7 +30,11 @@ def _need(fn, *args):
 
 # --------------------------------------------------------------------------------------------- exclusion --
 def test_excluder_catches_injected_near_duplicates_of_real_eval_prompts():
-    from mindspore_eagle.evalsets import HUMANEVAL_TEMPLATE, _humaneval, mtbench_questions
+    from mindspore_eagle.evalsets import (
+        HUMANEVAL_TEMPLATE,
+        _humaneval,
+        mtbench_questions,
+    )
     from mindspore_eagle.train.prompts import evaluation_texts
 
     texts, names = _need(evaluation_texts)
@@ -152,7 +164,11 @@ def test_regeneration_shards_resume_and_equal_one_sequence_greedy(tiny, ms_runti
     from mindspore_eagle.train.features import build_runner
     from mindspore_eagle.train.regen import build_batch_runner
     from mindspore_eagle.train.regen_run import regenerate_to_shards
-    from mindspore_eagle.train.shards import ShardStore, iter_records, samples_from_shards
+    from mindspore_eagle.train.shards import (
+        ShardStore,
+        iter_records,
+        samples_from_shards,
+    )
 
     cfg, tensors, tok = tiny
     max_len = 96
@@ -212,11 +228,21 @@ def test_regeneration_writes_the_features_a_separate_pass_would(tiny, ms_runtime
     """Regeneration with a feature writer: the same replies as without it; every kept sample gets the columns the
     separate feature pass (one-sequence prefill) computes, up to float16 storage, with a zero last row (never fed);
     a feature shard whose reply shard never landed (a kill between the two) is dropped on reopen."""
-    from mindspore_eagle.train.features import (RegenFeatureWriter, FeatureSet, build_runner, extract_features,
-                                                head_weight, read_manifest)
+    from mindspore_eagle.train.features import (
+        FeatureSet,
+        RegenFeatureWriter,
+        build_runner,
+        extract_features,
+        head_weight,
+        read_manifest,
+    )
     from mindspore_eagle.train.regen import build_batch_runner
     from mindspore_eagle.train.regen_run import regenerate_to_shards
-    from mindspore_eagle.train.shards import ShardStore, iter_records, samples_from_shards
+    from mindspore_eagle.train.shards import (
+        ShardStore,
+        iter_records,
+        samples_from_shards,
+    )
 
     cfg, tensors, tok = tiny
     max_len = 80

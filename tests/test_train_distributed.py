@@ -12,10 +12,18 @@ import sys
 
 import numpy as np
 import pytest
-
-from mindspore_eagle.train.distributed import (DistContext, DistError, all_equal_from_sums, check_batch, fingerprint,
-                                               init_from_env, local_positions, reduce_step_stats)
 from test_train import tiny_features  # noqa: F401  (module fixture: 48 tiny-teacher samples, max_len 64)
+
+from mindspore_eagle.train.distributed import (
+    DistContext,
+    DistError,
+    all_equal_from_sums,
+    check_batch,
+    fingerprint,
+    init_from_env,
+    local_positions,
+    reduce_step_stats,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -12,8 +12,14 @@ from hypothesis import strategies as st
 sys.path.insert(0, os.path.dirname(__file__))
 from tree_strategies import BUDGETS, draft_trees, ref_depth, ref_leaves, ref_path  # noqa: E402
 
-from mindspore_eagle.tree import (  # noqa: E402
-    INVARIANTS, NEG_BIAS, DraftTree, TreeInvariantError, chain_tree, tensorize, tree_attention_bias,
+from mindspore_eagle.core.tree import (  # noqa: E402
+    INVARIANTS,
+    NEG_BIAS,
+    DraftTree,
+    TreeInvariantError,
+    chain_tree,
+    tensorize,
+    tree_attention_bias,
     validate_tree,
 )
 

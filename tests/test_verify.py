@@ -20,8 +20,13 @@ from hypothesis import strategies as st
 sys.path.insert(0, os.path.dirname(__file__))
 from tree_strategies import BUDGETS, draft_trees, ref_children  # noqa: E402
 
-from mindspore_eagle.tree import DraftTree, chain_tree, tensorize  # noqa: E402
-from mindspore_eagle.verify import VerifyResult, accept_greedy, accept_sampling, warp_probs  # noqa: E402
+from mindspore_eagle.core.accept import (  # noqa: E402
+    VerifyResult,
+    accept_greedy,
+    accept_sampling,
+    warp_probs,
+)
+from mindspore_eagle.core.tree import DraftTree, chain_tree, tensorize  # noqa: E402
 
 
 def _check(res: VerifyResult, path, tokens):

@@ -26,15 +26,15 @@ def _cfg(tiny_dir, extra=()):
 
 
 def test_warmup_shape_list_is_exact(ms_runtime, tiny_dir):
-    from mindspore_eagle.pipeline import build_engine
-    from mindspore_eagle.warmup import drafter_shapes, target_shapes
+    from mindspore_eagle.runners.warmup import drafter_shapes, teacher_shapes
+    from mindspore_eagle.serving.pipeline import build_engine
 
     eng = build_engine(_cfg(tiny_dir))
     assert eng.verify_budgets() == [8]
-    t = [what for what, _ in target_shapes(eng.target, eng.verify_budgets(), 3)]
+    t = [what for what, _ in teacher_shapes(eng.teacher, eng.verify_budgets(), 3)]
     assert t == ["teacher prefill 16 x 256", "teacher decode 1 x 256", "teacher verify 8 x 256",
                  "teacher prefill 16 x 512", "teacher decode 1 x 512", "teacher verify 8 x 512"]
-    d = [what for what, _ in drafter_shapes(eng.drafter, 8, 3, eng.target.S)]
+    d = [what for what, _ in drafter_shapes(eng.drafter, 8, 3, eng.teacher.S)]
     # drafter cache: 512 + top_k (D_max - 1) = 516 -> 520 slots; width 520 is reached by tree expansion only
     assert eng.drafter.widths == [256, 512, 520]
     assert d == ([f"drafter context {b} x 256" for b in (1, 2, 4, 8, 16)] + ["drafter expansion 2 x 256"]
@@ -43,8 +43,8 @@ def test_warmup_shape_list_is_exact(ms_runtime, tiny_dir):
 
 
 def test_full_warmup_then_no_compile_in_any_turn(ms_runtime, tiny_dir):
-    from mindspore_eagle.pipeline import build_engine
-    from mindspore_eagle.warmup import warmup
+    from mindspore_eagle.runners.warmup import warmup
+    from mindspore_eagle.serving.pipeline import build_engine
 
     cfg = _cfg(tiny_dir)
     eng = build_engine(cfg)
@@ -53,7 +53,7 @@ def test_full_warmup_then_no_compile_in_any_turn(ms_runtime, tiny_dir):
     # drafter: 5 context-pass buckets (fc + layer + head on the last row, one graph) x 2 widths + expansion at
     # 256, 512 and 520 = 13 graphs
     assert (out["mode"], out["compiles"]) == ("full", 20)
-    assert (eng.target.compiles, eng.drafter.compiles) == (7, 13)
+    assert (eng.teacher.compiles, eng.drafter.compiles) == (7, 13)
     assert warmup(eng, cfg.generation, "full")["compiles"] == 0
     gens = eng.chat(["Hi", LONG, "Thanks"], cfg.generation)
     assert gens[1].turn.prompt_tokens > 256                     # the long turn reaches the second width
@@ -67,19 +67,24 @@ def test_batched_warmup_then_scheduler_compiles_nothing(ms_runtime, tiny_dir):
     """max_batch 3 with trees: the warm-up also compiles decode_batch (3 rows) and verify_batch (3 x M rows) at each
     width, after which a continuous-batching run over short and long prompts (both widths, tree and plain steps)
     compiles no graph."""
-    from mindspore_eagle import batch
-    from mindspore_eagle.pipeline import build_engine
-    from mindspore_eagle.warmup import batch_shapes, drafter_batch_shapes, warmup
-    from mindspore_eagle.scheduler import BatchScheduler
     from test_scheduler import ScriptedGate, records
+
+    from mindspore_eagle.runners.warmup import (
+        batch_shapes,
+        drafter_batch_shapes,
+        warmup,
+    )
+    from mindspore_eagle.serving import batch_job as batch
+    from mindspore_eagle.serving.pipeline import build_engine
+    from mindspore_eagle.serving.scheduler import BatchScheduler
 
     cfg = batch.batched_config(_cfg(tiny_dir, ["batch.max_batch=3", "batch.speculative=true"]))
     eng = build_engine(cfg)
-    assert [w for w, _ in batch_shapes(eng.target, 3, 8, 3, True)] == [
+    assert [w for w, _ in batch_shapes(eng.teacher, 3, 8, 3, True)] == [
         "teacher decode_batch 3 x 256", "teacher verify_batch 24 x 256",
         "teacher decode_batch 3 x 512", "teacher verify_batch 24 x 512"]
-    assert list(batch_shapes(eng.target, 1, 8, 3, True)) == []
-    assert [w for w, _ in drafter_batch_shapes(eng.drafter, 3, 8, 3, eng.target.S)] == (
+    assert list(batch_shapes(eng.teacher, 1, 8, 3, True)) == []
+    assert [w for w, _ in drafter_batch_shapes(eng.drafter, 3, 8, 3, eng.teacher.S)] == (
         [f"drafter context 3 x {b} x 256" for b in (1, 2, 4, 8, 16)] + ["drafter expansion 3 x 2 x 256"]
         + [f"drafter context 3 x {b} x 512" for b in (1, 2, 4, 8, 16)] + ["drafter expansion 3 x 2 x 512",
                                                                           "drafter expansion 3 x 2 x 520"])
@@ -87,7 +92,7 @@ def test_batched_warmup_then_scheduler_compiles_nothing(ms_runtime, tiny_dir):
     # one-sequence graphs (test above) 20; teacher decode_batch + verify_batch at 2 widths 4; drafter: context
     # passes of 3 x b rows at 2 widths 10 + expansion (3 x 2 rows) at 256, 512 and 520 3
     assert out["compiles"] == 20 + 4 + 13
-    before = eng.target.compiles + eng.drafter.compiles
+    before = eng.teacher.compiles + eng.drafter.compiles
     recs = records([{"id": i, "prompt": p} for i, p in enumerate(["Hi", LONG, "Thanks", "What is 2+2?"])])
     sched = BatchScheduler(eng, cfg.generation, 3, speculative=True)
     sched.stepper.gate = ScriptedGate(["tree", "plain", "tree"])
@@ -95,16 +100,16 @@ def test_batched_warmup_then_scheduler_compiles_nothing(ms_runtime, tiny_dir):
     sched.run(recs, lambda res: got.setdefault(res["id"], res))
     assert len(got) == 4 and all("error" not in r for r in got.values())
     assert sched.stepper.gate.seen == {"tree", "plain"}
-    assert eng.target.compiles + eng.drafter.compiles == before
+    assert eng.teacher.compiles + eng.drafter.compiles == before
 
 
 def test_compiles_on_first_use_are_reported(ms_runtime, tiny_dir):
     """Issue 15 finding 1: no silent compiling: a note, then one line per graph (name, rows x width, seconds)."""
     import re
 
-    from mindspore_eagle import runtime
-    from mindspore_eagle.pipeline import build_engine
-    from mindspore_eagle.warmup import report_compiles
+    from mindspore_eagle.kernels import runtime
+    from mindspore_eagle.runners.warmup import report_compiles
+    from mindspore_eagle.serving.pipeline import build_engine
 
     cfg = _cfg(tiny_dir, ["model.drafter=none"])
     eng = build_engine(cfg)
@@ -117,20 +122,20 @@ def test_compiles_on_first_use_are_reported(ms_runtime, tiny_dir):
     assert lines[0].startswith("compiling graphs on first use")
     # prefill of the 16-row bucket, then one decode row, both over the 256-slot width
     assert [re.sub(r"in \d+\.\d s$", "in S", ln) for ln in lines[1:]] == [
-        "compiled graph 1: PanguTeacher.construct 16 x 256 in S", "compiled graph 2: PanguTeacher.construct 1 x 256 in S"]
-    assert eng.target.compiles == 2
+        "compiled graph 1: LlamaModel.construct 16 x 256 in S", "compiled graph 2: LlamaModel.construct 1 x 256 in S"]
+    assert eng.teacher.compiles == 2
 
 
 def test_warmup_rejects_unknown_mode(ms_runtime, tiny_dir):
-    from mindspore_eagle.pipeline import build_engine
-    from mindspore_eagle.warmup import warmup
+    from mindspore_eagle.runners.warmup import warmup
+    from mindspore_eagle.serving.pipeline import build_engine
 
     with pytest.raises(ValueError, match="warmup mode must be one of full, short, none, got 'fast'"):
         warmup(build_engine(_cfg(tiny_dir)), None, "fast")
 
 
 def test_cache_key_changes_with_what_shapes_the_graphs(tiny_dir):
-    from mindspore_eagle.graph_cache import GraphCache, cache_key
+    from mindspore_eagle.kernels.graph_cache import GraphCache, cache_key
 
     a = cache_key(_cfg(tiny_dir), [8], str(tiny_dir), "random")
     assert a == cache_key(_cfg(tiny_dir), [8], str(tiny_dir), "random")
@@ -143,8 +148,8 @@ def test_cache_key_changes_with_what_shapes_the_graphs(tiny_dir):
 RUN = textwrap.dedent("""
     import json, sys
     from mindspore_eagle.config import load_config
-    from mindspore_eagle.pipeline import build_engine
-    from mindspore_eagle.warmup import prepare
+    from mindspore_eagle.serving.pipeline import build_engine
+    from mindspore_eagle.runners.warmup import prepare
     cfg = load_config(None, sys.argv[1:])
     eng = build_engine(cfg)
     lines = []

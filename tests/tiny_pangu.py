@@ -187,7 +187,7 @@ def exact_two_tokens(cfg, tensors, ids, temperature: float, top_k: int) -> dict:
     """{(x1, x2): probability} of the first two tokens sampled after ``ids`` from the teacher's warped distribution
     (temperature, top_k; top_p 1), computed with the numpy reference forward: the ground truth of the sampling
     chi-square tests."""
-    from mindspore_eagle.verify import warp_probs
+    from mindspore_eagle.core.accept import warp_probs
 
     n = len(ids)
     l0, _ = numpy_forward(cfg, tensors, ids, np.arange(n), causal_mask(n))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from mindspore_eagle.tree import DraftTree
+from mindspore_eagle.core.tree import DraftTree
 
 BUDGETS = [(2, 1), (8, 3), (16, 4), (32, 6), (64, 8)]
 

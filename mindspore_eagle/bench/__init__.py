@@ -107,12 +107,18 @@ def _threads(cfg) -> int:
 
 def cli_main(argv=None) -> int:
     """Entry point of ``mindspore-eagle bench``; returns the exit code (0 ok, 2 usage/config error, 3 mismatch)."""
-    from ..config import ConfigError, load_config
-    from ..evalsets import eval_turns
-    from . import report as report_mod
-    from . import sweeps as sw
-    from ..policy import CostTable
-    from .throughput import EnginePool, OutputMismatchError, read_records, run_turns, turn_specs
+    from mindspore_eagle.bench import report as report_mod
+    from mindspore_eagle.bench import sweeps as sw
+    from mindspore_eagle.bench.throughput import (
+        EnginePool,
+        OutputMismatchError,
+        read_records,
+        run_turns,
+        turn_specs,
+    )
+    from mindspore_eagle.config import ConfigError, load_config
+    from mindspore_eagle.core.policy import CostTable
+    from mindspore_eagle.evalsets import eval_turns
 
     args = build_parser().parse_args(argv)
     try:
@@ -188,7 +194,7 @@ def cli_main(argv=None) -> int:
     policy_state = None
     t_start = time.time()
     if todo:
-        from ..pipeline import load_models
+        from mindspore_eagle.serving.pipeline import load_models
 
         _log(f"{len(todo)} of {len(turns)} turns to run, {len(settings)} speculative setting(s): "
              + ", ".join(f"{s.name}(M={s.M},D={s.D_max},K={s.top_k},W={s.window or 'none'})" for s in settings))
@@ -199,7 +205,7 @@ def cli_main(argv=None) -> int:
         warm.update(pool.warmup(gen, args.warmup, log=_log))
         peer = None
         if args.peer_llamacpp:
-            from .peer import make_peer
+            from mindspore_eagle.bench.peer import make_peer
 
             peer = make_peer(cfg, loaded, out, _threads(cfg), log=_log)
             peer_note = "llama.cpp peer ran" if peer else "llama_cpp not importable (or teacher not GGUF): skipped"
@@ -262,11 +268,11 @@ def cli_main(argv=None) -> int:
 
 def _batch_sizes_main(args, cfg, gen, argv) -> int:
     """``bench --batch-sizes``: bench/batching.py on ``--batch-prompts`` prompts; writes batching.json / .md."""
-    from ..config import ConfigError
-    from ..pipeline import build_engine, load_models
-    from ..warmup import prepare
-    from . import batching
-    from . import sweeps as sw
+    from mindspore_eagle.bench import batching
+    from mindspore_eagle.bench import sweeps as sw
+    from mindspore_eagle.config import ConfigError
+    from mindspore_eagle.runners.warmup import prepare
+    from mindspore_eagle.serving.pipeline import build_engine, load_models
 
     try:
         sizes = sorted(set(sw.parse_int_list(args.batch_sizes)) | {1})
@@ -280,7 +286,7 @@ def _batch_sizes_main(args, cfg, gen, argv) -> int:
         return 2
     name = f"{time.strftime('%Y%m%d-%H%M%S')}_batching_{'-'.join(map(str, sizes))}_p{len(prompts)}"
     out = args.out or os.path.join("runs", name)
-    from ..batch import batched_config
+    from mindspore_eagle.serving.batch_job import batched_config
 
     bcfg = batched_config(dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, max_batch=max(sizes),
                                                                              speculative=True)))

@@ -11,7 +11,7 @@ evaluation prompts excluded), greedy, T new tokens each:
     N > 1, speculative       the same with a tree of the fixed budget (speculative.M, D_max) per sequence, all
                              verified in one forward (``batch.speculative: true``)
 Total tok/s = all new tokens / wall seconds of the row (prefill included); seconds spent compiling graphs on first
-use are measured (``TargetRunner.compile_ms``) and taken out, and reported. A text that differs from the N = 1
+use are measured (``TeacherRunner.compile_ms``) and taken out, and reported. A text that differs from the N = 1
 reference is listed with the first differing token and, from a teacher-only replay of the reference prefix, the
 top-2 logit gap there (a float near-tie flipped by the batch shape, or a bug when the gap is large).
 Writes ``batching.json`` and ``batching.md`` (+ ``fig_batching.png``) into ``--out``.
@@ -32,8 +32,8 @@ def chat_prompts(n: int, offset: int = 9000, max_chars: int = 600) -> list[str]:
     Raises:
         ValueError: fewer than ``n`` such prompts after ``offset``.
     """
-    from ..evalsets import sharegpt_conversations
-    from ..train.data import eval_prompt_keys, is_eval_prompt
+    from mindspore_eagle.evalsets import sharegpt_conversations
+    from mindspore_eagle.train.data import eval_prompt_keys, is_eval_prompt
 
     keys = eval_prompt_keys()
     out = []
@@ -57,11 +57,11 @@ def _timed(engine, fn) -> tuple[object, float, float]:
 def _near_tie(engine, prompt: str, ref_ids: list, at: int) -> float:
     """Top-2 logit gap of the teacher alone at reference position ``at`` (prefix = prompt + ref_ids[:at])."""
     ids = engine.encode_chat(prompt) + list(ref_ids[:at])
-    sid = engine.target.new_seq()
+    sid = engine.teacher.new_seq()
     try:
-        logits, _ = engine.target.prefill(sid, ids)
+        logits, _ = engine.teacher.prefill(sid, ids)
     finally:
-        engine.target.free(sid)
+        engine.teacher.free(sid)
     top = np.sort(logits)[-2:]
     return float(top[1] - top[0])
 
@@ -76,8 +76,8 @@ def run_batch_sizes(engine, prompts: list, sizes: list, gen, log, speculative: b
             policy (``Engine.generate``), at N > 1 trees of the fixed budget speculative.M / D_max verified
             together (``scheduler.SpeculativeStepper``).
     """
-    from ..batch import parse_record
-    from ..scheduler import BatchScheduler
+    from mindspore_eagle.serving.batch_job import parse_record
+    from mindspore_eagle.serving.scheduler import BatchScheduler
 
     speculative = speculative and engine.drafter is not None
     if speculative:

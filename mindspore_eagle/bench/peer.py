@@ -156,7 +156,7 @@ def make_peer(cfg, loaded, outdir: str, threads: int, log=print):
     not importable or the teacher has no GGUF tokenizer to copy."""
     import os
 
-    from ..pipeline import resolve_teacher
+    from mindspore_eagle.serving.pipeline import resolve_teacher
 
     if not available():
         log("--peer-llamacpp: llama_cpp (llama-cpp-python) is not importable; peer skipped")

@@ -22,8 +22,8 @@ import os
 
 import numpy as np
 
-from ..trace import PHASES
-from .throughput import accept_by_depth, attention_buckets, stats
+from mindspore_eagle.bench.throughput import accept_by_depth, attention_buckets, stats
+from mindspore_eagle.core.trace import PHASES
 
 PAPER = {"speedup_mean": 1.27, "speedup_p99": 2.46, "accept_len_mean": 3.17,
          "source": "EAGLE-Pangu (Accelerator-Safe Tree Speculative Decoding on Ascend NPUs), Table 1; openPangu "

@@ -14,7 +14,7 @@ spec over baseline), mean and p90 L_k; the fastest point (highest mean tok/s) is
 """
 from __future__ import annotations
 
-from .throughput import Setting, stats
+from mindspore_eagle.bench.throughput import Setting, stats
 
 DEFAULT_BUDGETS = (8, 16, 32, 64, 128)
 DEFAULT_DEPTHS = (2, 4, 6, 8)

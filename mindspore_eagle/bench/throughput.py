@@ -12,7 +12,7 @@ Units: tok/s = new tokens / (prefill + decode) wall seconds (``TurnTrace.tok_per
 included, same definition for both paths); per-phase times in ms (``StepTrace`` fields); L_k = accepted drafts
 + bonus (eagle3.md §3). Speedup of a turn = spec tok/s / baseline tok/s on that turn.
 
-All settings share one compiled teacher (:class:`TargetRunner`) and one :class:`DrafterRunner` per top_k, so a
+All settings share one compiled teacher (:class:`TeacherRunner`) and one :class:`DrafterRunner` per top_k, so a
 sweep costs one extra graph per distinct tree shape instead of a full rebuild; the drafter window W is a host-side
 mask setting of the runner and is set before each call.
 """
@@ -26,12 +26,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..trace import PHASES, summarize
+from mindspore_eagle.core.trace import PHASES, summarize
+from mindspore_eagle.errors import MsEagleError
 
 ATTN_BUCKETS = ((0, 31), (32, 127), (128, 255), (256, None))   # token distance buckets, paper Figure 7
 
 
-class OutputMismatchError(RuntimeError):
+class OutputMismatchError(MsEagleError, RuntimeError):
     """Speculative output differs from teacher-only greedy output on the same prompt (losslessness broken)."""
 
 
@@ -101,9 +102,9 @@ class EnginePool:
     """
 
     def __init__(self, cfg, loaded, settings):
-        from ..engine import Engine
-        from ..pipeline import build_engine
-        from ..trace import TraceWriter
+        from mindspore_eagle.core.trace import TraceWriter
+        from mindspore_eagle.serving.engine import Engine
+        from mindspore_eagle.serving.pipeline import build_engine
 
         if loaded.drafter_cfg is None:
             raise ValueError("bench needs a drafter: model.drafter is 'none' (use 'embedded', 'random' or a path)")
@@ -113,25 +114,25 @@ class EnginePool:
         base_cfg = dataclasses.replace(cfg, speculative=dataclasses.replace(
             cfg.speculative, D_max=self.d_max, top_k=k0, window=0, trace=""))
         self.base = build_engine(base_cfg, loaded, trace=TraceWriter(None))
-        self.target, self.tokenizer = self.base.target, self.base.tokenizer
+        self.teacher, self.tokenizer = self.base.teacher, self.base.tokenizer
         self.drafters = {k0: self.base.drafter}
         self.settings = {s.name: s for s in settings}
         self.engines = {}
         for s in settings:
             if s.top_k not in self.drafters:
                 self.drafters[s.top_k] = self._make_drafter(s.top_k)
-            self.engines[s.name] = Engine(self.target, self.tokenizer, loaded.teacher_cfg.eos_token_ids,
+            self.engines[s.name] = Engine(self.teacher, self.tokenizer, loaded.teacher_cfg.eos_token_ids,
                                           self.drafters[s.top_k], s.spec(cfg.speculative), TraceWriter(None))
 
     def _make_drafter(self, K: int):
         """A DrafterRunner with top_k = K sharing the teacher's embedding (as pipeline.build_engine builds it)."""
-        from ..drafting import DrafterRunner
-        from ..models.eagle3 import Eagle3Drafter
+        from mindspore_eagle.models.eagle3 import Eagle3Drafter
+        from mindspore_eagle.runners.drafter import DrafterRunner
 
         c = self.cfg.cache
         scratch = K * max(0, self.d_max - 1)
         d_len = -(-(c.max_seq_len + scratch) // c.block_size) * c.block_size
-        cell = Eagle3Drafter(self.loaded.drafter_cfg, self.target.teacher.embed, K, d_len // c.block_size,
+        cell = Eagle3Drafter(self.loaded.drafter_cfg, self.teacher.model.embed, K, d_len // c.block_size,
                              c.block_size, d_len)
         cell.load_tensors(self.loaded.drafter_tensors)
         return DrafterRunner(cell, d_len // c.block_size, c.block_size, d_len, self.cfg.exec_mode, 0,
@@ -150,10 +151,10 @@ class EnginePool:
 
     @property
     def compiles(self) -> int:
-        return self.target.compiles + sum(d.compiles for d in self.drafters.values())
+        return self.teacher.compiles + sum(d.compiles for d in self.drafters.values())
 
     def warmup(self, gen, mode: str = "full", log=print) -> dict:
-        """Compile before timing (uncounted), with :func:`mindspore_eagle.warmup.prepare` over the base engine,
+        """Compile before timing (uncounted), with :func:`mindspore_eagle.runners.warmup.prepare` over the base engine,
         every drafter of the pool and every setting's tree budget. Returns {"mode", "seconds", "compiles",
         "graph_cache"}.
 
@@ -161,7 +162,7 @@ class EnginePool:
         from $MSEAGLE_CACHE/graphs when this pool was warmed before). ``short``: one short generation.
         ``none``: nothing (the first turns then include compile time; their compile_count says so).
         """
-        from ..warmup import prepare
+        from mindspore_eagle.runners.warmup import prepare
 
         budgets = sorted({M for eng in self.engines.values() for M in eng.verify_budgets()})
         others = [d for k, d in self.drafters.items() if d is not self.base.drafter]
@@ -211,7 +212,8 @@ class AttnProbe:
         """Remove the hook and return up to ``n`` sampled rows as [position, top-1 column] pairs (ints; the
         top-1 attention distance in tokens is position - column)."""
         import mindspore as ms
-        from ..tree import NEG_BIAS
+
+        from mindspore_eagle.core.tree import NEG_BIAS
 
         self.remove()
         if not self.rows or n <= 0 or self.table is None:
@@ -332,7 +334,7 @@ def run_turn(pool, ts: TurnSpec, history: list, gen, settings, attn_samples: int
     peer_llamacpp {tok_s, new_tokens, match_prefix}, mismatch [messages] when a speculative output differs from
     the baseline, or skipped (reason) when the prompt does not fit the cache.
     """
-    from ..engine import GenerationError
+    from mindspore_eagle.serving.engine import GenerationError
 
     rec = {"turn_id": ts.turn_id, "item_id": ts.item_id, "source": ts.source, "category": ts.category,
            "turn_index": ts.index}

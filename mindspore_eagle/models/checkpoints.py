@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import CheckpointError, ModelConfig
-from .gguf_meta import gguf_value
+from mindspore_eagle.models.config import CheckpointError, ModelConfig
+from mindspore_eagle.models.gguf_meta import gguf_value
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 GGUF_ARCHS = ("llama", "qwen2")
@@ -75,7 +75,7 @@ def load_teacher(path):
         CheckpointError: missing/invalid config field, truncated or corrupt file, pickle checkpoint, unknown
             GGUF arch, missing/unexpected tensors, shape mismatch, unusable tokenizer.
     """
-    from ..tokenizer import Tokenizer
+    from mindspore_eagle.models.tokenizer import Tokenizer
 
     p = _resolve(path)
     if p.suffix.lower() == ".gguf":

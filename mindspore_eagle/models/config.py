@@ -16,8 +16,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from mindspore_eagle.errors import MsEagleError
 
-class CheckpointError(ValueError):
+
+class CheckpointError(MsEagleError, ValueError):
     """A checkpoint, config or tokenizer file cannot be used. The message is one line and names the culprit."""
 
 

@@ -28,15 +28,21 @@ import json
 import os
 from dataclasses import dataclass
 
-import numpy as np
 import mindspore as ms
-from mindspore import nn, ops, Parameter, Tensor
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
 
-from ..attention import make_backend
-from .pangu import RMSNorm, apply_rope, rope_swap_index, rope_tables
+from mindspore_eagle.errors import MsEagleError
+from mindspore_eagle.kernels.attention import make_backend
+from mindspore_eagle.models.llama import (
+    RMSNorm,
+    apply_rope,
+    rope_swap_index,
+    rope_tables,
+)
 
 
-class DrafterCheckpointError(ValueError):
+class DrafterCheckpointError(MsEagleError, ValueError):
     """A drafter checkpoint is missing, malformed, or does not fit the teacher."""
 
 

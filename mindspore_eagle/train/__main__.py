@@ -88,8 +88,12 @@ def prepare_features(args, cfg, tensors, tok) -> str:
     """Build samples (once) and the missing feature shards; returns the features directory."""
     from tqdm import tqdm
 
-    from .data import build_samples, load_samples, save_samples
-    from .features import build_runner, extract_features, head_weight
+    from mindspore_eagle.train.data import build_samples, load_samples, save_samples
+    from mindspore_eagle.train.features import (
+        build_runner,
+        extract_features,
+        head_weight,
+    )
 
     fdir = features_dir(args)
     os.makedirs(fdir, exist_ok=True)
@@ -99,21 +103,21 @@ def prepare_features(args, cfg, tensors, tok) -> str:
         samples, stats = load_samples(spath)
         print(f"[data] {len(samples)} samples from {spath}", flush=True)
     elif args.regen_dir:
-        from .shards import samples_from_shards
+        from mindspore_eagle.train.shards import samples_from_shards
 
         samples, stats = samples_from_shards(args.regen_dir, args.max_len, args.samples)
         stats["regen_dir"] = os.path.abspath(args.regen_dir)
         save_samples(spath, samples, stats)
         print(f"[data] {json.dumps(stats)}", flush=True)
     else:
-        from ..evalsets import sharegpt_conversations
+        from mindspore_eagle.evalsets import sharegpt_conversations
 
         t0 = time.time()
         convs = sharegpt_conversations(int(args.samples * 1.5) + 200)
         regen_runner, rbar = None, None
         if args.regenerate:
             if args.regen_batch:
-                from .regen import build_batch_runner
+                from mindspore_eagle.train.regen import build_batch_runner
 
                 regen_runner, _ = build_batch_runner(cfg, tensors, args.max_len, args.regen_batch)
                 rbar = tqdm(total=args.regenerate, desc="regenerate", unit="reply")
@@ -162,11 +166,11 @@ def prepare_features(args, cfg, tensors, tok) -> str:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["regen"]:
-        from .regen_run import main as regen_main
+        from mindspore_eagle.train.regen_run import main as regen_main
 
         return regen_main(argv[1:])
     args = parse_args(argv)
-    from .. import runtime
+    from mindspore_eagle.kernels import runtime
 
     try:     # msrun / ModelArts: DEVICE_ID = the local rank's NPU (unused on CPU)
         device_id = int(os.environ.get("DEVICE_ID") or 0) if args.device != "CPU" else 0
@@ -174,7 +178,7 @@ def main(argv=None) -> int:
         print(f"error: DEVICE_ID must be an integer, got {os.environ['DEVICE_ID']!r}", file=sys.stderr)
         return 2
     runtime.configure(device_target=args.device, device_id=device_id)
-    from .distributed import DistError, check_batch, init_from_env
+    from mindspore_eagle.train.distributed import DistError, check_batch, init_from_env
 
     try:
         dist = init_from_env()
@@ -188,10 +192,10 @@ def main(argv=None) -> int:
         print("error: --stage must be 'train' under msrun (build features once, in one process, first)",
               file=sys.stderr)
         return 2
-    from ..models.checkpoints import load_teacher
+    from mindspore_eagle.models.checkpoints import load_teacher
 
     if args.teacher is None:
-        from ..fetch import embedded_teacher_path
+        from mindspore_eagle.models.fetch import embedded_teacher_path
 
         args.teacher = str(embedded_teacher_path())
     cfg, tensors, tok = load_teacher(args.teacher)
@@ -200,7 +204,7 @@ def main(argv=None) -> int:
     fdir = features_dir(args) if args.stage == "train" else prepare_features(args, cfg, tensors, tok)
     if args.stage == "features":
         return 0
-    from .trainer import TrainConfig, train
+    from mindspore_eagle.train.trainer import TrainConfig, train
 
     tc = TrainConfig(out=args.out, features_dir=fdir, vd=args.vd, ttt_length=args.ttt_length, steps=args.steps,
                      lr=args.lr, warmup=args.warmup, schedule=args.schedule, max_len=args.max_len,

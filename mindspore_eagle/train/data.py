@@ -16,7 +16,7 @@ counts of the encoded prefixes); where a token merges across a span edge the sam
 segment at the edges instead (counted as ``tokenize_mismatch``), see :func:`tokenize_conversation`.
 
 Optional regeneration (SF ``scripts/regenerate_train_data.py``): the first user turn is answered by the teacher
-itself (greedy, or sampled at a temperature) through ``TargetRunner`` prefill + decode, and the sample becomes
+itself (greedy, or sampled at a temperature) through ``TeacherRunner`` prefill + decode, and the sample becomes
 [user, teacher reply].
 """
 from __future__ import annotations
@@ -34,7 +34,11 @@ def normalise(text: str) -> str:
 
 def eval_prompt_keys() -> set:
     """Normalised MT-Bench turns (both turns of all 80) and HumanEval prompts (all 164, raw and templated)."""
-    from ..evalsets import HUMANEVAL_TEMPLATE, _humaneval, mtbench_questions
+    from mindspore_eagle.evalsets import (
+        HUMANEVAL_TEMPLATE,
+        _humaneval,
+        mtbench_questions,
+    )
 
     keys = {normalise(t) for q in mtbench_questions() for t in q["turns"]}
     for p in _humaneval():
@@ -135,7 +139,7 @@ def regenerate_reply(runner, tok, user: str, max_new: int, temperature: float = 
     """The teacher's own reply to ``user`` (prefill + decode on ``runner``; stops at an EOS id or max_new).
 
     Args:
-        runner: a TargetRunner; tok: its Tokenizer; temperature: 0 = greedy, else softmax sampling.
+        runner: a TeacherRunner; tok: its Tokenizer; temperature: 0 = greedy, else softmax sampling.
     Returns:
         the decoded reply text (special tokens removed).
     """
@@ -185,13 +189,13 @@ def build_samples(tok, conversations: list, n_samples: int, max_len: int, min_as
         ValueError: regenerate > 0 without a runner.
     """
     if regenerate and runner is None:
-        raise ValueError("regenerate > 0 needs a TargetRunner")
+        raise ValueError("regenerate > 0 needs a TeacherRunner")
     keys = eval_prompt_keys() if eval_keys is None else eval_keys
     stats, samples = DataStats(), []
     rng = np.random.default_rng(0)
     batched = {}
     if regenerate and regen_batch:
-        from .regen import regenerate_replies
+        from mindspore_eagle.train.regen import regenerate_replies
 
         firsts = []
         for conv in conversations:

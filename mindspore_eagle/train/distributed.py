@@ -42,8 +42,10 @@ from dataclasses import dataclass
 import numpy as np
 from mindspore import Tensor, nn, ops
 
+from mindspore_eagle.errors import MsEagleError
 
-class DistError(ValueError):
+
+class DistError(MsEagleError, ValueError):
     """Bad launch environment or batch configuration (one line naming the field and the allowed range)."""
 
 
@@ -175,7 +177,7 @@ def init_from_env(env: dict | None = None) -> DistContext:
 
     Reads ``MS_ROLE`` (msrun: ``MS_WORKER`` / ``MS_SCHED``), ``RANK_ID`` and ``RANK_SIZE``. Under msrun it calls
     ``mindspore.communication.init()`` (backend from the device target set before: mccl on CPU, hccl on Ascend),
-    so call it after :func:`mindspore_eagle.runtime.configure` and before building any network. In the scheduler
+    so call it after :func:`mindspore_eagle.kernels.runtime.configure` and before building any network. In the scheduler
     process ``init()`` serves the cluster (measured on MindSpore 2.9.0, CPU: it never returns; the process exits
     0 when the workers are done); should it return, the result is ``DistContext(scheduler=True)``: exit then.
 

@@ -2,7 +2,7 @@
 
 Legend: n = tokens of one sample (<= max_len), H = teacher hidden, V = teacher vocab.
 
-For each sample the teacher runs once (``TargetRunner.prefill(sid, ids, hidden=True)``, the sequence freed
+For each sample the teacher runs once (``TeacherRunner.prefill(sid, ids, hidden=True)``, the sequence freed
 afterwards) and the shard stores, concatenated over its samples (eagle3.md §4 "Stored or computed per sample"):
 
     input_ids int32 [N]      loss_mask uint8 [N]     offsets int64 [n_samples + 1]
@@ -37,15 +37,15 @@ COLUMNS = ("input_ids", "loss_mask", "aux", "hidden", "argmax")
 
 
 def build_runner(cfg, tensors: dict, max_len: int, mode: str = "fused", block_size: int = 16):
-    """A TargetRunner over a freshly built teacher Cell for sequences of up to ``max_len`` tokens.
+    """A TeacherRunner over a freshly built teacher Cell for sequences of up to ``max_len`` tokens.
 
     Args:
         cfg: teacher ModelConfig; tensors: HF-named float32 weights (``load_teacher``); mode: "fused" | "eager".
     Returns:
         (runner, teacher) with prefill chunk = smallest power of two >= max_len (one call per sample).
     """
-    from ..models.pangu import PanguTeacher
-    from ..target import TargetRunner
+    from mindspore_eagle.models.llama import LlamaModel
+    from mindspore_eagle.runners.teacher import TeacherRunner
 
     S = -(-max_len // block_size) * block_size
     chunk = 16
@@ -53,9 +53,9 @@ def build_runner(cfg, tensors: dict, max_len: int, mode: str = "fused", block_si
         chunk *= 2
     S = max(S, 16)
     blocks = S // block_size + 2
-    teacher = PanguTeacher(cfg, blocks, block_size, max(S, chunk) + 1)
+    teacher = LlamaModel(cfg, blocks, block_size, max(S, chunk) + 1)
     teacher.load_hf_weights(tensors)
-    return TargetRunner(teacher, blocks, block_size, S, mode, prefill_chunk=chunk), teacher
+    return TeacherRunner(teacher, blocks, block_size, S, mode, prefill_chunk=chunk), teacher
 
 
 def head_weight(cfg, tensors: dict) -> np.ndarray:
@@ -87,7 +87,7 @@ def extract_features(runner, head: np.ndarray, samples: list, out_dir: str, shar
     """Run the teacher over ``samples`` and write the missing shards.
 
     Args:
-        runner: TargetRunner (its max_seq_len must hold the longest sample); head: teacher lm_head [V, H] f32.
+        runner: TeacherRunner (its max_seq_len must hold the longest sample); head: teacher lm_head [V, H] f32.
         samples: list of (ids int [n], mask uint8 [n]); out_dir: created if missing.
         shard_size: samples per shard; meta: stored in the manifest (teacher path, max_len, ...).
         progress: optional callable(samples_done, tokens_done, seconds) after each sample.
@@ -241,6 +241,7 @@ def load_shard(path: str, mmap: bool = True) -> dict:
         ValueError: a member that is not a ``.npy`` array, or an object array.
     """
     import zipfile
+
     from numpy.lib import format as npy
 
     if not mmap:

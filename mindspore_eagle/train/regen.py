@@ -1,7 +1,7 @@
 """Batched regeneration of assistant replies by the teacher (the drafter must learn the teacher's own text).
 
 SpecForge ``scripts/regenerate_train_data.py`` asks a serving engine for the target model's reply to each prompt;
-here the teacher answers with continuous batching over :meth:`TargetRunner.decode_batch`: up to ``batch``
+here the teacher answers with continuous batching over :meth:`TeacherRunner.decode_batch`: up to ``batch``
 sequences decode together in one forward (block-diagonal mask over their concatenated block tables), a finished
 sequence frees its blocks and the next prompt is prefilled into its row. On the 2-core CPU one 16-row call costs
 about twice a single-token decode, so 16 rows give several times the tokens per second of one sequence.
@@ -30,7 +30,7 @@ def generate_stream(runner, items, eos, batch: int = 16, temperature: float = 0.
     """Continuous-batching generation; yields each sequence as soon as it finishes.
 
     Args:
-        runner: a TargetRunner whose pool holds ``batch`` sequences (see :func:`build_batch_runner`).
+        runner: a TeacherRunner whose pool holds ``batch`` sequences (see :func:`build_batch_runner`).
         items: iterable of (prompt ids: int list, budget: int >= 1), read lazily as rows free up; the budget is
             the new tokens allowed (the end token is neither counted nor returned).
         eos: ids that end a sequence. batch: rows per decode call (>= 1). temperature: 0 = greedy.
@@ -42,7 +42,7 @@ def generate_stream(runner, items, eos, batch: int = 16, temperature: float = 0.
             in flight are freed, not yielded).
         features: also collect the teacher's training features of every position the teacher was fed (the prompt
             and every reply token but the last), from the same calls that pick the tokens
-            (``TargetRunner.prefill_with_hidden`` / ``decode_batch(with_hidden=True)``; the picks are unchanged).
+            (``TeacherRunner.prefill_with_hidden`` / ``decode_batch(with_hidden=True)``; the picks are unchanged).
     Yields:
         (index of the item, reply ids list[int], stop, end id) in finishing order: stop "eos" with the end
         token the teacher emitted (not in the reply), or "length" with None. With ``features`` a fifth element
@@ -124,7 +124,7 @@ def regenerate_replies(runner, tok, prompts: list, max_len: int, batch: int = 16
     """The teacher's reply to each user prompt, generated ``batch`` sequences at a time (:func:`generate_stream`).
 
     Args:
-        runner: a TargetRunner whose pool holds ``batch`` sequences of ``max_len`` tokens (see
+        runner: a TeacherRunner whose pool holds ``batch`` sequences of ``max_len`` tokens (see
             :func:`build_batch_runner`); tok: its Tokenizer.
         prompts: user messages (str). max_len: prompt + reply tokens per sample (the training truncation).
         batch: rows per decode call (>= 1). temperature: 0 = greedy, else softmax sampling.
@@ -162,22 +162,22 @@ def regenerate_replies(runner, tok, prompts: list, max_len: int, batch: int = 16
 
 
 def build_batch_runner(cfg, tensors: dict, max_len: int, batch: int, mode: str = "fused", block_size: int = 16):
-    """A TargetRunner whose KV pool holds ``batch`` sequences of ``max_len`` tokens (plus one spare each).
+    """A TeacherRunner whose KV pool holds ``batch`` sequences of ``max_len`` tokens (plus one spare each).
 
     Args:
         cfg: teacher ModelConfig; tensors: HF-named float32 weights. Returns (runner, teacher).
     """
-    from ..models.pangu import PanguTeacher
-    from ..target import TargetRunner
+    from mindspore_eagle.models.llama import LlamaModel
+    from mindspore_eagle.runners.teacher import TeacherRunner
 
     S = max(16, -(-max_len // block_size) * block_size)
     chunk = 16
     while chunk < max_len:
         chunk *= 2
     blocks = batch * (S // block_size + 1) + 2
-    teacher = PanguTeacher(cfg, blocks, block_size, max(S, chunk) + 1)
+    teacher = LlamaModel(cfg, blocks, block_size, max(S, chunk) + 1)
     teacher.load_hf_weights(tensors)
-    return TargetRunner(teacher, blocks, block_size, S, mode, prefill_chunk=chunk), teacher
+    return TeacherRunner(teacher, blocks, block_size, S, mode, prefill_chunk=chunk), teacher
 
 
 __all__ = ["generate_stream", "regenerate_replies", "build_batch_runner"]

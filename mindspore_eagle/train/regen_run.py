@@ -71,7 +71,7 @@ def regenerate_to_shards(runner, tok, prompts: list, store, max_len: int, batch:
     """Answer the prompts not yet in ``store`` and write their records in shards of ``shard_size``.
 
     Args:
-        runner: TargetRunner from ``regen.build_batch_runner(cfg, tensors, max_len, batch)``; tok: its Tokenizer.
+        runner: TeacherRunner from ``regen.build_batch_runner(cfg, tensors, max_len, batch)``; tok: its Tokenizer.
         prompts: list of ``prompts.Prompt`` (registry order). store: ``shards.ShardStore``.
         time_limit: seconds after which no more replies are taken (the finished ones are flushed).
         log: callable(str) for one progress line per shard. width_step: see ``regen.generate_stream``.
@@ -86,9 +86,9 @@ def regenerate_to_shards(runner, tok, prompts: list, store, max_len: int, batch:
          to do}.
         On a shared machine wall-clock rates depend on the other jobs; tokens per CPU second much less so.
     """
-    from .features import sample_columns
-    from .regen import generate_stream
-    from .shards import keep_sample, record_sample
+    from mindspore_eagle.train.features import sample_columns
+    from mindspore_eagle.train.regen import generate_stream
+    from mindspore_eagle.train.shards import keep_sample, record_sample
 
     done = store.done_ids()
     feats = {}                          # prompt id -> stored feature columns of a pending kept sample
@@ -177,7 +177,7 @@ def status(out_dir: str) -> dict:
     Raises:
         FileNotFoundError: no manifest in ``out_dir``.
     """
-    from .shards import iter_records
+    from mindspore_eagle.train.shards import iter_records
 
     st = {"shards": 0, "prompts": 0, "generated": 0, "new_tokens": 0, "kinds": {}, "stops": {}}
     with open(f"{out_dir}/manifest.json", encoding="utf-8") as f:
@@ -200,9 +200,9 @@ def main(argv=None) -> int:
             print(f"error: --out {args.out} holds no regeneration manifest (nothing run there yet)", file=sys.stderr)
             return 2
         return 0
-    from .. import runtime
-    from .prompts import build_registry
-    from .shards import ShardStore
+    from mindspore_eagle.kernels import runtime
+    from mindspore_eagle.train.prompts import build_registry
+    from mindspore_eagle.train.shards import ShardStore
 
     t0 = time.time()
     reg = build_registry(args.sources.split(",") if args.sources else None)
@@ -212,11 +212,11 @@ def main(argv=None) -> int:
           f"excluded as evaluation prompts: {len(reg.excluded)}; duplicates: {reg.duplicates}; "
           f"counts {json.dumps(counts)}", flush=True)
     runtime.configure()
-    from ..models.checkpoints import load_teacher
-    from .regen import build_batch_runner
+    from mindspore_eagle.models.checkpoints import load_teacher
+    from mindspore_eagle.train.regen import build_batch_runner
 
     if args.teacher is None:
-        from ..fetch import embedded_teacher_path
+        from mindspore_eagle.models.fetch import embedded_teacher_path
 
         args.teacher = str(embedded_teacher_path())
     cfg, tensors, tok = load_teacher(args.teacher)
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
     runner, _ = build_batch_runner(cfg, tensors, args.max_len, args.batch)
     features = None
     if args.features_dir:
-        from .features import RegenFeatureWriter, head_weight
+        from mindspore_eagle.train.features import RegenFeatureWriter, head_weight
 
         fmeta = {"teacher": args.teacher, "max_len": args.max_len, "aux_layers": list(cfg.aux_layers),
                  "regen_dir": os.path.abspath(args.out)}

@@ -36,17 +36,32 @@ import json
 import os
 import signal
 import time
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..models.eagle3 import DrafterConfig, init_drafter_tensors, save_drafter
-from .batching import assemble, make_batch, plan_rows, sample_arrays, stream_sample
-from .coverage import KS, coverage_counts, coverage_report
-from .distributed import DistContext, check_batch, local_positions, reduce_step_stats
-from .features import FeatureSet, head_weight
-from .ttt import TTTDrafter, TrainStep, lr_at
-from .vocab import build_vocab
+from mindspore_eagle.models.eagle3 import (
+    DrafterConfig,
+    init_drafter_tensors,
+    save_drafter,
+)
+from mindspore_eagle.train.batching import (
+    assemble,
+    make_batch,
+    plan_rows,
+    sample_arrays,
+    stream_sample,
+)
+from mindspore_eagle.train.coverage import KS, coverage_counts, coverage_report
+from mindspore_eagle.train.distributed import (
+    DistContext,
+    check_batch,
+    local_positions,
+    reduce_step_stats,
+)
+from mindspore_eagle.train.features import FeatureSet, head_weight
+from mindspore_eagle.train.ttt import TrainStep, TTTDrafter, lr_at
+from mindspore_eagle.train.vocab import build_vocab
 
 INITS = ("random", "teacher")
 
@@ -288,7 +303,7 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistC
         if got != tc.num_layers:
             raise ValueError(f"--resume: the run was started with --num-layers {got}, not {tc.num_layers}")
     elif tc.init_from:
-        from ..models.eagle3 import load_drafter
+        from mindspore_eagle.models.eagle3 import load_drafter
 
         icfg, init = load_drafter(tc.init_from)
         if icfg.draft_vocab_size != tc.vd:
@@ -306,7 +321,7 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistC
         used = dv.used
         if main:
             print(f"[vocab] {dv.report()}", flush=True)
-    from ..models.eagle3 import vocab_maps
+    from mindspore_eagle.models.eagle3 import vocab_maps
 
     vocab = vocab_maps(used, cfg.vocab_size)
     t2d = vocab["t2d"]

@@ -37,13 +37,18 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import mindspore as ms
-from mindspore import nn, ops, Parameter, Tensor
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
 
-from ..models.eagle3 import DrafterConfig, declare_drafter_weights, export_fused_weights, load_fused_weights
-from ..models.pangu import apply_rope, rope_swap_index, rope_tables
-from .batching import Batch, make_batch  # noqa: F401  (re-exported: the batch layout lives in batching.py)
+from mindspore_eagle.models.eagle3 import (
+    DrafterConfig,
+    declare_drafter_weights,
+    export_fused_weights,
+    load_fused_weights,
+)
+from mindspore_eagle.models.llama import apply_rope, rope_swap_index, rope_tables
+from mindspore_eagle.train.batching import Batch, make_batch  # noqa: F401  (re-exported: the batch layout lives in batching.py)
 
 NEG = -1e9
 LOSS_DECAY = 0.8

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..models.eagle3 import vocab_maps
+from mindspore_eagle.models.eagle3 import vocab_maps
 
 
 @dataclass

@@ -34,11 +34,13 @@ import sys
 import time
 from dataclasses import dataclass
 
+from mindspore_eagle.errors import MsEagleError
+
 KINDS = ("prompt", "messages", "turns")
 ROLES = ("system", "user", "assistant")
 
 
-class BatchError(ValueError):
+class BatchError(MsEagleError, ValueError):
     """A batch job cannot start or finish (bad input file, duplicate ids, output conflict); one-line message."""
 
 
@@ -221,8 +223,8 @@ class ResultWriter:
 
 
 def _known_generation_errors() -> tuple:
-    from .engine import CacheExhaustedError, GenerationError
-    from .models.config import CheckpointError
+    from mindspore_eagle.models.config import CheckpointError
+    from mindspore_eagle.serving.engine import CacheExhaustedError, GenerationError
 
     return GenerationError, CacheExhaustedError, CheckpointError
 
@@ -234,7 +236,7 @@ def run_record(engine, rec: InputRecord, gen, speculative: bool = True) -> dict:
         GenerationError / CacheExhaustedError: the record cannot run (too long, empty); ``run_batch`` turns
             them into the record's ``error``.
     """
-    from .engine import mean_accept_len
+    from mindspore_eagle.serving.engine import mean_accept_len
 
     head = {"id": rec.id, "line": rec.line}
     if rec.kind == "turns":
@@ -369,7 +371,7 @@ def batched_config(cfg):
 
 def _run_batched(engine, records: list, gen, max_batch: int, speculative: bool, emit, bar) -> None:
     """``run_batch`` with ``max_batch`` > 1: continuous batching (scheduler.py), tokens/s on the progress bar."""
-    from .scheduler import BatchScheduler
+    from mindspore_eagle.serving.scheduler import BatchScheduler
 
     sched = BatchScheduler(engine, gen, max_batch, speculative=speculative and engine.drafter is not None)
     t0 = time.perf_counter()

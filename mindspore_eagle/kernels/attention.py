@@ -10,7 +10,7 @@ One small interface, chosen once per Cell (never a flag inside the math):
     prepare(slots [k] i32, block_table [w/B] i32, mask [k, w] f32 additive)
                                               -> meta: everything the layers share in one forward
             (backends with ``grouped = True`` also take block_table [G, w/B]: G sequences of k / G rows each,
-            every group attending only to its own table; ``TargetRunner`` batches through it)
+            every group attending only to its own table; ``TeacherRunner`` batches through it)
     attend(q [k, nh, hd], k [k, n_kv, hd], v [k, n_kv, hd], key_cache, value_cache, meta, scale)
                                               -> context [k, nh * hd]   (writes k / v first)
     move(key_cache, value_cache, src [P] i32, dst [P] i32)  -> outputs to depend on (commit compaction)
@@ -49,11 +49,11 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import nn, ops
 
-from .kv import PortableKVOps, cache_index_constants, make_cache
+from mindspore_eagle.kernels.kv import PortableKVOps, cache_index_constants, make_cache
 
 MASKED_SCORE = -10000.0
 """The additive value PagedAttention's mask carries for a hidden key (MindFormers: ``bool(mask) * -10000``)."""

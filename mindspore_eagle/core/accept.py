@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mindspore_eagle.tree import TreeTensors
+from mindspore_eagle.core.tree import TreeTensors
 
 
 @dataclass

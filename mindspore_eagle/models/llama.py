@@ -28,15 +28,16 @@ input / post-attention RMSNorm weights g scale the input columns of ``wqkv`` / `
 """
 from __future__ import annotations
 
-import numpy as np
-import mindspore as ms
-from mindspore import nn, ops, Parameter, Tensor
-
-from ..attention import make_backend, paged_attention  # noqa: F401  (paged_attention re-exported)
 from typing import TYPE_CHECKING
 
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+
+from mindspore_eagle.kernels.attention import make_backend, paged_attention  # noqa: F401  (paged_attention re-exported)
+
 if TYPE_CHECKING:  # pragma: no cover
-    from .config import ModelConfig
+    from mindspore_eagle.models.config import ModelConfig
 
 
 def rope_tables(head_dim: int, max_pos: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -217,7 +218,7 @@ class DecoderLayer(nn.Cell):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class PanguTeacher(nn.Cell):
+class LlamaModel(nn.Cell):
     """The teacher network with its KV cache Parameters (see the module docstring for the call contract).
 
     Args:

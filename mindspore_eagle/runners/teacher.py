@@ -1,4 +1,4 @@
-"""TargetRunner: fixed-shape prefill / decode / tree-verify / commit calls of the teacher over its paged cache.
+"""TeacherRunner: fixed-shape prefill / decode / tree-verify / commit calls of the teacher over its paged cache.
 
 Legend: n = committed tokens of the sequence, k = query rows of one call, M = tree budget, S = max_seq_len,
 V = vocab, H = hidden.
@@ -11,46 +11,18 @@ attend only to slot 0, so they never touch the sequence.
 """
 from __future__ import annotations
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 
-from .kv import BlockManager, CacheExhaustedError
-from .models.pangu import KVCompactor, PanguTeacher
-from .runtime import CompiledFn
-from .tree import NEG_BIAS, TreeTensors, tree_attention_bias
-
-
-def pow2_buckets(limit: int, lo: int = 1) -> list[int]:
-    """Query-length buckets lo, 2 lo, 4 lo, ... up to ``limit`` (both powers of two).
-
-    Raises:
-        ValueError: limit is not a power of two >= lo (names the prefill chunk, its only user-set source).
-    """
-    if limit < lo or limit & (limit - 1):
-        raise ValueError(f"cache.prefill_chunk must be a power of two >= {lo}, got {limit}")
-    out, b = [], lo
-    while b <= limit:
-        out.append(b)
-        b *= 2
-    return out
+from mindspore_eagle.core.tree import NEG_BIAS, TreeTensors, tree_attention_bias
+from mindspore_eagle.kernels.kv import BlockManager, CacheExhaustedError
+from mindspore_eagle.kernels.runtime import CompiledFn
+from mindspore_eagle.models.llama import KVCompactor, LlamaModel
+from mindspore_eagle.runners.shapes import context_widths, pow2_buckets
 
 
-def context_widths(max_seq_len: int, block_size: int, lo: int = 256) -> list[int]:
-    """Attention width buckets: 256, 512, ... (multiples of block_size) below max_seq_len, then max_seq_len.
-
-    Each call reads only the first ``w`` slots of the sequence's block table, so a short context does not pay for
-    gathering and scoring all S slots (60 gathers of S = 1024 cost ~2x those of S = 256 on the 2-core CPU).
-    """
-    out, w = [], lo
-    while w < max_seq_len:
-        if w % block_size == 0:
-            out.append(w)
-        w *= 2
-    return out + [max_seq_len]
-
-
-class TargetRunner:
-    """Drives one :class:`PanguTeacher` with a MindFormers-backed :class:`BlockManager`.
+class TeacherRunner:
+    """Drives one :class:`LlamaModel` with a MindFormers-backed :class:`BlockManager`.
 
     Args:
         teacher: the Cell (weights loaded). num_blocks / block_size / max_seq_len: cache geometry (max_seq_len
@@ -58,9 +30,9 @@ class TargetRunner:
         mode: "fused" (jit) or "eager" (PyNative). prefill_chunk: largest prefill call.
     """
 
-    def __init__(self, teacher: PanguTeacher, num_blocks: int, block_size: int, max_seq_len: int, mode: str,
+    def __init__(self, teacher: LlamaModel, num_blocks: int, block_size: int, max_seq_len: int, mode: str,
                  prefill_chunk: int = 128):
-        self.teacher, self.mode = teacher, mode
+        self.model, self.mode = teacher, mode
         self.bm = BlockManager(num_blocks, block_size, max_seq_len)
         self.S, self.B = max_seq_len, block_size
         self.buckets = pow2_buckets(prefill_chunk, 16)
@@ -173,7 +145,7 @@ class TargetRunner:
         float32 keeps k = 1.
         """
         p = self.bm.length(sid)
-        rows = 1 if self.teacher.dtype == ms.float32 else 2
+        rows = 1 if self.model.dtype == ms.float32 else 2
         slots = self.bm.append(sid, 1, rows)
         mask = np.full((rows, self.width(p + 1)), NEG_BIAS, np.float32)
         mask[0, :p + 1] = 0.0
@@ -268,7 +240,7 @@ class TargetRunner:
 
     @property
     def _grouped(self) -> bool:
-        return getattr(self.teacher.backend, "grouped", False)
+        return getattr(self.model.backend, "grouped", False)
 
     def _batch_layout(self, sids, need, per_seq: int, rows: int, width_step: int):
         """Block table(s) and an all-hidden mask for a batched call of ``per_seq`` query rows per sequence.
@@ -334,4 +306,4 @@ class TargetRunner:
         self.bm.rollback(sid)
 
 
-__all__ = ["TargetRunner", "CacheExhaustedError", "pow2_buckets"]
+__all__ = ["TeacherRunner", "CacheExhaustedError"]

@@ -27,15 +27,23 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .config import GenerationConfig, SpeculativeConfig
-from .kv import CacheExhaustedError
-from .policy import AdaptivePolicy, Choice, CostTable, FixedPolicy, compiled_budgets, top_nodes
-from .trace import StepTrace, Timer, TraceWriter, TurnTrace
-from .tree import DraftTree, tensorize, validate_tree
-from .verify import accept_greedy, accept_sampling, warp_probs
+from mindspore_eagle.config import GenerationConfig, SpeculativeConfig
+from mindspore_eagle.core.accept import accept_greedy, accept_sampling, warp_probs
+from mindspore_eagle.core.policy import (
+    AdaptivePolicy,
+    Choice,
+    CostTable,
+    FixedPolicy,
+    compiled_budgets,
+    top_nodes,
+)
+from mindspore_eagle.core.trace import StepTrace, Timer, TraceWriter, TurnTrace
+from mindspore_eagle.core.tree import DraftTree, tensorize, validate_tree
+from mindspore_eagle.errors import MsEagleError
+from mindspore_eagle.kernels.kv import CacheExhaustedError
 
 
-class GenerationError(ValueError):
+class GenerationError(MsEagleError, ValueError):
     """Bad generation input (empty prompt, prompt longer than the cache, ...); the message names the field."""
 
 
@@ -92,10 +100,10 @@ class _Emitter:
 
 
 class Engine:
-    """Teacher-only and speculative generation over a TargetRunner (+ DrafterRunner).
+    """Teacher-only and speculative generation over a TeacherRunner (+ DrafterRunner).
 
     Args:
-        target: TargetRunner of the teacher. tokenizer: Tokenizer (chat template, decode).
+        target: TeacherRunner of the teacher. tokenizer: Tokenizer (chat template, decode).
         eos_ids: token ids that end a turn. drafter: DrafterRunner, or None for teacher-only only.
         spec: SpeculativeConfig (M, D_max, top_k, policy, validate_tree). trace: TraceWriter or None.
         costs: CostTable for the adaptive policy (measured on first use when None; tests inject one).
@@ -107,7 +115,7 @@ class Engine:
 
     def __init__(self, target, tokenizer, eos_ids, drafter=None, spec: SpeculativeConfig | None = None,
                  trace: TraceWriter | None = None, costs: CostTable | None = None, cost_file: str | None = None):
-        self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
+        self.teacher, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.eos = set(int(e) for e in eos_ids)
         self.spec = spec or SpeculativeConfig()
         self.trace = trace or TraceWriter(None)
@@ -160,7 +168,7 @@ class Engine:
         """
         if self.drafter is None:
             raise ValueError("measure_costs needs a drafter (model.drafter is 'none')")
-        tg, dr, D = self.target, self.drafter, self.spec.D_max
+        tg, dr, D = self.teacher, self.drafter, self.spec.D_max
         budgets = self.verify_budgets()
         grow = (repeat + 1) * (2 * len(budgets) + 1)          # tokens the timed calls append
         context = min(context, tg.S - max(budgets) - grow)
@@ -206,11 +214,11 @@ class Engine:
 
     @property
     def compiles(self) -> int:
-        return self.target.compiles + (self.drafter.compiles if self.drafter else 0)
+        return self.teacher.compiles + (self.drafter.compiles if self.drafter else 0)
 
     @property
     def compile_ms(self) -> float:
-        return self.target.compile_ms + (self.drafter.compile_ms if self.drafter else 0.0)
+        return self.teacher.compile_ms + (self.drafter.compile_ms if self.drafter else 0.0)
 
     # ------------------------------------------------------------------ public API
     def encode_chat(self, messages) -> list:
@@ -257,17 +265,17 @@ class Engine:
             raise GenerationError("prompt is empty (0 tokens)")
         speculative = speculative and self.drafter is not None
         room = len(ids) + gen.max_new_tokens
-        if room > self.target.S:
+        if room > self.teacher.S:
             raise GenerationError(f"prompt of {len(ids)} tokens + generation.max_new_tokens={gen.max_new_tokens}"
-                                  f" = {room} exceeds cache.max_seq_len={self.target.S}")
+                                  f" = {room} exceeds cache.max_seq_len={self.teacher.S}")
         policy = self.policy if speculative else None
         rng = np.random.default_rng(gen.seed)
         emitter = _Emitter(self.tokenizer, self.eos, gen, on_token)
         compiles0, compile_ms0 = self.compiles, self.compile_ms
-        sid = self.target.new_seq()
+        sid = self.teacher.new_seq()
         try:
             t0 = time.perf_counter()
-            logits, aux = self.target.prefill(sid, ids)
+            logits, aux = self.teacher.prefill(sid, ids)
             root = self._pick(logits, gen, rng)
             prefill_ms = (time.perf_counter() - t0) * 1e3
             done = emitter.push(root)
@@ -277,12 +285,12 @@ class Engine:
             else:
                 steps = []
                 while not done:
-                    logits, _ = self.target.decode(sid, root)
+                    logits, _ = self.teacher.decode(sid, root)
                     root = self._pick(logits, gen, rng)
                     done = emitter.push(root)
             decode_ms = (time.perf_counter() - t1) * 1e3
         finally:
-            self.target.free(sid)
+            self.teacher.free(sid)
         n_new = len(emitter.ids)
         turn = TurnTrace(turn_id=turn_id, prompt_tokens=len(ids), new_tokens=n_new, prefill_ms=prefill_ms,
                          decode_ms=decode_ms, tok_per_s=n_new / max(1e-9, (prefill_ms + decode_ms) / 1e3),
@@ -302,7 +310,7 @@ class Engine:
     def _speculate(self, policy, sid, ids, aux, root, done, emitter, gen, rng) -> list:
         """The speculative decode loop: per step the policy picks plain decoding or a tree budget (module doc)."""
         M, D = self.spec.M, self.spec.D_max
-        dr, tg = self.drafter, self.target
+        dr, tg = self.drafter, self.teacher
         dsid = dr.new_seq()
         pending = [(aux, np.asarray(ids[1:] + [root], np.int64))]     # context pairs the drafter has not seen
         steps = []

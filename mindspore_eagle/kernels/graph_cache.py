@@ -8,7 +8,7 @@ graph is another prefill bucket) loaded the wrong graph and failed inside a CPU 
 the path is read once per process (at its first compile), and with ``python -m mindspore_eagle`` MindSpore's
 scan of the entry script's imports fails (``ImportError: no package specified for '.cli.main'``).
 
-So the cache is used only around :func:`~mindspore_eagle.warmup.warmup` in ``full`` mode, which compiles every
+So the cache is used only around :func:`~mindspore_eagle.runners.warmup.warmup` in ``full`` mode, which compiles every
 graph in one fixed order, and is switched off right after it (a graph compiled later is never saved, so it can
 never be loaded in another's place). Its directory is keyed by everything that changes those graphs: MindSpore's
 version, this package's model/runner sources, the checkpoint files (path, size, mtime), the cache geometry and the
@@ -26,7 +26,8 @@ import os
 import shutil
 from pathlib import Path
 
-_SOURCES = ("runtime.py", "target.py", "drafting.py", "kv.py", "tree.py", "warmup.py", "models/pangu.py",
+_SOURCES = ("kernels/runtime.py", "kernels/kv.py", "kernels/attention.py", "runners/teacher.py",
+            "runners/drafter.py", "runners/shapes.py", "runners/warmup.py", "core/tree.py", "models/llama.py",
             "models/eagle3.py")
 _active: "GraphCache | None" = None
 
@@ -47,7 +48,7 @@ def cache_key(cfg, budgets, teacher_path: str, drafter_path: str | None) -> dict
     """
     import mindspore as ms
 
-    here = Path(__file__).parent
+    here = Path(__file__).parent.parent
     src = hashlib.sha256(b"".join((here / f).read_bytes() for f in _SOURCES)).hexdigest()
     sp = cfg.speculative
     return {"mindspore": ms.__version__, "sources": src, "device": cfg.context.device_target,
@@ -59,7 +60,7 @@ def cache_key(cfg, budgets, teacher_path: str, drafter_path: str | None) -> dict
 
 def default_root() -> Path:
     """$MSEAGLE_CACHE/graphs (default ~/.cache/mindspore_eagle/graphs)."""
-    from .fetch import cache_dir
+    from mindspore_eagle.models.fetch import cache_dir
 
     return cache_dir() / "graphs"
 

@@ -1,6 +1,6 @@
 """Compile every graph a chat or batch job can reach, in one fixed order, before the first timed token.
 
-In fused mode each :class:`~mindspore_eagle.runtime.CompiledFn` compiles one graph per input shape on first use
+In fused mode each :class:`~mindspore_eagle.kernels.runtime.CompiledFn` compiles one graph per input shape on first use
 (~1 s each for the 135M teacher on 2 cores). The shapes a conversation can reach are finite and known from the
 configuration:
 
@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from .tree import DraftTree, tensorize
+from mindspore_eagle.core.tree import DraftTree, tensorize
 
 MODES = ("full", "short", "none")
 _FILL_ID = 100    # any valid token id: warm-up only needs shapes
@@ -33,7 +33,7 @@ _FILL_ID = 100    # any valid token id: warm-up only needs shapes
 
 @contextlib.contextmanager
 def _scratch(runner, n: int):
-    """A scratch sequence of a TargetRunner / DrafterRunner already ``n`` positions long (advanced without running
+    """A scratch sequence of a TeacherRunner / DrafterRunner already ``n`` positions long (advanced without running
     the model); freed on exit."""
     sid = runner.new_seq()
     try:
@@ -68,64 +68,64 @@ def _bucket_calls(buckets, prev: int, limit: int):
         lower = b
 
 
-def target_shapes(target, budgets, D: int):
+def teacher_shapes(teacher, budgets, D: int):
     """Yield (what, fn) calls compiling every teacher graph: prefill buckets, decode, verify per budget, commit.
 
     Args:
-        target: TargetRunner. budgets: tree budgets M to verify (ints >= 2). D: D_max (commit compaction rows).
+        teacher: TeacherRunner. budgets: tree budgets M to verify (ints >= 2). D: D_max (commit compaction rows).
     """
     prev = 0
-    for w in target.widths:
-        for b, p0, n in _bucket_calls(target.buckets, prev, target.S):
-            yield f"teacher prefill {b} x {w}", lambda p0=p0, n=n: _prefill(target, p0, n)
-        p0 = _start(prev, 1, target.S, lo=1)
+    for w in teacher.widths:
+        for b, p0, n in _bucket_calls(teacher.buckets, prev, teacher.S):
+            yield f"teacher prefill {b} x {w}", lambda p0=p0, n=n: _prefill(teacher, p0, n)
+        p0 = _start(prev, 1, teacher.S, lo=1)
         if p0 is not None:
-            yield f"teacher decode 1 x {w}", lambda p0=p0: _decode(target, p0)
+            yield f"teacher decode 1 x {w}", lambda p0=p0: _decode(teacher, p0)
         for M in budgets:
-            p0 = _start(prev, M, target.S, lo=1)
+            p0 = _start(prev, M, teacher.S, lo=1)
             if p0 is not None:
-                yield f"teacher verify {M} x {w}", lambda p0=p0, M=M: _verify(target, p0, M, D)
+                yield f"teacher verify {M} x {w}", lambda p0=p0, M=M: _verify(teacher, p0, M, D)
         prev = w
 
 
-def _prefill(target, p0: int, n: int) -> None:
-    with _scratch(target, p0) as sid:
-        target.prefill(sid, _ids(n))
+def _prefill(teacher, p0: int, n: int) -> None:
+    with _scratch(teacher, p0) as sid:
+        teacher.prefill(sid, _ids(n))
 
 
-def _decode(target, p0: int) -> None:
-    with _scratch(target, p0) as sid:
-        target.decode(sid, _FILL_ID)
+def _decode(teacher, p0: int) -> None:
+    with _scratch(teacher, p0) as sid:
+        teacher.decode(sid, _FILL_ID)
 
 
-def _verify(target, p0: int, M: int, D: int) -> None:
+def _verify(teacher, p0: int, M: int, D: int) -> None:
     """One verification of a root with two children and a commit of the second child (a non-chain path, so the
     K/V compaction graph runs too)."""
-    with _scratch(target, p0) as sid:
+    with _scratch(teacher, p0) as sid:
         n = min(3, M)
         tree = DraftTree(tokens=_FILL_ID + np.arange(n), parents=np.zeros(n, np.int64))
-        target.verify(sid, tensorize(tree, M, D))
-        target.commit(sid, np.array([0, min(2, M - 1)]), D + 2)
+        teacher.verify(sid, tensorize(tree, M, D))
+        teacher.commit(sid, np.array([0, min(2, M - 1)]), D + 2)
 
 
-def batch_shapes(target, rows: int, M: int, D: int, speculative: bool):
+def batch_shapes(teacher, rows: int, M: int, D: int, speculative: bool):
     """Yield (what, fn) calls compiling the continuous-batching graphs (``scheduler.py``): ``decode_batch`` of
     ``rows`` = N rows at each width and, when ``speculative``, ``verify_batch`` of N x M rows at each width.
 
-    Only for backends that take a block table per sequence (``TargetRunner._grouped``; the portable one), whose
+    Only for backends that take a block table per sequence (``TeacherRunner._grouped``; the portable one), whose
     batched widths are the sequence width buckets; a concatenated batch's width depends on the lengths in it, so
     it keeps compiling on first use. Nothing for N = 1 (the one-sequence graphs serve it).
     """
-    if rows <= 1 or not target._grouped:
+    if rows <= 1 or not teacher._grouped:
         return
     prev = 0
-    for w in target.widths:
-        p0 = _start(prev, 1, target.S, lo=1)
+    for w in teacher.widths:
+        p0 = _start(prev, 1, teacher.S, lo=1)
         if p0 is not None:
-            yield f"teacher decode_batch {rows} x {w}", lambda p0=p0: _decode_batch(target, p0, rows)
-        p0 = _start(prev, M, target.S, lo=1)
+            yield f"teacher decode_batch {rows} x {w}", lambda p0=p0: _decode_batch(teacher, p0, rows)
+        p0 = _start(prev, M, teacher.S, lo=1)
         if speculative and p0 is not None:
-            yield f"teacher verify_batch {rows * M} x {w}", lambda p0=p0: _verify_batch(target, p0, rows, M, D)
+            yield f"teacher verify_batch {rows * M} x {w}", lambda p0=p0: _verify_batch(teacher, p0, rows, M, D)
         prev = w
 
 
@@ -133,7 +133,7 @@ def drafter_batch_shapes(drafter, groups: int, M: int, D: int, context_limit: in
     """Yield (what, fn) calls compiling the drafter's batched graphs (``DrafterRunner.draft_batch``): context
     passes of ``groups`` x b rows for each bucket b <= BATCH_EXTEND_MAX and expansion steps of ``groups`` x K
     rows, at each width. Nothing for one group or a backend without per-sequence block tables."""
-    from .drafting import BATCH_EXTEND_MAX
+    from mindspore_eagle.runners.drafter import BATCH_EXTEND_MAX
 
     if groups <= 1 or not drafter.grouped:
         return
@@ -157,16 +157,16 @@ def _draft_batch(drafter, p0: int, n: int, groups: int, M: int, D: int, width: i
         drafter.draft_batch([sid], [(np.zeros((n, width), np.float32), _ids(n))], [_FILL_ID], M, D, groups)
 
 
-def _decode_batch(target, p0: int, rows: int) -> None:
-    with _scratch(target, p0) as sid:
-        target.decode_batch([sid], [_FILL_ID], rows=rows)
+def _decode_batch(teacher, p0: int, rows: int) -> None:
+    with _scratch(teacher, p0) as sid:
+        teacher.decode_batch([sid], [_FILL_ID], rows=rows)
 
 
-def _verify_batch(target, p0: int, rows: int, M: int, D: int) -> None:
-    with _scratch(target, p0) as sid:
+def _verify_batch(teacher, p0: int, rows: int, M: int, D: int) -> None:
+    with _scratch(teacher, p0) as sid:
         tree = DraftTree(tokens=_FILL_ID + np.arange(min(3, M)), parents=np.zeros(min(3, M), np.int64))
-        target.verify_batch([sid], [tensorize(tree, M, D)], rows=rows * M)
-        target.rollback(sid)
+        teacher.verify_batch([sid], [tensorize(tree, M, D)], rows=rows * M)
+        teacher.rollback(sid)
 
 
 def drafter_shapes(drafter, M: int, D: int, context_limit: int):
@@ -204,7 +204,7 @@ def warmup(engine, gen, mode: str = "full", log=None, drafters=None, budgets=Non
     """Compile the graphs of ``engine`` before use (fused mode; eager mode has nothing to compile).
 
     Args:
-        engine: Engine (its target, drafter, spec and ``verify_budgets()``).
+        engine: Engine (its teacher, drafter, spec and ``verify_budgets()``).
         gen: GenerationConfig (``short`` mode generates min(8, max_new_tokens) tokens with it).
         mode: ``full``: every shape a chat or job can reach (module docstring), in a fixed order, so no graph
             compiles after it; ``short``: one short speculative (or teacher-only) generation, i.e. the shapes of a
@@ -222,17 +222,17 @@ def warmup(engine, gen, mode: str = "full", log=None, drafters=None, budgets=Non
     if mode not in MODES:
         raise ValueError(f"warmup mode must be one of {', '.join(MODES)}, got {mode!r}")
     log = log or (lambda line: None)
-    runners = [engine.target] + ([engine.drafter] if engine.drafter is not None else []) + list(drafters or [])
+    runners = [engine.teacher] + ([engine.drafter] if engine.drafter is not None else []) + list(drafters or [])
     count = lambda: sum(r.compiles for r in runners)   # noqa: E731
     t0, c0 = time.perf_counter(), count()
-    if mode == "full" and engine.target.mode == "fused":
+    if mode == "full" and engine.teacher.mode == "fused":
         spec = engine.spec
-        calls = list(target_shapes(engine.target, budgets or engine.verify_budgets(), spec.D_max))
+        calls = list(teacher_shapes(engine.teacher, budgets or engine.verify_budgets(), spec.D_max))
         for dr in runners[1:]:
-            calls += list(drafter_shapes(dr, spec.M, spec.D_max, engine.target.S))
-        calls += list(batch_shapes(engine.target, max_batch, spec.M, spec.D_max, engine.drafter is not None))
+            calls += list(drafter_shapes(dr, spec.M, spec.D_max, engine.teacher.S))
+        calls += list(batch_shapes(engine.teacher, max_batch, spec.M, spec.D_max, engine.drafter is not None))
         if engine.drafter is not None:
-            calls += list(drafter_batch_shapes(engine.drafter, max_batch, spec.M, spec.D_max, engine.target.S))
+            calls += list(drafter_batch_shapes(engine.drafter, max_batch, spec.M, spec.D_max, engine.teacher.S))
         for i, (what, fn) in enumerate(calls):
             before = count()
             fn()
@@ -250,7 +250,7 @@ def warmup(engine, gen, mode: str = "full", log=None, drafters=None, budgets=Non
 
 def prepare(engine, cfg, gen, mode: str = "full", log=None, drafters=None, graph_cache: bool = True,
             budgets=None) -> dict:
-    """Warm ``engine`` up, reusing compiled graphs from disk when possible (:mod:`~mindspore_eagle.graph_cache`).
+    """Warm ``engine`` up, reusing compiled graphs from disk when possible (:mod:`~mindspore_eagle.kernels.graph_cache`).
 
     Args:
         engine / gen / log / drafters / budgets: as :func:`warmup`. cfg: the Config the engine was built from.
@@ -261,14 +261,14 @@ def prepare(engine, cfg, gen, mode: str = "full", log=None, drafters=None, graph
     Raises:
         ValueError: unknown mode.
     """
-    from . import graph_cache as gcache
-    from .pipeline import EMBEDDED_DRAFTER, resolve_teacher
+    from mindspore_eagle.kernels import graph_cache as gcache
+    from mindspore_eagle.serving.pipeline import EMBEDDED_DRAFTER, resolve_teacher
 
     if mode not in MODES:
         raise ValueError(f"warmup mode must be one of {', '.join(MODES)}, got {mode!r}")
     max_batch = cfg.batch.max_batch
     cache = None
-    if graph_cache and mode == "full" and engine.target.mode == "fused":
+    if graph_cache and mode == "full" and engine.teacher.mode == "fused":
         d = cfg.model.drafter
         key = gcache.cache_key(cfg, budgets or engine.verify_budgets(), resolve_teacher(cfg.model.teacher),
                                EMBEDDED_DRAFTER if d == "embedded" else d)
@@ -297,10 +297,10 @@ def stderr_log(line: str) -> None:
 def report_compiles(log=stderr_log) -> None:
     """Report every graph compiled on first use (outside a warm-up) as one ``log`` line, with a note first.
 
-    Installs a :func:`mindspore_eagle.runtime.set_compile_listener`; the line names the Cell method, the query
+    Installs a :func:`mindspore_eagle.kernels.runtime.set_compile_listener`; the line names the Cell method, the query
     rows x attention width of the call and the seconds it took.
     """
-    from . import runtime
+    from mindspore_eagle.kernels import runtime
 
     state = {"n": 0}
 
@@ -318,4 +318,4 @@ def report_compiles(log=stderr_log) -> None:
     runtime.set_compile_listener(listener)
 
 
-__all__ = ["warmup", "prepare", "report_compiles", "target_shapes", "drafter_shapes", "stderr_log", "MODES"]
+__all__ = ["warmup", "prepare", "report_compiles", "teacher_shapes", "drafter_shapes", "stderr_log", "MODES"]

@@ -29,12 +29,14 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import ops
 
+from mindspore_eagle.errors import MsEagleError
 
-class CacheExhaustedError(RuntimeError):
+
+class CacheExhaustedError(MsEagleError, RuntimeError):
     """Raised before any write when a sequence would exceed its slots or the pool has too few free blocks."""
 
 

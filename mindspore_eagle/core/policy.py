@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .tree import DraftTree
+from mindspore_eagle.core.tree import DraftTree
 
 PROB_EDGES = np.array([0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0 + 1e-6])
 CHILD_DEPTHS = 4
