@@ -4,7 +4,6 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("MSEAGLE_THREADS", "2")
 
 
@@ -58,15 +57,6 @@ def tiny(tiny_dir):
     return load_teacher(tiny_dir)
 
 
-def make_target(loaded_cfg, tensors, mode, num_blocks=32, block_size=8, max_seq_len=128, chunk=16):
-    from mindspore_eagle.models.llama import LlamaModel
-    from mindspore_eagle.runners.teacher import TeacherRunner
-
-    net = LlamaModel(loaded_cfg, num_blocks, block_size, max_seq_len)
-    net.load_hf_weights(tensors)
-    return TeacherRunner(net, num_blocks, block_size, max_seq_len, mode, chunk)
-
-
 @pytest.fixture(scope="session")
 def real_loaded():
     """numpy weights of the embedded default teacher (SmolLM2-135M-Instruct GGUF) + drafter, read once."""
@@ -74,20 +64,3 @@ def real_loaded():
     from mindspore_eagle.serving.pipeline import load_models
 
     return load_models(load_config(None, ["model.drafter=none"]))
-
-
-def tiny_tree(rng, root, M, D, vocab):
-    """A random DraftTree (root + up to M-1 nodes, depth <= D, distinct sibling tokens)."""
-    from mindspore_eagle.core.tree import DraftTree
-
-    n = int(rng.integers(1, M + 1))
-    parents, depth, tokens = [0], [0], [root]
-    for i in range(1, n):
-        cands = [j for j in range(i) if depth[j] < D]
-        p = int(rng.choice(cands))
-        used = {tokens[c] for c in range(1, i) if parents[c] == p}
-        t = int(rng.integers(0, vocab))
-        while t in used:
-            t = int(rng.integers(0, vocab))
-        parents.append(p), depth.append(depth[p] + 1), tokens.append(t)
-    return DraftTree(tokens, parents)

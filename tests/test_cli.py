@@ -18,11 +18,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from error_rows import ERRORS_MD, ROOT, check_row
 
 from mindspore_eagle import cli
 
-ROOT = Path(__file__).resolve().parents[1]
-ERRORS_MD = ROOT / "docs" / "errors.md"
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 TINY_FAST = ["--mode", "eager", "--max-new-tokens", "6", "--set", "speculative.policy=fixed"]
 
@@ -34,23 +33,6 @@ def _quiet_mindspore_log(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ helpers --
-def documented(row: str) -> str:
-    """The message docs/errors.md gives for ``row`` (first column), as a regex (placeholders <..> = .+?)."""
-    for line in ERRORS_MD.read_text(encoding="utf-8").splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
-        if len(cells) == 3 and cells[0] == row:
-            span = re.search(r"`(.+?)`", cells[2]).group(1)
-            if cells[2].startswith("record "):  # an output record's "error" field, JSON-encoded in the table
-                span = json.loads(span[len('"error": '):])
-            return ".+?".join(re.escape(p) for p in re.split(r"<[^>]+>", span))
-    raise AssertionError(f"docs/errors.md has no row {row!r}")
-
-
-def check_row(row: str, message: str) -> None:
-    """Assert that ``message`` is exactly what docs/errors.md documents for ``row``."""
-    assert re.fullmatch(documented(row), message), f"{row}: got {message!r}, documented {documented(row)!r}"
-
-
 def run_main(capsys, argv) -> tuple:
     """(exit code, stdout, stderr) of an in-process ``mindspore-eagle`` call."""
     try:
@@ -245,12 +227,11 @@ def test_error_is_one_line_in_a_real_process(tmp_path):
 
 
 def test_every_documented_row_is_tested():
-    """Each row of docs/errors.md is named by a check_row call in these tests (test_cli / test_batch)."""
+    """Each row of docs/errors.md is named by a check_row call in the tests (test_cli, serving/test_batch_job)."""
     rows = [c.strip() for line in ERRORS_MD.read_text(encoding="utf-8").splitlines()
             if line.startswith("| ") and not line.startswith("| Bad input")
             for c in [line.strip().strip("|").split(" | ")[0]]]
-    sources = (Path(__file__).read_text(encoding="utf-8")
-               + (Path(__file__).parent / "test_batch.py").read_text(encoding="utf-8"))
+    sources = "".join(p.read_text(encoding="utf-8") for p in sorted(Path(__file__).parent.rglob("test_*.py")))
     missing = [r for r in rows if f'"{r}"' not in sources]
     assert rows and not missing, missing
 

@@ -67,7 +67,7 @@ def test_batched_warmup_then_scheduler_compiles_nothing(ms_runtime, tiny_dir):
     """max_batch 3 with trees: the warm-up also compiles decode_batch (3 rows) and verify_batch (3 x M rows) at each
     width, after which a continuous-batching run over short and long prompts (both widths, tree and plain steps)
     compiles no graph."""
-    from test_scheduler import ScriptedGate, records
+    from tiny_engines import ScriptedGate, records
 
     from mindspore_eagle.runners.warmup import (
         batch_shapes,
@@ -132,17 +132,6 @@ def test_warmup_rejects_unknown_mode(ms_runtime, tiny_dir):
 
     with pytest.raises(ValueError, match="warmup mode must be one of full, short, none, got 'fast'"):
         warmup(build_engine(_cfg(tiny_dir)), None, "fast")
-
-
-def test_cache_key_changes_with_what_shapes_the_graphs(tiny_dir):
-    from mindspore_eagle.kernels.graph_cache import GraphCache, cache_key
-
-    a = cache_key(_cfg(tiny_dir), [8], str(tiny_dir), "random")
-    assert a == cache_key(_cfg(tiny_dir), [8], str(tiny_dir), "random")
-    for extra, budgets in ((["speculative.M=16"], [16]), (["cache.max_seq_len=256"], [8]), ([], [8, 16])):
-        b = cache_key(_cfg(tiny_dir, extra), budgets, str(tiny_dir), "random")
-        assert GraphCache("/r", a).dir != GraphCache("/r", b).dir
-    assert a["teacher"] and all(len(f) == 3 for f in a["teacher"])   # (file, size, mtime) of every checkpoint file
 
 
 RUN = textwrap.dedent("""

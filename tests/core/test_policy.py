@@ -160,7 +160,7 @@ PROMPTS = ["What is the capital of France?", "def add(a, b):"]
 
 
 def _engine(tiny_dir, drafter, verify_ms, extra=()):
-    from test_spec import tiny_engine
+    from tiny_engines import tiny_engine
 
     eng, cfg = tiny_engine(tiny_dir, drafter, "fused", ["speculative.policy=adaptive", "speculative.M=8",
                                                         "speculative.D_max=4", "speculative.top_k=2", *extra])
@@ -171,7 +171,7 @@ def _engine(tiny_dir, drafter, verify_ms, extra=()):
 
 @pytest.fixture(scope="module")
 def drafter_dir(tmp_path_factory, tiny):
-    from test_spec import tiny_drafter_dir
+    from tiny_engines import tiny_drafter_dir
 
     return tiny_drafter_dir(tmp_path_factory.mktemp("drafter"), tiny[0])
 

@@ -12,7 +12,6 @@ import sys
 
 import numpy as np
 import pytest
-from test_train import tiny_features  # noqa: F401  (module fixture: 48 tiny-teacher samples, max_len 64)
 
 from mindspore_eagle.train.distributed import (
     DistContext,
@@ -25,7 +24,7 @@ from mindspore_eagle.train.distributed import (
     reduce_step_stats,
 )
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # ----------------------------------------------------------------------------------------------- pure parts --

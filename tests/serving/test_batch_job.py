@@ -19,13 +19,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from test_cli import check_row
+from error_rows import check_row
 
 from mindspore_eagle.config import GenerationConfig
 from mindspore_eagle.serving import batch_job as batch
 from mindspore_eagle.serving.batch_job import BatchError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 REAL_SETTINGS = ["--set", "model.drafter=none", "--max-new-tokens", "8", "--set", "cache.max_seq_len=256",
                  "--set", "cache.num_blocks=32", "--set", "cache.prefill_chunk=16", "--set", "context.threads=1",

@@ -1,7 +1,7 @@
 """Paged cache, branch / commit / rollback, and tree verification equivalence on the tiny openPangu model."""
 import numpy as np
 import pytest
-from conftest import make_target, tiny_tree
+from tiny_engines import make_target, tiny_tree
 from tiny_pangu import causal_mask, numpy_forward
 
 from mindspore_eagle.core.tree import tensorize, tree_attention_bias

@@ -1,15 +1,10 @@
 """tree.py: golden tensorizer output, property tests over random trees, one corruption test per invariant."""
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-sys.path.insert(0, os.path.dirname(__file__))
 from tree_strategies import BUDGETS, draft_trees, ref_depth, ref_leaves, ref_path  # noqa: E402
 
 from mindspore_eagle.core.tree import (  # noqa: E402

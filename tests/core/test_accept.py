@@ -7,8 +7,6 @@ distribution (chi-square with a fixed seed).
 """
 from __future__ import annotations
 
-import os
-import sys
 from collections import Counter
 from fractions import Fraction
 
@@ -16,8 +14,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-sys.path.insert(0, os.path.dirname(__file__))
 from tree_strategies import BUDGETS, draft_trees, ref_children  # noqa: E402
 
 from mindspore_eagle.core.accept import (  # noqa: E402

@@ -5,8 +5,7 @@ import os
 import mindspore as ms
 import numpy as np
 import pytest
-from conftest import make_target
-from test_spec import PROMPTS, tiny_drafter_dir, tiny_engine
+from tiny_engines import PROMPTS, make_target, tiny_drafter_dir, tiny_engine
 from tiny_pangu import causal_mask, numpy_forward
 
 from mindspore_eagle.config import ConfigError, load_config
@@ -79,7 +78,7 @@ def test_ascend_presets(size):
     fused attention's 16 rows per sequence."""
     from mindspore_eagle.kernels.attention import PA_MAX_Q
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cfg = load_config([os.path.join(root, "configs", f"openpangu_embedded_{size}.yaml"),
                        os.path.join(root, "configs", "presets", f"ascend_openpangu_{size}.yaml")])
     assert cfg.model.dtype == "bfloat16" and cfg.context.device_target == "Ascend"

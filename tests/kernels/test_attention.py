@@ -18,7 +18,7 @@ import mindspore as ms
 import numpy as np
 import pytest
 from ascend_reference import MUTATIONS, KernelContractError, ReferenceKernels
-from conftest import tiny_tree
+from tiny_engines import tiny_tree
 
 from mindspore_eagle.core.tree import tensorize
 from mindspore_eagle.kernels.attention import (
@@ -163,7 +163,7 @@ def test_kernels_refuse_out_of_range_indices(ms_runtime):
 def test_speculative_engine_on_fused_path_is_lossless(ms_runtime, tiny_dir, tiny, tmp_path, monkeypatch):
     """float16, teacher and drafter both on the fused path (reference kernels with MindSpore's inference check),
     eager: greedy speculative output equals teacher-only greedy on the same path and on the portable path."""
-    from test_spec import PROMPTS, tiny_drafter_dir, tiny_engine
+    from tiny_engines import PROMPTS, tiny_drafter_dir, tiny_engine
 
     from mindspore_eagle.kernels import attention
 

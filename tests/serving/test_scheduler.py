@@ -12,30 +12,16 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny_engines import ScriptedGate, records
 
 from mindspore_eagle.config import load_config
 from mindspore_eagle.serving import batch_job as batch
 from mindspore_eagle.serving.scheduler import BatchScheduler
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["What is the capital of France?", "Hi", "Write a short story about a robot who learns to paint.",
            "def add(a, b):", "List three colours, please, and say why each one is nice to look at.", "2+2?",
            "Tell me about the sea."]
-
-
-class ScriptedGate:
-    """A RateGate stand-in that cycles through a fixed list of step kinds."""
-
-    def __init__(self, pattern):
-        self.pattern, self.i, self.seen = pattern, 0, set()
-
-    def choose(self):
-        kind = self.pattern[self.i % len(self.pattern)]
-        self.i += 1
-        return kind
-
-    def observe(self, kind, tokens, ms):
-        self.seen.add(kind)
 
 
 def tiny_engine(tiny_dir, extra=()):
@@ -46,10 +32,6 @@ def tiny_engine(tiny_dir, extra=()):
                              "cache.max_seq_len=256", "cache.num_blocks=64", "cache.prefill_chunk=16",
                              "generation.max_new_tokens=24", *extra])
     return build_engine(cfg), cfg
-
-
-def records(objs) -> list:
-    return [batch.parse_record(i + 1, i, json.dumps(o)) for i, o in enumerate(objs)]
 
 
 def one_at_a_time(eng, gen, recs) -> dict:
@@ -216,7 +198,7 @@ def test_speculative_batch_equals_one_at_a_time_greedy(ms_runtime, tiny, tiny_di
     drafter that puts each sequence's true continuation into its tree at a random depth (long accepted paths,
     multi-node commits), every record's tokens equal teacher-only one-at-a-time greedy decoding."""
     import numpy as np
-    from test_spec import tiny_drafter_dir
+    from tiny_engines import tiny_drafter_dir
 
     from mindspore_eagle.core.tree import DraftTree
 

@@ -3,7 +3,7 @@ prefill, decode with the paged cache, and a block of query tokens with an arbitr
 import mindspore as ms
 import numpy as np
 import pytest
-from conftest import make_target
+from tiny_engines import make_target
 from tiny_pangu import causal_mask, numpy_forward
 
 TOL = 1e-4
@@ -85,7 +85,7 @@ def test_batched_calls_match_one_sequence_calls(ms_runtime, tiny, grouped):
     """decode_batch / verify_batch give every sequence the logits its own decode / verify gives (to float32
     rounding), in the grouped layout (a block table per sequence) and the concatenated one (one table, block-diagonal
     mask), with pad rows / pad groups and sequences of 3, 11 and 29 tokens (block size 8)."""
-    from conftest import tiny_tree
+    from tiny_engines import tiny_tree
 
     from mindspore_eagle.core.tree import tensorize
 

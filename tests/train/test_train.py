@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from tiny_corpus import TEXTS, conversations
 
 from mindspore_eagle.train.ttt import causal_bias, make_batch, ttt_layout
 from mindspore_eagle.train.vocab import select_vocab
@@ -297,47 +298,6 @@ def test_eval_prompt_matching_normalises_text():
 
 
 # ------------------------------------------------------------------------------------- tiny teacher training --
-TEXTS = [ln.strip() for ln in """\
-The quick brown fox jumps over the lazy dog.
-What is the capital of France? The capital of France is Paris.
-Speculative decoding drafts several tokens and the teacher verifies them in one forward pass.
-Write a short story about a robot who learns to paint.
-Explain why the sky is blue.
-Please answer the question step by step, and keep the answer short and clear.
-def add(a, b): return a + b
-numbers 0 1 2 3 4 5 6 7 8 9 10 42 100""".splitlines()]
-
-
-def _conversations(n, seed=0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        a, b, c = rng.choice(len(TEXTS), 3)
-        out.append([{"role": "user", "content": TEXTS[a]},
-                    {"role": "assistant", "content": TEXTS[b] + " " + TEXTS[c]}])
-    return out
-
-
-@pytest.fixture(scope="module")
-def tiny_features(ms_runtime, tiny, tmp_path_factory):
-    """Feature shards of 48 tiny-teacher samples (max_len 64)."""
-    from mindspore_eagle.train.data import build_samples
-    from mindspore_eagle.train.features import (
-        build_runner,
-        extract_features,
-        head_weight,
-    )
-
-    cfg, tensors, tok = tiny
-    samples, stats = build_samples(tok, _conversations(60), 48, 64, min_assistant=4, eval_keys=set())
-    assert stats.kept == 48 and stats.template_mismatch == 0
-    d = tmp_path_factory.mktemp("features")
-    runner, _ = build_runner(cfg, tensors, 64)
-    man = extract_features(runner, head_weight(cfg, tensors), samples, str(d), shard_size=16)
-    assert [s["n"] for s in man["shards"]] == [16, 16, 16]
-    return str(d)
-
-
 def _tc(out, fdir, **kw):
     from mindspore_eagle.train.trainer import TrainConfig
 
@@ -473,7 +433,7 @@ def test_regenerate_reply_uses_teacher_greedy_decode(tiny, ms_runtime):
     runner, _ = build_runner(cfg, tensors, 64)
     a = regenerate_reply(runner, tok, TEXTS[1], max_new=6)
     assert a == regenerate_reply(runner, tok, TEXTS[1], max_new=6) and runner.bm.free_blocks() > 0
-    samples, st = build_samples(tok, _conversations(3), 2, 64, min_assistant=1, regenerate=1, runner=runner,
+    samples, st = build_samples(tok, conversations(3), 2, 64, min_assistant=1, regenerate=1, runner=runner,
                                 eval_keys=set())
     assert st.regenerated == 1 and len(samples) == 2
 
@@ -516,7 +476,7 @@ def test_batched_regeneration_equals_one_sequence_greedy(tiny, ms_runtime):
             if method != "progress":
                 setattr(batch_runner, method, real)
         assert batch_runner.bm.free_blocks() == free0, (method, fail_at)
-    samples, st = build_samples(tok, _conversations(6), 4, max_len, min_assistant=1, regenerate=3,
+    samples, st = build_samples(tok, conversations(6), 4, max_len, min_assistant=1, regenerate=3,
                                 runner=batch_runner, eval_keys=set(), regen_batch=2)
     assert 1 <= st.regenerated <= 3 and len(samples) == 4     # empty replies (EOS first) are skipped
 
@@ -775,7 +735,7 @@ def test_lk_curve_chains_runs_by_tokens_seen(tmp_path):
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("lk_curve", Path(__file__).parents[1] / "scripts" / "lk_curve.py")
+    spec = importlib.util.spec_from_file_location("lk_curve", Path(__file__).parents[2] / "scripts" / "lk_curve.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
 

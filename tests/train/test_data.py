@@ -410,7 +410,7 @@ def test_regeneration_survives_kill_and_resumes_to_the_same_records(tmp_path, si
 
     script = tmp_path / "run.py"
     script.write_text(_FAKE_RUN)
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}
     ref = subprocess.run([sys.executable, str(script), str(tmp_path / "ref"), "0"], env=env, capture_output=True,
                          text=True, timeout=120)
     assert ref.returncode == 0, ref.stderr

@@ -1,0 +1,87 @@
+"""models/eagle3.py: drafter checkpoints (round trip, the EAGLE-3 reference layout and its d2t map, refused files)."""
+import json
+
+import numpy as np
+import pytest
+from tiny_engines import tiny_drafter_dir
+
+from mindspore_eagle.models.eagle3 import (
+    DrafterConfig,
+    load_drafter,
+    save_drafter,
+    vocab_maps,
+)
+
+
+def test_drafter_checkpoint_roundtrip_and_reference_layout(ms_runtime, tmp_path, tiny):
+    tcfg = tiny[0]
+    d = tiny_drafter_dir(tmp_path, tcfg, seed=3, vd=50)
+    cfg, t = load_drafter(str(d))
+    assert cfg.draft_vocab_size == 50 and cfg.aux_layers == tuple(tcfg.aux_layers)
+    cfg2, t2 = load_drafter(str(d))
+    save_drafter(str(tmp_path / "again"), cfg2, t2)
+    _, t3 = load_drafter(str(tmp_path / "again"))
+    for k in t:
+        assert np.array_equal(t[k], t3[k]), k
+    # a checkpoint written with the EAGLE-3 reference names (vLLM-style "layers.0." too) and a non-trivial d2t
+    import mindspore as ms
+    from safetensors.numpy import save_file
+
+    from mindspore_eagle.models.eagle3 import Eagle3Drafter
+
+    used = np.array([3, 17, 40, 41, 99, 120, 250, 300])
+    ref = {k.replace("midlayer.", "layers.0."): v.astype(np.float16) for k, v in t.items() if k not in ("d2t", "t2d")}
+    ref["lm_head.weight"] = np.zeros((8, tcfg.hidden_size), np.float16)
+    ref.update({k: v for k, v in vocab_maps(used, tcfg.vocab_size).items()})
+    cfg_json = json.loads((d / "config.json").read_text())
+    cfg_json["draft_vocab_size"] = 8
+    ref_dir = tmp_path / "reference"
+    ref_dir.mkdir()
+    (ref_dir / "config.json").write_text(json.dumps(cfg_json))
+    save_file(ref, str(ref_dir / "model.safetensors"))
+    rcfg, rt = load_drafter(str(ref_dir))
+    assert np.array_equal(rt["d2t"] + np.arange(8), used)
+    rt["norm.weight"] = np.ones_like(rt["norm.weight"])
+    for j in range(8):                                   # make draft id j the argmax: must map to used[j]
+        rt["lm_head.weight"] = np.zeros_like(rt["lm_head.weight"])
+        rt["lm_head.weight"][j] = 1.0
+        embed = ms.Parameter(ms.Tensor(np.ones((tcfg.vocab_size, tcfg.hidden_size), np.float32)), name="e")
+        cell = Eagle3Drafter(rcfg, embed, 2, 4, 8, 32)
+        cell.load_tensors(rt)
+        h = ms.Tensor(np.ones((1, tcfg.hidden_size), np.float32))
+        mask = np.full((1, 32), -1e9, np.float32)
+        mask[0, 0] = 0
+        _, ids, _ = cell(h, ms.Tensor(np.array([5], np.int32)), ms.Tensor(np.array([0], np.int32)),
+                         ms.Tensor(np.array([0], np.int32)), ms.Tensor(np.arange(4, dtype=np.int32)),
+                         ms.Tensor(mask))
+        assert int(ids.asnumpy()[0, 0]) == used[j]
+
+
+def test_bad_drafter_checkpoints(tmp_path, tiny):
+    from mindspore_eagle.models.eagle3 import DrafterCheckpointError
+    from mindspore_eagle.serving.pipeline import check_drafter_fits
+
+    tcfg = tiny[0]
+    with pytest.raises(DrafterCheckpointError, match="no config.json"):
+        load_drafter(str(tmp_path / "missing"))
+    d = tiny_drafter_dir(tmp_path, tcfg, seed=5, vd=20)
+    (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:100])
+    with pytest.raises(DrafterCheckpointError, match="unreadable"):
+        load_drafter(str(d))
+    (d / "model.safetensors").unlink()
+    (d / "pytorch_model.bin").write_bytes(b"x")
+    with pytest.raises(DrafterCheckpointError, match="pickle"):
+        load_drafter(str(d))
+    cfg_json = json.loads((tiny_drafter_dir(tmp_path, tcfg, seed=6).joinpath("config.json")).read_text())
+    for name, layers in (("zero_layers", 0), ("two_layers", 2)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg_json | {"num_hidden_layers": layers}))
+        (tmp_path / name / "model.safetensors").write_bytes((tmp_path / "drafter6" / "model.safetensors").read_bytes())
+    with pytest.raises(DrafterCheckpointError, match="num_hidden_layers must be >= 1, got 0"):
+        load_drafter(str(tmp_path / "zero_layers"))
+    with pytest.raises(DrafterCheckpointError, match="missing tensor layers.1."):   # config 2 layers, tensors 1
+        load_drafter(str(tmp_path / "two_layers"))
+    bad = DrafterConfig(hidden_size=32, intermediate_size=8, num_attention_heads=2, num_key_value_heads=1,
+                        vocab_size=tcfg.vocab_size, draft_vocab_size=8, target_hidden_size=32)
+    with pytest.raises(DrafterCheckpointError, match="hidden_size = 32 does not fit the teacher"):
+        check_drafter_fits(bad, tcfg)

@@ -1,0 +1,175 @@
+"""The speculative engine (serving/engine.py) on the tiny openPangu model: lossless greedy (random drafter and
+high-acceptance oracle trees), fused == eager, exact sampling distribution, traces, bad inputs."""
+import numpy as np
+import pytest
+from scipy import stats
+from tiny_engines import PROMPTS, tiny_drafter_dir, tiny_engine
+from tiny_pangu import causal_mask, exact_two_tokens, numpy_forward
+
+from mindspore_eagle.core.trace import read_jsonl
+from mindspore_eagle.core.tree import DraftTree
+from mindspore_eagle.models.eagle3 import load_drafter
+
+
+def oracle_builder(engine, ref_out, prompt_len, rng, D):
+    """Replace drafting with trees that contain the teacher's true continuation at a random depth, mixed with
+    wrong siblings in random order (exercises long accepted paths and multi-node commits)."""
+    V = engine.teacher.model.cfg.vocab_size
+
+    def build(dsid, root, first, M, D_, grow=None):
+        sid = next(iter(engine.teacher.bm._seqs))
+        done = engine.teacher.length(sid) - prompt_len + 1
+        truth = ref_out[done:done + D]
+        tokens, parents, depth = [root], [0], [0]
+        node = 0
+        for t in truth[: int(rng.integers(0, len(truth) + 1))]:
+            wrong = [int(w) for w in rng.choice(V, 2, replace=False) if w != t][: int(rng.integers(0, 2))]
+            kids = wrong + [int(t)]
+            rng.shuffle(kids)
+            for k in kids:
+                if len(tokens) < M:
+                    tokens.append(k), parents.append(node), depth.append(depth[node] + 1)
+            if int(t) not in tokens[-len(kids):]:
+                break
+            node = len(tokens) - len(kids) + kids.index(int(t))
+        return DraftTree(tokens, parents)
+
+    return build
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory, tiny):
+    return tiny_drafter_dir(tmp_path_factory.mktemp("drafter"), tiny[0])
+
+
+@pytest.mark.parametrize("budget", [("12", "4", "3"), ("5", "4", "1"), ("32", "6", "4")])
+def test_greedy_lossless_random_drafter(ms_runtime, tiny_dir, drafter_dir, budget):
+    M, D, K = budget
+    eng, cfg = tiny_engine(tiny_dir, drafter_dir, "fused",
+                           [f"speculative.M={M}", f"speculative.D_max={D}", f"speculative.top_k={K}"])
+    gen = cfg.generation
+    gen.max_new_tokens = 24
+    for p in PROMPTS:
+        base = eng.generate(p, gen, speculative=False)
+        spec = eng.generate(p, gen, speculative=True)
+        assert spec.token_ids == base.token_ids and spec.text == base.text
+        assert sum(spec.accept_lens) >= len(spec.token_ids) - 1
+
+
+@pytest.mark.parametrize("mode", ["fused", "eager"])
+def test_greedy_lossless_high_acceptance(ms_runtime, tiny_dir, drafter_dir, mode):
+    eng, cfg = tiny_engine(tiny_dir, drafter_dir, mode, ["speculative.M=10", "speculative.D_max=5"])
+    gen = cfg.generation
+    gen.max_new_tokens = 40
+    rng = np.random.default_rng(0)
+    for p in PROMPTS:
+        ids = eng.encode_chat(p)
+        base = eng.generate_ids(ids, gen, speculative=False)
+        eng.drafter.build_tree = oracle_builder(eng, base.token_ids, len(ids), rng, 5)
+        spec = eng.generate_ids(ids, gen, speculative=True)
+        assert spec.token_ids == base.token_ids
+        assert max(spec.accept_lens) >= 4 and np.mean(spec.accept_lens) > 1.5
+
+
+def test_two_layer_drafter_lossless_and_fused_equals_eager(ms_runtime, tiny_dir, tiny, tmp_path):
+    """A 2-layer drafter (its own KV cache per layer, vLLM multi-layer layout) drafts through the same engine:
+    greedy output equals teacher-only decoding, fused and eager draft the same trees, and those trees differ from
+    the 1-layer drafter's with the same layer-0 weights (the second layer is used)."""
+    two = tiny_drafter_dir(tmp_path, tiny[0], seed=6, layers=2)
+    one = tiny_drafter_dir(tmp_path, tiny[0], seed=6)
+    assert load_drafter(str(two))[0].num_hidden_layers == 2
+    trees = {}
+    for name, d, mode in (("two_fused", two, "fused"), ("two_eager", two, "eager"), ("one_fused", one, "fused")):
+        eng, cfg = tiny_engine(tiny_dir, d, mode, ["speculative.M=12", "speculative.D_max=4", "speculative.top_k=3"])
+        gen = cfg.generation
+        gen.max_new_tokens = 12
+        trees[name] = []
+        build = eng.drafter.build_tree
+
+        def spy(*a, **kw):
+            tree = build(*a, **kw)
+            trees[name].append((tree.tokens.tolist(), tree.parents.tolist()))
+            return tree
+
+        eng.drafter.build_tree = spy
+        for p in PROMPTS:
+            spec = eng.generate(p, gen, speculative=True)
+            assert spec.token_ids == eng.generate(p, gen, speculative=False).token_ids, (name, p)
+    assert len(trees["two_fused"]) >= 3 * 6 and all(len(t[0]) == 12 for t in trees["two_fused"])
+    assert trees["two_fused"] == trees["two_eager"]
+    assert trees["two_fused"] != trees["one_fused"]
+
+
+def test_fused_and_eager_identical(ms_runtime, tiny_dir, drafter_dir, tmp_path):
+    results = {}
+    for mode in ("fused", "eager"):
+        eng, cfg = tiny_engine(tiny_dir, drafter_dir, mode,
+                               ["speculative.M=12", "speculative.D_max=4", "speculative.top_k=3"])
+        gen = cfg.generation
+        gen.max_new_tokens = 20
+        results[mode] = [(g.token_ids, g.accept_lens) for g in (eng.generate(p, gen) for p in PROMPTS)]
+    assert results["fused"] == results["eager"]
+
+
+def test_sampling_follows_teacher_distribution(ms_runtime, tiny_dir, drafter_dir, tiny):
+    """Joint of the first two sampled tokens (the second goes through the tree rejection rule) matches the exact
+    teacher distribution (temperature 0.8, top_k 3), chi-square at significance 0.001, fixed seeds."""
+    tcfg, tensors, _ = tiny
+    eng, cfg = tiny_engine(tiny_dir, drafter_dir, "fused", ["speculative.M=8", "speculative.D_max=2"])
+    gen = cfg.generation
+    gen.temperature, gen.top_k, gen.max_new_tokens = 0.8, 3, 2
+    ids = eng.encode_chat("Tell me a story.")
+    n = len(ids)
+    exact = exact_two_tokens(tcfg, tensors, ids, 0.8, 3)
+    rng = np.random.default_rng(7)
+
+    def build(dsid, root, first, M, D, grow=None):   # root's children: the likely tokens, shuffled, plus a wrong one
+        l, _ = numpy_forward(tcfg, tensors, ids + [root], np.arange(n + 1), causal_mask(n + 1))
+        kids = list(np.argsort(-l[-1])[:3])
+        rng.shuffle(kids)
+        kids = [int(k) for k in kids[: int(rng.integers(1, 4))]] + [int(np.argsort(-l[-1])[10])]
+        return DraftTree([root] + kids, [0] * (len(kids) + 1))
+
+    eng.drafter.build_tree = build
+    counts = {}
+    N = 400
+    for seed in range(N):
+        gen.seed = seed
+        g = eng.generate_ids(ids, gen)
+        key = tuple(g.token_ids[:2])
+        assert key in exact, key
+        counts[key] = counts.get(key, 0) + 1
+    keys = sorted(exact)
+    obs = np.array([counts.get(k, 0) for k in keys])
+    exp = np.array([exact[k] for k in keys]) * N
+    assert stats.chisquare(obs, exp).pvalue > 1e-3
+
+
+def test_traces_parse_and_phases_add_up(ms_runtime, tiny_dir, drafter_dir, tmp_path):
+    trace = tmp_path / "t.jsonl"
+    eng, cfg = tiny_engine(tiny_dir, drafter_dir, "fused", [f"speculative.trace={trace}"])
+    gen = cfg.generation
+    gen.max_new_tokens = 16
+    g = eng.generate(PROMPTS[0], gen)
+    eng.trace.close()
+    records = read_jsonl(trace)
+    steps = [r for r in records if r.kind == "step"]
+    turns = [r for r in records if r.kind == "turn"]
+    assert len(steps) == len(g.steps) > 0 and len(turns) == 1
+    assert turns[0].new_tokens == len(g.token_ids)
+    for s in steps:
+        phases = s.draft_ms + s.tensorize_ms + s.mask_ms + s.verify_ms + s.accept_ms + s.commit_ms
+        assert phases <= s.total_ms * 1.0001 and phases >= 0.9 * s.total_ms
+        assert s.accept_len == len(s.accepted) >= 1
+
+
+def test_bad_generation_inputs(ms_runtime, tiny_dir, drafter_dir):
+    from mindspore_eagle.serving.engine import GenerationError
+
+    eng, cfg = tiny_engine(tiny_dir, drafter_dir, "eager")
+    with pytest.raises(GenerationError, match="prompt is empty"):
+        eng.generate("   ", cfg.generation)
+    with pytest.raises(GenerationError, match="prompt is empty"):
+        eng.generate_ids([], cfg.generation)
+    with pytest.raises(GenerationError, match=r"exceeds cache.max_seq_len=256"):
+        eng.generate_ids(list(range(5, 205)), cfg.generation)      # 200 + 128 new + M > 256
