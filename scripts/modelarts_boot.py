@@ -5,7 +5,7 @@
     msrun --worker_num 2 --local_worker_num 2 --join True scripts/modelarts_boot.py --input ... --output ...
 
 Environment (set by ModelArts' Ascend jobs per card, or by MindSpore's ``msrun`` per worker process;
-pangu_mindformers.md §4):
+docs/design.md, "ModelArts"):
     RANK_ID    this process's rank r (default 0)        RANK_SIZE  number of ranks N (default 1)
     DEVICE_ID  device index; sets context.device_id unless context.device_target is CPU
     MS_ROLE    msrun also runs this file once as its scheduler (MS_ROLE=MS_SCHED); that process exits at once,

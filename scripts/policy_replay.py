@@ -59,7 +59,7 @@ def simulate(path, costs_path, M, D, K):
     z = np.load(path)
     if costs_path:
         costs = CostTable(**json.load(open(costs_path)))
-    else:   # README figures (session 3, quiet machine); m = 2 interpolated
+    else:   # docs/results.md, "2026-11-29, night" cost curve (quiet machine); m = 2 interpolated
         costs = CostTable(decode_ms=55.0, verify_ms={2: 66.0, 4: 76.4, 8: 83.5, 16: 97.8}, draft_ctx_ms=7.8,
                           draft_step_ms=8.8, host_ms=2.0)
     turns = z["turn"]

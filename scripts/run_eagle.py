@@ -6,7 +6,7 @@
     python scripts/run_eagle.py --config configs/openpangu_embedded_7b.yaml --run_mode predict \
         --predict_data prompts.txt --load_checkpoint /path/to/openPangu-Embedded-7B --device_id 0
 
-Arguments (pangu_mindformers.md §2.1):
+Arguments (MindFormers' run_mindformer.py names; docs/design.md, "MindFormers configuration and entry point"):
     --config             our YAML (configs/*.yaml; repeatable to add a preset). Default: built-in defaults.
     --run_mode           only ``predict`` (drafters are trained with ``mindspore-eagle train-drafter``).
     --predict_data       one or more texts, or a file: ``.txt`` = one prompt per line, ``.jsonl`` = batch records

@@ -10,7 +10,7 @@ Protocol (one process, interleaved so machine noise hits both equally):
 
 Units: tok/s = new tokens / (prefill + decode) wall seconds (``TurnTrace.tok_per_s``: end-to-end, prefill
 included, same definition for both paths); per-phase times in ms (``StepTrace`` fields); L_k = accepted drafts
-+ bonus (eagle3.md §3). Speedup of a turn = spec tok/s / baseline tok/s on that turn.
++ bonus (docs/design.md, "Accepted length"). Speedup of a turn = spec tok/s / baseline tok/s on that turn.
 
 All settings share one compiled teacher (:class:`TeacherRunner`) and one :class:`DrafterRunner` per top_k, so a
 sweep costs one extra graph per distinct tree shape instead of a full rebuild; the drafter window W is a host-side

@@ -4,8 +4,8 @@ Pure numpy; never runs a model and never imports MindSpore (docs/architecture.md
 
 Letters: M = tree budget (root included), n = real nodes, V = teacher vocabulary, a = accepted draft tokens.
 Node i's teacher row (argmax or probs row i) is the teacher's prediction for the token *after* node i, i.e.
-conditioned on the root-to-i path (eagle3.md §3 "Target pass"). Accept length counts the bonus token:
-accept_len = a + 1 tokens emitted per teacher forward (eagle3.md §3, tau = a + 1).
+conditioned on the root-to-i path (docs/design.md, "Verification and acceptance"). Accept length counts the bonus token:
+accept_len = a + 1 tokens emitted per teacher forward (docs/design.md, "Accepted length").
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from mindspore_eagle.core.tree import TreeTensors
 
 @dataclass
 class VerifyResult:
-    """Outcome of one verification step (eagle3.md §3 "Emit and update").
+    """Outcome of one verification step (docs/design.md, "Commit").
 
     ``path`` are the node indices to commit to the KV cache (root plus accepted drafts); ``tokens`` are the tokens
     emitted this step (accepted drafts then the bonus); the bonus becomes the next root and is not yet in the KV.
@@ -41,8 +41,8 @@ def accept_greedy(tt: TreeTensors, target_argmax) -> VerifyResult:
 
     Draft node j is accepted iff its parent is accepted and tokens[j] == target_argmax[parent[j]] (root always
     accepted). Among retrieve rows, the one with the longest accepted prefix wins; ties go to the lowest row
-    (first argmax), as E ``utils.py evaluate_posterior`` greedy branch (eagle3.md §3 "Greedy"). Bonus =
-    target_argmax[last accepted node].
+    (first argmax), as E ``utils.py evaluate_posterior`` greedy branch (docs/design.md, "Verification and acceptance").
+    Bonus = target_argmax[last accepted node].
     Args:
         tt: TreeTensors for budget M.
         target_argmax: int [M], teacher argmax after each node (pad rows ignored).
@@ -148,8 +148,8 @@ def accept_sampling(tt: TreeTensors, probs, rng: np.random.Generator) -> VerifyR
     probability r(x) / sum(r); on rejection set r(x) = 0 and continue. If a child is accepted, move to it;
     if every child is rejected, or the node is a leaf, draw the bonus from r / sum(r). Each emitted token is thus
     distributed exactly as p (E ``utils.py evaluate_posterior`` sampling branch; SG
-    ``tree_speculative_sampling_target_only``; eagle3.md §3 "Sampling"). E tries siblings in lexicographic
-    retrieve order, which is node-index order.
+    ``tree_speculative_sampling_target_only``; docs/design.md, "Verification and acceptance"). E tries siblings in
+    lexicographic retrieve order, which is node-index order.
     Args:
         tt: TreeTensors for budget M.
         probs: float [M, V] teacher distributions after warping (``warp_probs``); rows of real nodes must be

@@ -1,9 +1,9 @@
 """Per-step and per-turn trace records, JSONL output, phase timing and summaries.
 
-No MindSpore import. Metrics are derived from these records only (style.md "What to absorb" 9 and 12): one
+No MindSpore import. Metrics are derived from these records only (docs/design.md, "Traces and metrics"): one
 JSONL ``StepTrace`` line per speculative step, one ``TurnTrace`` line per turn. Units: wall milliseconds
-(``*_ms``), tokens per second (``tok_per_s``). Accept length L_k counts the bonus token (eagle3.md §3, tau = a + 1).
-Timing is host wall time (``time.perf_counter``); device work is only included if the caller synchronises
+(``*_ms``), tokens per second (``tok_per_s``). Accept length L_k counts the bonus token (docs/design.md, "Accepted
+length"). Timing is host wall time (``time.perf_counter``); device work is only included if the caller synchronises
 (the engine reads the device once per step) before a phase ends.
 """
 from __future__ import annotations

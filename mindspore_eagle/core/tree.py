@@ -6,8 +6,8 @@ Letters: M = tree budget (nodes verified per step, root included); D = D_max, th
 (root depth 0, deepest draft depth D); n = nodes actually in the tree, 1 <= n <= M; P = number of root-to-leaf
 paths (= leaves); S = context slots of the verification attention (prefix + M).
 
-Pad convention (eagle3.md §2 "Port recipe"): the pad index is ``M`` (one past the last node); no array ever holds
-a negative index. E (SafeAILab/EAGLE ``cnets.topK_genrate``) pads ``retrieve_indices`` with -1 and relies on
+Pad convention (docs/design.md, "Tree tensors and padding"): the pad index is ``M`` (one past the last node); no array
+ever holds a negative index. E (SafeAILab/EAGLE ``cnets.topK_genrate``) pads ``retrieve_indices`` with -1 and relies on
 wrap-around; here every row of ``retrieve`` is right-padded with ``M`` and has width D + 2, so there is always at
 least one trailing pad. Rows ``n..M-1`` are inert pad rows: token ``pad_token``, depth 0, parent M, mask only on
 their own diagonal, valid False.
@@ -51,7 +51,7 @@ class TreeInvariantError(ValueError):
 
 @dataclass
 class DraftTree:
-    """A draft tree as produced by drafting (eagle3.md §2 step 2): node 0 is the root token r.
+    """A draft tree as produced by drafting (docs/design.md, "Tree expansion"): node 0 is the root token r.
 
     Fields (coerced to numpy in ``__post_init__``; ranges are checked by ``tensorize``):
         tokens: int64 [n], teacher-vocabulary token ids, tokens[0] = root.
@@ -164,7 +164,7 @@ def _check_draft_tree(tree: DraftTree, M: int, D: int) -> np.ndarray:
 
 
 def _ancestor_mask(parents: np.ndarray, n: int) -> np.ndarray:
-    """bool [n, n]: row i True at i and its ancestors (eagle3.md §2 step 3: OR with the parent's row)."""
+    """bool [n, n]: row i True at i and its ancestors (each row is its parent's row plus itself)."""
     mask = np.eye(n, dtype=bool)
     for i in range(1, n):
         mask[i] |= mask[parents[i]]
@@ -188,7 +188,8 @@ def _retrieve(mask: np.ndarray, leaves: np.ndarray, M: int, D: int) -> np.ndarra
 
 
 def tensorize(tree: DraftTree, M: int, D: int, pad_token: int = 0) -> TreeTensors:
-    """Turn a DraftTree into fixed-shape TreeTensors for budget (M, D) (eagle3.md §2 steps 3-4, pad = M).
+    """Turn a DraftTree into fixed-shape TreeTensors for budget (M, D) (docs/design.md, "Tree tensors and padding"; pad
+    = M).
 
     Args:
         tree: DraftTree with n nodes.
@@ -353,7 +354,7 @@ def validate_tree(tt: TreeTensors, M: int, D: int, pad_token: int | None = None)
 
 
 def tree_attention_bias(tt: TreeTensors, prefix_len: int, S: int) -> np.ndarray:
-    """Additive attention bias for the verification forward (eagle3.md §3 "Target pass").
+    """Additive attention bias for the verification forward (docs/design.md, "Verification and acceptance").
 
     Column c < prefix_len (the committed context) is visible to every valid row; column prefix_len + j is visible
     to row i iff mask[i, j]; pad rows see only their own column prefix_len + i, so every row has one visible

@@ -76,7 +76,7 @@ def paged_attention(q, k, v, key_cache, value_cache, write_idx, read_idx, mask, 
     them where one-token decoding has them contiguous, and a half-precision P V sum grouped differently flipped a
     greedy token (docs/ascend.md). float32 takes no cast.
     GQA: each KV head serves nh / n_kv query heads through one batched matmul. This is the portable stand-in for
-    Ascend's ReshapeAndCache + PagedAttention pair (pangu_mindformers.md §2.3).
+    Ascend's ReshapeAndCache + PagedAttention pair (docs/design.md, "MindFormers KV-cache API").
 
     Grouped call (several sequences in one forward, each over its own slots): read_idx [G, n_kv, S] from a block
     table [G, S/B]; the k = G * kg query rows are G consecutive groups of kg rows, group g attends only to its

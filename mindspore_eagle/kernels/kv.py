@@ -13,7 +13,8 @@ call (60 writes: 2.4 ms at 9 blocks, 8.8 ms at 65, 59 ms at 513); and a read by 
 the ``[n_kv, S, hd]`` operand the attention matmuls want, with no transpose of the gathered keys and values.
 Block ``NB`` is the explicit **pad block**: it is never handed out by
 the pool, every padding entry of a block table and every padding slot points into it, so no index is ever -1
-(MindFormers pads with -1; Gather with -1 is an error on CPU and undefined on Ascend, pangu_mindformers.md §2.5).
+(MindFormers pads with -1; Gather with -1 is an error on CPU and undefined on Ascend: docs/design.md, "MindFormers
+KV-cache API").
 
 Host bookkeeping uses MindFormers' own ``BlockMemPool`` and ``CacheEngine`` (``mindformers/modules/
 cache_engine.py``), loaded from the installed mindformers distribution by file so that the 4 s package import

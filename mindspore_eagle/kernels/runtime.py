@@ -2,8 +2,8 @@
 
 MindSpore's CPU defaults (25 kernel threads, 5 dispatch threads) oversubscribe a small machine: PyNative
 decode of the 135M teacher takes 2.8 s/token with them and ~0.3 s/token with ``threads_num(2)`` +
-``launch_blocking()`` (../shared/design/feasibility.md §3.2). ``configure()`` applies those settings once,
-before the first kernel runs.
+``launch_blocking()`` (docs/design.md, "MindSpore runtime settings on CPU"). ``configure()`` applies those settings
+once, before the first kernel runs.
 
 Execution modes (one process can hold both, so fused and eager can be compared token for token):
 - ``fused``: the Cell's ``construct`` wrapped with ``mindspore.jit`` (a compiled static graph per input
@@ -74,7 +74,7 @@ class CompiledFn:
 
     Attributes:
         compiles: number of distinct (shape, dtype) input signatures seen in fused mode; each one is one
-            graph compilation (8-17 s on a 2-core CPU for the 135M teacher, feasibility.md §3.3).
+            graph compilation (seconds each on a 2-core CPU; docs/design.md, "Static shapes on CPU").
         compile_ms: wall ms of the calls that compiled a new graph (compilation plus that one execution).
     """
 

@@ -11,8 +11,9 @@ Tensor names and shapes returned (HF Linear layout [out, in]), see `expected_sha
     mlp.gate_proj.weight / up_proj.weight [I, H], mlp.down_proj.weight [H, I],
     input_layernorm.weight / post_attention_layernorm.weight [H].
 
-Sources: openPangu key layout (pangu_mindformers.md 1.3; stray rotary_emb.inv_freq skipped), GGUF facts and the
-q/k un-permutation (feasibility.md 2.1, inverse of llama.cpp convert_hf_to_gguf.py `LlamaModel.permute`).
+Sources: openPangu key layout (docs/design.md, "openPangu-Embedded"; stray rotary_emb.inv_freq skipped), GGUF
+facts and the q/k un-permutation (docs/design.md, "Offline model and data sources"; the inverse of llama.cpp
+convert_hf_to_gguf.py `LlamaModel.permute`).
 Every failure is a `CheckpointError` (ValueError) with a one-line message naming the file/tensor/field.
 Pickle checkpoints (.bin/.pt/.pth/.ckpt) are refused: unpickling runs arbitrary code.
 """

@@ -3,17 +3,18 @@
 Legend: k = query rows, K = top_k, H = drafter hidden, Ht = teacher hidden, Vd = draft vocab, V = teacher
 vocab, S = drafter cache slots of one sequence, nh / n_kv / hd = heads / KV heads / head dim.
 
-Architecture (eagle3.md §1, reference E ``eagle/model/cnets.py``, SF ``specforge/modeling/draft/llama3_eagle.py``):
+Architecture (docs/design.md, "Drafter architecture"; reference E ``eagle/model/cnets.py``, SF
+``specforge/modeling/draft/llama3_eagle.py``):
 - ``fc``: Linear(3 Ht -> H), no bias, fuses the three captured teacher hidden states (low, mid, high).
 - one decoder layer ("midlayer") whose attention input is ``concat(input_layernorm(embed(token)),
   hidden_norm(feature))`` (2H wide, embedding first); residual = feature; Llama GQA attention, SiLU MLP.
 - ``norm`` then ``lm_head`` (H -> Vd); logits index draft ids; ``d2t`` int64 [Vd] holds **offsets**:
-  ``target_id = draft_id + d2t[draft_id]`` (pitfall P9: identity is zeros).
+  ``target_id = draft_id + d2t[draft_id]`` (the identity is zeros: docs/design.md, "Vocabulary map").
 - the token embedding is the teacher's (shared, never saved); RoPE theta from the *drafter* config (10000
-  when absent, eagle3.md §1).
+  when absent).
 - optional later decoder layers (``num_hidden_layers`` > 1; vLLM ``llama_eagle3.py``: layer 0 takes the 2H
   concat, layers 1.. are plain Llama pre-norm layers over the H-wide residual stream, keys ``layers.{i}.*``).
-- the output fed back as the next feature is the **pre-norm** output of the last layer (P6).
+- the output fed back as the next feature is the **pre-norm** output of the last layer.
 
 Checkpoint (directory): ``config.json`` + ``model.safetensors`` with keys ``fc.weight [H, 3Ht]``,
 ``midlayer.self_attn.{q,k,v,o}_proj.weight``, ``midlayer.mlp.{gate,up,down}_proj.weight``,
@@ -53,8 +54,8 @@ class DrafterConfig:
     Attributes:
         hidden_size: H (must equal the teacher's hidden size: the embedding is shared).
         target_hidden_size: Ht of the teacher whose 3 layers are fused by ``fc``.
-        aux_layers: teacher layers whose *inputs* are captured (eagle3.md §1; P5 off-by-one).
-        draft_vocab_size: Vd; vocab_size: V (teacher vocabulary).
+        aux_layers: teacher layers whose *inputs* are captured (docs/design.md, "Captured features": inputs, not
+        outputs). draft_vocab_size: Vd; vocab_size: V (teacher vocabulary).
         num_hidden_layers: decoder layers (1 = the EAGLE-3 drafter; more = vLLM's multi-layer layout above).
     Raises:
         DrafterCheckpointError: num_hidden_layers < 1.
@@ -164,7 +165,8 @@ def init_drafter_tensors(cfg: DrafterConfig, seed: int = 0, used_ids: np.ndarray
 
 
 def vocab_maps(used_ids: np.ndarray, vocab_size: int) -> dict:
-    """``d2t`` offsets int64 [Vd] and ``t2d`` bool [V] from the sorted draft vocabulary (eagle3.md §4)."""
+    """``d2t`` offsets int64 [Vd] and ``t2d`` bool [V] from the sorted draft vocabulary (docs/design.md, "Vocabulary
+    map")."""
     used = np.asarray(used_ids, np.int64)
     if np.any(np.diff(used) <= 0) or used[0] < 0 or used[-1] >= vocab_size:
         raise ValueError(f"draft vocabulary ids must be sorted, distinct, in [0, {vocab_size})")
@@ -338,12 +340,12 @@ class Eagle3Drafter(nn.Cell):
     With ``num_hidden_layers`` L > 1 every call runs the L layers in turn, each with its own cache (``blocks``);
     ``context`` is ``fuse`` + ``construct`` in one call with the head applied to the ``pick`` rows alone: a context
     pass needs the prediction of its last pair only (of each sequence's last pair when batched), and the 8192-row
-    head is about half of a row's multiply-adds (eagle3.md §2; docs/results.md, session 5).
-    ``top_logp`` are log-softmax values over the draft vocabulary in fp32 (eagle3.md §2), ``top_ids`` already
-    mapped to teacher ids through d2t. ``h`` / ``h_out`` are in the compute dtype.
+    head is about half of a row's multiply-adds (docs/results.md, "2026-12-01, morning").
+    ``top_logp`` are log-softmax values over the draft vocabulary in fp32 (docs/design.md, "Tree expansion"),
+    ``top_ids`` already mapped to teacher ids through d2t. ``h`` / ``h_out`` are in the compute dtype.
 
     Compute dtype = the shared embedding's dtype (``model.dtype``): weights, matmuls, residual and KV cache in it;
-    RMSNorm, RoPE, softmax and the logits in float32 (as the teacher, models/pangu.py); float32 adds no cast.
+    RMSNorm, RoPE, softmax and the logits in float32 (as the teacher, models/llama.py); float32 adds no cast.
 
     Args:
         cfg: drafter config; embed: the teacher's embedding Parameter [V, H] (shared, not copied; its dtype is

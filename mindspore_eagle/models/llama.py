@@ -4,7 +4,7 @@ Legend: k = query tokens in one call, m = rows that get logits, S = slots addres
 H = hidden, nh / n_kv = query / KV heads, hd = head dim, V = vocab, L = layers, NB / B = cache blocks / block size.
 
 openPangu-Embedded = Llama + bias on q/k/v **and** o (one ``bias: true`` flag); Qwen2 = bias on q/k/v only;
-Llama / SmolLM2 = no bias (pangu_mindformers.md §1.2). Pre-RMSNorm blocks, NeoX (rotate_half) RoPE with the
+Llama / SmolLM2 = no bias (docs/design.md, "openPangu-Embedded"). Pre-RMSNorm blocks, NeoX (rotate_half) RoPE with the
 config's theta, GQA, SwiGLU MLP, final norm, tied or separate lm_head.
 
 One forward serves prefill, single-token decode and tree verification:
@@ -15,14 +15,14 @@ One forward serves prefill, single-token decode and tree verification:
 ``slots`` says where each query token's K/V is written (padding rows point into the pad block); the K/V of
 the whole sequence are then read through ``block_table`` and the additive ``mask`` (0 visible, -1e9 hidden)
 decides what each query sees, so the same code handles a causal prefill, a decode step and a tree.
-``aux`` is the concatenation of the residual stream entering layers ``aux_layers`` (EAGLE-3 captures; eagle3.md
-§1: inputs of layers 2, L//2, L-3 by default).
+``aux`` is the concatenation of the residual stream entering layers ``aux_layers`` (EAGLE-3 captures; docs/design.md,
+"Captured features": inputs of layers 2, L//2, L-3 by default).
 
 Weights are fused at load time (q/k/v into one [ (nh + 2 n_kv) hd, H ] matrix, gate/up into one [2F, H]) and
 kept in HF layout [out, in] with ``transpose_b`` matmuls: on the 2-core CPU that layout is 1.5x faster at k = 8
-than pre-transposed weights (feasibility.md §5). Three per-layer elementwise ops are folded into those matrices
-at load, since each graph op costs ~10 us of launch overhead on the CPU (docs/results.md, profile): the
-input / post-attention RMSNorm weights g scale the input columns of ``wqkv`` / ``w_gate_up``
+than pre-transposed weights (docs/design.md, "Matmul formulations on CPU"). Three per-layer elementwise ops are folded
+into those matrices at load, since each graph op costs ~10 us of launch overhead on the CPU (docs/results.md, profile):
+the input / post-attention RMSNorm weights g scale the input columns of ``wqkv`` / ``w_gate_up``
 (norm(x) * g @ W.T == norm(x) @ (W * g).T), and the attention scale 1/sqrt(hd) scales the q rows of ``wqkv`` and
 ``bqkv`` (RoPE is linear, so scaling q before it is exact up to float rounding).
 """
@@ -100,7 +100,7 @@ def linear(x, w):
         x @ w.T       30   31   47   54   65   73  101  156  256
         (w @ x.T).T   48   43   47   46   49   61  104  213  496
 
-    (docs/results.md, "Session 3"; both forms give the same values up to float rounding.)
+    (docs/results.md, "2026-11-29, night"; both forms give the same values up to float rounding.)
     """
     if _weight_left(x.shape[0], x.dtype):
         return _MM(w, x.T).T
@@ -361,8 +361,8 @@ class KVCompactor(nn.Cell):
 
     construct(src [P] i32, dst [P] i32) slots -> a dummy scalar (the caches update in place). Each slot is moved
     for every KV head through ``backend.move`` (portable: row gather + ScatterUpdate; fused: gather +
-    ReshapeAndCache). Gathering first makes overlapping source / destination ranges safe (kv commit,
-    eagle3.md §3).
+    ReshapeAndCache). Gathering first makes overlapping source / destination ranges safe (docs/design.md,
+    "Commit").
 
     Args:
         caches: [(key_cache, value_cache)] per layer; backend: the caches' attention backend (``attention.py``).

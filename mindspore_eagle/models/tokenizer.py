@@ -5,7 +5,7 @@ Letter legend (docs/architecture.md): V = teacher vocab.
 * `Tokenizer.from_gguf(reader)`: llama.cpp `gpt2` tokenizer model rebuilt with `tokenizers` (models.BPE(vocab,
   merges), a pre-tokenizer chosen by `tokenizer.ggml.pre`, ByteLevel decoder, token types 3/4 as special tokens).
   For SmolLM2 (`pre` = smollm) this is Digits(individual) + ByteLevel, exact on MT-Bench/HumanEval text
-  (feasibility.md 2.3). An embedded `tokenizer.huggingface.json` is used as is.
+  (docs/design.md, "Tokenizer of the GGUF teacher"). An embedded `tokenizer.huggingface.json` is used as is.
 * `Tokenizer.from_hf_dir(dir)`: `tokenizer.json` via `tokenizers`, else SentencePiece `tokenizer.model` with the
   `added_tokens_decoder` of tokenizer_config.json split out first, each remaining segment encoded by SentencePiece
   (as openPangu's slow `PanguTokenizer` does), BOS prepended when `add_bos_token` is true.

@@ -4,17 +4,17 @@ Legend: K = top_k, D = D_max (max draft depth; root depth 0), M = tree budget (r
 n_ctx = (feature, next token) pairs in the drafter cache, W = drafter attention window (0 = unlimited),
 H = hidden, Sd = drafter max_seq_len.
 
-Pairing (eagle3.md §2 "Token/feature pairing"): drafter position p holds the pair (teacher feature of token p,
+Pairing (docs/design.md, "Token/feature pairing"): drafter position p holds the pair (teacher feature of token p,
 embedding of token p + 1) and predicts token p + 2. After the teacher emits root r, the context pass ends on the
 pair (feature of the last committed token, r) and its top-K gives the depth-1 candidates.
 
-Expansion (E ``cnets.Model.topK_genrate``, eagle3.md §2 steps 0-2, here with D = max depth so D - 1 tree steps):
-at tree step i = 1 .. D-1 the K selected nodes of depth i run together at position n_ctx + i - 1, each seeing
+Expansion (E ``cnets.Model.topK_genrate``; docs/design.md, "Tree expansion"; here with D = max depth so D - 1 tree
+steps): at tree step i = 1 .. D-1 the K selected nodes of depth i run together at position n_ctx + i - 1, each seeing
 the whole context (or its last W pairs) and its own tree ancestors (mask ``TM``); their top-K children get
 cumulative log-prob scores (fp32); the best K of the K^2 become the next frontier. Finally the best M - 1 of all
-candidates are kept (ties: lower candidate id first, so a parent always wins over its child, pitfall P8), sorted
+candidates are kept (ties: lower candidate id first, so a parent always wins over its child), sorted
 by candidate id so parents precede children. The drafter's tree K/V live in a scratch branch that is dropped
-after each round; only accepted context (rebuilt from the teacher's true features, P6) persists.
+after each round; only accepted context (rebuilt from the teacher's true features) persists.
 """
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ Legend: n = committed tokens of the sequence, k = query rows of one call, M = tr
 V = vocab, H = hidden.
 
 Static shapes, so the fused (jit) path compiles a small fixed set of graphs: prefill runs in chunks of at most
-``prefill_chunk`` tokens, each padded to a power-of-two bucket >= 16 (feasibility.md §4: dynamic shapes are
-10-15x slower on CPU); decode is k = 1; verification is k = M; the attended context is cut to a width bucket
+``prefill_chunk`` tokens, each padded to a power-of-two bucket >= 16 (docs/design.md, "Static shapes on CPU": dynamic
+shapes are 10-15x slower on CPU); decode is k = 1; verification is k = M; the attended context is cut to a width bucket
 (256, 512, ..., S slots), so each (k, width) pair is one graph. Padding rows write into the pad block and
 attend only to slot 0, so they never touch the sequence.
 """

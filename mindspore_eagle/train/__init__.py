@@ -1,4 +1,4 @@
-"""EAGLE-3 drafter training on MindSpore (eagle3.md §4).
+"""EAGLE-3 drafter training on MindSpore (docs/design.md, "Drafter training").
 
 Pipeline (``python -m mindspore_eagle.train``, see ``__main__``):
     data.build_samples        ShareGPT -> chat-templated ids + assistant loss mask (eval prompts excluded)

@@ -9,8 +9,8 @@ other (segments), each with its own RoPE positions 0..n-1 and a block-diagonal c
 Cell builds it from ``seg``). Nothing crosses a segment boundary:
 
 * ids / targets / loss mask are shifted **inside each sample** (:func:`sample_arrays`, the alignment of
-  eagle3.md §4): position t of step s uses token x[t+s+1], teacher row t+s+1 and mask m[t+s+2] of the same
-  sample; past the sample's end the token is 0 and the mask is 0, so the last s+2 positions of a segment never
+  docs/design.md, "Drafter training"): position t of step s uses token x[t+s+1], teacher row t+s+1 and mask m[t+s+2] of
+  the same sample; past the sample's end the token is 0 and the mask is 0, so the last s+2 positions of a segment never
   carry loss at step s (they would otherwise see the next segment's tokens);
 * the teacher rows t+s+1 of a masked position may belong to the next segment; those positions have mask 0, so
   their (finite) cross-entropy is multiplied by 0;
@@ -66,7 +66,7 @@ class Batch:
 
 
 def sample_arrays(input_ids, loss_mask, aux, hidden, argmax, t2d: np.ndarray, max_len: int, S: int) -> dict:
-    """The TTT-shifted arrays of one sample, unpadded (eagle3.md §4 "Alignment").
+    """The TTT-shifted arrays of one sample, unpadded (docs/design.md, "Drafter training", Alignment).
 
     Args:
         input_ids int [n0], loss_mask {0,1} [n0] (1 on assistant tokens), aux [n0, 3Ht], hidden [n0, H] (any

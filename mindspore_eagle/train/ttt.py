@@ -4,12 +4,13 @@ Legend: B = rows of a batch, T = row length (tokens; max_len when unpacked), S =
 steps), H = drafter hidden, Ht = teacher hidden, V = teacher vocab, Vd = draft vocab, nh / n_kv / hd = heads /
 KV heads / head dim, kmax = top-k width of the evaluation outputs.
 
-Math (eagle3.md §1 and §4; E ``eagle/traineagle3/cnets.py``, SF ``specforge/algorithms/eagle3/model.py``):
+Math (docs/design.md, "Drafter architecture" and "Drafter training"; E ``eagle/traineagle3/cnets.py``, SF
+``specforge/algorithms/eagle3/model.py``):
 
 * ``h = fc(aux)`` once; for s = 0..S-1: ``e = embed(ids_s)``, ``h_out = midlayer(e, h)`` then each later
   layer (``num_hidden_layers`` > 1, each with its own step-by-step keys) (same math as
   :class:`~mindspore_eagle.models.eagle3.Eagle3Drafter`), ``logits_s = lm_head(norm(h_out))`` over Vd,
-  then ``h <- h_out`` (the **pre-norm** output, P6) and ids/targets/mask move one position left. Step s thus
+  then ``h <- h_out`` (the **pre-norm** output) and ids/targets/mask move one position left. Step s thus
   conditions on the drafter's **own** previous outputs h (as at inference) but on the **true** tokens ids_s
   (at inference: the drafted tokens; the two agree on an accepted path of the teacher's own greedy reply).
 * Attention at step s (:func:`ttt_layout` is the reference for one sample): the query at position t sees the
@@ -19,19 +20,19 @@ Math (eagle3.md §1 and §4; E ``eagle/traineagle3/cnets.py``, SF ``specforge/al
   K0 concatenated with one dot product per later step (E ``LlamaAttention.forward``).
 * Alignment for position t at step s: token ``ids_s[t] = x[t+s+1]``, teacher target = teacher logits at row
   t+s+1 (the distribution of x[t+s+2]), loss mask ``m[t+s+2]`` (the predicted token is an assistant token; the
-  mask moves with ids and targets, P11). Ids, targets and masks are shifted per sample on the host
+  mask moves with ids and targets). Ids, targets and masks are shifted per sample on the host
   (:func:`~mindspore_eagle.train.batching.sample_arrays`), so nothing crosses a sample boundary in packed rows.
 * Loss of one sample: ``p = softmax(teacher_logits restricted to the draft vocab)`` (rows of the frozen teacher
   head at the draft ids, SF TargetHead), ``pos_mask = loss_mask * t2d[teacher argmax]``,
   ``L_s = -sum_t pos_mask * sum_v p log_softmax(logits_s) / max_len`` (mean over **all** max_len positions,
-  P10), total = sum_s 0.8^s L_s. Loss of a batch = the mean over its ``n_samples`` samples (the sums run over
+  as E), total = sum_s 0.8^s L_s. Loss of a batch = the mean over its ``n_samples`` samples (the sums run over
   all rows, divided by max_len * n_samples), so its gradient is the mean of the per-sample gradients.
   Accuracy: d2t-mapped draft argmax == teacher argmax on loss-masked positions (positions whose teacher argmax
   lies outside the draft vocab count as misses, as in E).
 
 Parameters carry the fused layout of the inference Cell (``wqkv`` = q;k;v rows, ``w_gate_up`` = gate;up rows);
 :meth:`TTTDrafter.export_tensors` / :meth:`TTTDrafter.load_tensors` convert to / from SpecForge keys.
-The embedding and the teacher head rows are frozen (never trained, never exported, P12).
+The embedding and the teacher head rows are frozen (never trained, never exported).
 """
 from __future__ import annotations
 

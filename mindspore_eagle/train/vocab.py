@@ -1,5 +1,5 @@
 """Draft vocabulary: the Vd most frequent target tokens on loss-masked positions (E ``scandata``; SF
-``process_token_dict_to_mappings``; eagle3.md §4 "Vocab map", pitfall P9).
+``process_token_dict_to_mappings``; docs/design.md, "Vocabulary map").
 
 Legend: V = teacher vocab, Vd = draft vocab.
 
