@@ -1,6 +1,6 @@
 """Acceptance rules for tree verification: pure functions of the teacher's outputs and a TreeTensors.
 
-Pure numpy; never runs a model and never imports MindSpore (docs/architecture.md, "verify.py").
+Pure numpy; never runs a model and never imports MindSpore (docs/architecture.md, "core/ (numpy only)").
 
 Letters: M = tree budget (root included), n = real nodes, V = teacher vocabulary, a = accepted draft tokens.
 Node i's teacher row (argmax or probs row i) is the teacher's prediction for the token *after* node i, i.e.

@@ -1,6 +1,6 @@
 """Draft trees as fixed-shape arrays: DraftTree -> TreeTensors, invariant checks, verification attention bias.
 
-Pure numpy; never imports MindSpore (docs/architecture.md, "tree.py").
+Pure numpy; never imports MindSpore (docs/architecture.md, "core/ (numpy only)").
 
 Letters: M = tree budget (nodes verified per step, root included); D = D_max, the maximum depth of a draft node
 (root depth 0, deepest draft depth D); n = nodes actually in the tree, 1 <= n <= M; P = number of root-to-leaf
