@@ -1,4 +1,4 @@
-"""Hypothesis strategies and slow reference implementations shared by test_tree.py and test_verify.py."""
+"""Hypothesis strategies and slow reference implementations shared by core/test_tree.py and core/test_accept.py."""
 from __future__ import annotations
 
 from hypothesis import strategies as st

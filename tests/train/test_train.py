@@ -1,5 +1,5 @@
 """Drafter training (mindspore_eagle.train): TTT layout, data masks, vocab, learning on a tiny teacher, exact
-resume, and consistency of the training Cell with the inference Cell (eagle3.md §4)."""
+resume, and consistency of the training Cell with the inference Cell (docs/design.md, "Drafter training")."""
 from __future__ import annotations
 
 import json
