@@ -7,7 +7,7 @@ Prints a markdown table and, with ``--png``, draws the implied L_k (D = 3: chain
 formula and its assumptions are in train/coverage.py) against training tokens; ``--measured TOKENS:L_K`` adds
 benchmark points (real mean accepted length on evaluation turns) to the figure.
 
-    python scripts/lk_curve.py RUN_DIR [RUN_DIR ...] [--png docs/fig_lk_curve.png] [--measured 0:1.72 ...]
+    python scripts/lk_curve.py RUN_DIR [RUN_DIR ...] [--png docs/reports/fig_lk_curve.png] [--measured 0:1.72 ...]
 """
 from __future__ import annotations
 
