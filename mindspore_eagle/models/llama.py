@@ -286,7 +286,7 @@ class LlamaModel(nn.Cell):
             return linear(h, self.head_weight())
         # half precision: the head runs in float32 (hidden rows and head weight upcast), so logits keep float32
         # resolution: float16 logits are quantised to 1/64 near 20 and tie often, and a tie is decided by rounding
-        # noise from upstream (docs/ascend.md, "speculative float16")
+        # noise from upstream (docs/ascend.md, "Measured: float16 against float32")
         return linear(h.astype(ms.float32), self.head_weight().astype(ms.float32))
 
     def _trunk(self, tokens, positions, slots, block_table, mask):
