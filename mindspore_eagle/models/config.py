@@ -33,8 +33,9 @@ _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3 capture points: the residual-stream *inputs* of layers (2, L//2, L-3) (docs/design.md, "Captured
-    features")."""
+    """EAGLE-3 capture points: the residual-stream *inputs* of layers (2, L//2, L-3).
+
+    See docs/design.md, "Captured features"."""
     return (2, num_layers // 2, num_layers - 3)
 
 

@@ -165,8 +165,9 @@ def init_drafter_tensors(cfg: DrafterConfig, seed: int = 0, used_ids: np.ndarray
 
 
 def vocab_maps(used_ids: np.ndarray, vocab_size: int) -> dict:
-    """``d2t`` offsets int64 [Vd] and ``t2d`` bool [V] from the sorted draft vocabulary (docs/design.md, "Vocabulary
-    map")."""
+    """``d2t`` offsets int64 [Vd] and ``t2d`` bool [V] from the sorted draft vocabulary.
+
+    See docs/design.md, "Vocabulary map"."""
     used = np.asarray(used_ids, np.int64)
     if np.any(np.diff(used) <= 0) or used[0] < 0 or used[-1] >= vocab_size:
         raise ValueError(f"draft vocabulary ids must be sorted, distinct, in [0, {vocab_size})")

@@ -180,8 +180,8 @@ def initial_tensors(dcfg: DrafterConfig, seed: int, used: np.ndarray, init: str,
     "random": ``init_drafter_tensors`` (normal std 0.02, norms 1). "teacher": the same, then ``lm_head.weight``
     = the teacher's lm_head rows at the draft ids (the tied embedding for SmolLM2) and ``norm.weight`` = the
     teacher's final norm weight, so the drafter starts with the teacher's output head applied to its own hidden
-    state (the drafter's output plays the role of the teacher's last hidden state; docs/design.md, "Drafter
-    architecture").
+    state (the drafter's output plays the role of the teacher's last hidden state;
+    docs/design.md, "Drafter architecture").
     Raises:
         ValueError: unknown ``init`` or a drafter hidden size different from the teacher's.
     """
