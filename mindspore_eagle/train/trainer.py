@@ -47,7 +47,6 @@ from mindspore_eagle.models.eagle3 import (
 )
 from mindspore_eagle.train.batching import (
     assemble,
-    make_batch,
     plan_rows,
     sample_arrays,
     stream_sample,
@@ -127,16 +126,6 @@ def drafter_config(cfg, vd: int, intermediate: int | None = None, num_layers: in
                          head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, draft_vocab_size=vd,
                          target_hidden_size=cfg.hidden_size, rms_norm_eps=cfg.rms_norm_eps,
                          aux_layers=tuple(cfg.aux_layers), num_hidden_layers=num_layers)
-
-
-def sample_order(step: int, n: int, seed: int) -> int:
-    """Sample of ``step`` when every step takes one sample (batch 1, unpacked): ``stream_sample(step, n, seed)``."""
-    return stream_sample(step, n, seed)
-
-
-def sample_batch(fs: FeatureSet, i: int, t2d: np.ndarray, T: int, S: int):
-    d = fs[i]
-    return make_batch(d["input_ids"], d["loss_mask"], d["aux"], d["hidden"], d["argmax"], t2d, T, S)
 
 
 def next_batch(fs: FeatureSet, cursor: int, lengths: np.ndarray, tc: "TrainConfig", t2d: np.ndarray,
