@@ -74,7 +74,7 @@ def run_batch_sizes(engine, prompts: list, sizes: list, gen, log, speculative: b
         gen: GenerationConfig (greedy). log: callable(str).
         speculative: also time speculative decoding at every N (needs a drafter): at N = 1 the engine's own
             policy (``Engine.generate``), at N > 1 trees of the fixed budget speculative.M / D_max verified
-            together (``scheduler.SpeculativeStepper``).
+            together (``serving.round.DecodeRound`` with N rows).
     """
     from mindspore_eagle.serving.batch_job import parse_record
     from mindspore_eagle.serving.scheduler import BatchScheduler

@@ -115,6 +115,21 @@ def warp_probs(logits, temperature: float, top_p: float = 1.0, top_k: int = 0) -
     return _softmax(x)
 
 
+def sample_token(logits, gen, rng: np.random.Generator) -> int:
+    """The next token of a plain (non-tree) step: argmax at ``gen.temperature == 0``, else one draw from
+    ``warp_probs(logits, gen.temperature, gen.top_p, gen.top_k)`` with ``rng``.
+
+    Args:
+        logits: float [V] teacher logits of the last position. gen: GenerationConfig. rng: the sequence's generator.
+    Returns:
+        token id (int).
+    """
+    if gen.temperature == 0:
+        return int(np.argmax(logits))
+    p = warp_probs(np.asarray(logits)[None], gen.temperature, gen.top_p, gen.top_k)[0]
+    return int(rng.choice(p.size, p=p))
+
+
 def _softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)

@@ -1,6 +1,6 @@
 """Speculation policy: each step, plain decoding or a draft tree of one of the compiled budgets, by expected profit.
 
-Pure numpy; never runs a model and never imports MindSpore. The engine asks the policy three questions per step:
+Pure numpy; never runs a model and never imports MindSpore. The decode round (serving/round.py) asks the policy three questions per step:
 
     1. ``want_draft()``          run the drafter at all? (before the drafter's context pass)
     2. ``want_expand(cands)``    after the context pass and each expansion: one more depth of the tree?
@@ -130,7 +130,7 @@ class AcceptanceModel:
     Bins: depth groups 1, 2, >= 3 x {likeliest child, other child} x the probability bins ``PROB_EDGES``. The rank
     matters: on 3,672 replayed positions the embedded drafter's likeliest depth-1 child at path probability
     0.1-0.2 was accepted 27 % of the time, while a less likely sibling of the same probability is accepted far less
-    (docs/results.md, session 4). Each bin keeps decayed counts of verified nodes and of accepted ones; the
+    (docs/results.md, "2026-11-30, evening"). Each bin keeps decayed counts of verified nodes and of accepted ones; the
     estimate is ``(hits + w * prior) / (n + w)`` with the prior = the bin's mean drafter probability (identity
     calibration) and weight w = ``prior_weight``. Counts decay by ``decay`` per observed step, so the table
     follows a drafter whose reliability drifts (half-life ln 2 / (1 - decay) steps).
@@ -225,7 +225,7 @@ def top_nodes(tree: DraftTree, m: int) -> DraftTree:
     """The root plus the best ``m - 1`` drafted nodes by score (ties: lower index first), parents relinked.
 
     A child's cumulative score never exceeds its parent's and ties favour the lower index (the parent), so the kept
-    set is closed under parents (eagle3.md pitfall P8). Returns ``tree`` itself when it has <= m nodes.
+    set is closed under parents (docs/design.md, "Tree expansion"). Returns ``tree`` itself when it has <= m nodes.
     """
     n = len(tree)
     if n <= m:
@@ -308,8 +308,9 @@ def _observe_tree(model: AcceptanceModel, tree: DraftTree, accepted_path) -> np.
 
 
 class RateGate:
-    """Picks, step by step, the faster of two step kinds by measured tokens per millisecond (continuous batching:
-    a batched tree verification of N x M rows against a batched decode of N rows, ``scheduler.SpeculativeStepper``).
+    """Picks, step by step, the faster of two step kinds by measured tokens per millisecond (continuous batching,
+    the decode round with N > 1 rows in serving/round.py: a batched tree verification of N x M rows against a
+    batched decode of N rows).
 
     Each kind's rate is an exponential moving average (weight ``alpha``) of tokens / ms over its steps. The first
     ``warm`` steps of each kind are taken in turn; then the faster kind runs and the other is probed once every
@@ -412,7 +413,7 @@ class AdaptivePolicy:
         Value of information: after the context pass the policy can still decode plainly, so drafting is worth its
         cost when the expected advantage it enables, E[max(profit of the best tree - profit of plain decoding, 0)]
         (an EMA over the steps that drafted), exceeds rho * draft_ctx_ms. The teacher's own confidence in the root
-        token did not predict acceptance on 3,672 replayed positions (docs/results.md, session 4), so there is no
+        token did not predict acceptance on 3,672 replayed positions (docs/results.md, "2026-11-30, evening"), so there is no
         per-step feature here; a drafter that stops paying is probed every ``probe_every`` steps."""
         if max_m < 2:
             return False

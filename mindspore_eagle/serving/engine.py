@@ -1,23 +1,15 @@
-"""The generate loop: teacher-only decoding (the oracle) and EAGLE-3 tree speculative decoding, one API.
+"""Engine: chat turns of one sequence, teacher-only or EAGLE-3 tree speculative, over the shared decode round.
 
-Legend: M = tree budget, D = D_max, K = top_k, V = vocab, n = committed tokens, L_k = accepted length of step k
-(accepted drafts + bonus).
+Legend: M = tree budget, D = D_max, V = vocab, L_k = accepted length of step k (accepted drafts + bonus).
 
-One speculative round (docs/architecture.md); the policy (policy.py) answers the three questions marked [P]:
-    [P]        run the drafter this step? (else: one plain teacher decode, its pair kept for the drafter)
-    draft      drafter.extend(new context pairs) ; drafter.build_tree(root, [P] grow?) -> DraftTree
-    [P]        budget m: the best m - 1 nodes (policy.top_nodes), or plain decoding (m = 1)
-    tensorize  tree.tensorize(DraftTree, M, D) [+ validate_tree in eager / when asked] -> TreeTensors
-    mask       target.verify_mask(tt) = tree.tree_attention_bias(tt, n, w)          -> [M, w] additive bias
-    verify     target.verify(tt, mask)                                              -> logits [M, V], aux [M, 3H]
-    accept     verify.accept_greedy(argmax) | accept_sampling(warped probs)         -> VerifyResult
-    commit     target.commit(path) ; new drafter context = (aux[path], emitted tokens)
-The engine is the only place that reads device values back to the host (one read of logits + aux per round).
+A turn: chat-template the messages, prefill the prompt (root token), then advance the one sequence with
+:class:`~mindspore_eagle.serving.round.DecodeRound` until its Emitter ends the turn. The round (serving/round.py)
+is the same code the batch scheduler, teacher regeneration and the server run; here it has one row, the
+single-sequence graphs, and the speculation policy (core/policy.py), which the engine keeps across turns so its
+calibration carries over.
 
-Losslessness: greedy acceptance keeps exactly the tokens the teacher's argmax would produce, and the emitted
-tokens pass through the same stop logic as teacher-only decoding, so at temperature 0 (fp32) the two paths give
-identical token ids. Sampling uses the multi-candidate rejection rule (verify.py) and follows the teacher's
-(warped) distribution exactly.
+Losslessness: at temperature 0 (float32) speculative and teacher-only turns give identical token ids; sampling
+follows the teacher's (warped) distribution exactly (core/accept.py).
 """
 from __future__ import annotations
 
@@ -28,19 +20,19 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mindspore_eagle.config import GenerationConfig, SpeculativeConfig
-from mindspore_eagle.core.accept import accept_greedy, accept_sampling, warp_probs
+from mindspore_eagle.core.accept import accept_greedy, sample_token
+from mindspore_eagle.core.emit import Emitter
 from mindspore_eagle.core.policy import (
     AdaptivePolicy,
-    Choice,
     CostTable,
     FixedPolicy,
     compiled_budgets,
-    top_nodes,
 )
-from mindspore_eagle.core.trace import StepTrace, Timer, TraceWriter, TurnTrace
-from mindspore_eagle.core.tree import DraftTree, tensorize, validate_tree
+from mindspore_eagle.core.trace import TraceWriter, TurnTrace
+from mindspore_eagle.core.tree import DraftTree, tensorize
 from mindspore_eagle.errors import MsEagleError
 from mindspore_eagle.kernels.kv import CacheExhaustedError
+from mindspore_eagle.serving.round import DecodeRound, Sequence
 
 
 class GenerationError(MsEagleError, ValueError):
@@ -68,35 +60,6 @@ class Generation:
     @property
     def accept_lens(self) -> list:
         return [s.accept_len for s in self.steps]
-
-
-class _Emitter:
-    """Applies EOS / max_new_tokens / stop strings one token at a time (shared by both decoding paths)."""
-
-    def __init__(self, tokenizer, eos: set, gen: GenerationConfig, on_token=None):
-        self.tok, self.eos, self.gen, self.on_token = tokenizer, eos, gen, on_token
-        self.ids: list = []
-        self.reason = ""
-
-    def push(self, token: int) -> bool:
-        self.ids.append(int(token))
-        if self.on_token is not None:
-            self.on_token(int(token))
-        if token in self.eos:
-            self.reason = "eos"
-        elif self.gen.stop and any(s in self.tok.decode(self.ids) for s in self.gen.stop):
-            self.reason = "stop"
-        elif len(self.ids) >= self.gen.max_new_tokens:
-            self.reason = "length"
-        return bool(self.reason)
-
-    def text(self) -> str:
-        ids = self.ids[:-1] if self.reason == "eos" else self.ids
-        text = self.tok.decode(ids)
-        for s in self.gen.stop:
-            if s in text:
-                text = text[: text.index(s)]
-        return text
 
 
 class Engine:
@@ -268,29 +231,25 @@ class Engine:
         if room > self.teacher.S:
             raise GenerationError(f"prompt of {len(ids)} tokens + generation.max_new_tokens={gen.max_new_tokens}"
                                   f" = {room} exceeds cache.max_seq_len={self.teacher.S}")
-        policy = self.policy if speculative else None
-        rng = np.random.default_rng(gen.seed)
-        emitter = _Emitter(self.tokenizer, self.eos, gen, on_token)
+        rnd = self.decode_round(speculative)
+        emitter = Emitter(self.tokenizer, self.eos, gen, on_token)
         compiles0, compile_ms0 = self.compiles, self.compile_ms
-        sid = self.teacher.new_seq()
+        seq = Sequence(self.teacher.new_seq(), -1, gen, np.random.default_rng(gen.seed), emitter)
         try:
             t0 = time.perf_counter()
-            logits, aux = self.teacher.prefill(sid, ids)
-            root = self._pick(logits, gen, rng)
+            logits, aux = self.teacher.prefill(seq.sid, ids)
+            seq.next = sample_token(logits, gen, seq.rng)
             prefill_ms = (time.perf_counter() - t0) * 1e3
-            done = emitter.push(root)
             t1 = time.perf_counter()
-            if speculative:
-                steps = self._speculate(policy, sid, ids, aux, root, done, emitter, gen, rng)
-            else:
-                steps = []
-                while not done:
-                    logits, _ = self.teacher.decode(sid, root)
-                    root = self._pick(logits, gen, rng)
-                    done = emitter.push(root)
+            if not emitter.push(seq.next):
+                rnd.start(seq, ids, aux)
+                while not emitter.reason:
+                    rnd.step([seq])
             decode_ms = (time.perf_counter() - t1) * 1e3
         finally:
-            self.teacher.free(sid)
+            rnd.finish(seq)
+            self.teacher.free(seq.sid)
+        steps = seq.steps if speculative else []
         n_new = len(emitter.ids)
         turn = TurnTrace(turn_id=turn_id, prompt_tokens=len(ids), new_tokens=n_new, prefill_ms=prefill_ms,
                          decode_ms=decode_ms, tok_per_s=n_new / max(1e-9, (prefill_ms + decode_ms) / 1e3),
@@ -299,91 +258,13 @@ class Engine:
         self.trace.write(turn)
         return Generation(emitter.ids, emitter.text(), emitter.reason, len(ids), steps, turn)
 
-    # ------------------------------------------------------------------ internals
-    @staticmethod
-    def _pick(logits: np.ndarray, gen: GenerationConfig, rng) -> int:
-        if gen.temperature == 0:
-            return int(np.argmax(logits))
-        p = warp_probs(logits[None], gen.temperature, gen.top_p, gen.top_k)[0]
-        return int(rng.choice(p.size, p=p))
-
-    def _speculate(self, policy, sid, ids, aux, root, done, emitter, gen, rng) -> list:
-        """The speculative decode loop: per step the policy picks plain decoding or a tree budget (module doc)."""
-        M, D = self.spec.M, self.spec.D_max
-        dr, tg = self.drafter, self.teacher
-        dsid = dr.new_seq()
-        pending = [(aux, np.asarray(ids[1:] + [root], np.int64))]     # context pairs the drafter has not seen
-        steps = []
-        try:
-            while not done:
-                timer = Timer()
-                max_m = tg.S - tg.length(sid)                 # tree tokens the cache has room for
-                left = gen.max_new_tokens - len(emitter.ids)  # tokens still to generate
-                tree, choice, grown = None, Choice(1, 1.0, 0.0), []
-
-                def grow(t, f, d):
-                    grown.append(policy.want_expand(t, f, d, max_m, left))
-                    return grown[-1]
-                with timer:
-                    if policy.want_draft(max_m):
-                        with timer.phase("draft"):
-                            first = dr.extend(dsid, np.concatenate([a for a, _ in pending]),
-                                              np.concatenate([t for _, t in pending]))
-                            pending = []
-                            tree = dr.build_tree(dsid, root, first, M, D, grow=grow)
-                            choice = policy.choose(tree, max_m, left)
-                            policy.after_draft(choice)
-                    if choice.m == 1:
-                        with timer.phase("decode"):
-                            logits, aux = tg.decode(sid, root)
-                            nxt = self._pick(logits, gen, rng)
-                        path, tokens = np.zeros(1, np.int32), np.asarray([nxt], np.int64)
-                        pending.append((aux, tokens))
-                        verified = None
-                    else:
-                        verified = top_nodes(tree, choice.m)
-                        with timer.phase("tensorize"):
-                            tt = tensorize(verified, choice.m, D)
-                            if self.validate:
-                                validate_tree(tt, choice.m, D)
-                        with timer.phase("mask"):
-                            mask = tg.verify_mask(sid, tt)
-                        with timer.phase("verify"):
-                            logits, aux = tg.verify(sid, tt, mask)
-                        with timer.phase("accept"):
-                            if gen.temperature == 0:
-                                res = accept_greedy(tt, logits.argmax(-1))
-                            else:
-                                res = accept_sampling(tt, warp_probs(logits, gen.temperature, gen.top_p, gen.top_k),
-                                                      rng)
-                        with timer.phase("commit"):
-                            tg.commit(sid, res.path, D + 2)
-                            pending.append((aux[res.path], res.tokens))
-                        path, tokens = res.path, res.tokens
-                    for t in tokens:
-                        done = emitter.push(int(t))
-                        if done:
-                            break
-                    root = int(tokens[-1])
-                    policy.observe(verified, path, len(tokens), self._model_ms(policy, tree is not None, sum(grown),
-                                                                               choice.m))
-                step = StepTrace(step=len(steps), accept_len=len(tokens), accepted=path.tolist(),
-                                 n_nodes=len(verified) if verified is not None else 1, budget=choice.m,
-                                 drafted=tree is not None, predicted_len=choice.predicted_len,
-                                 total_ms=timer.total_ms, **timer.phase_kwargs())
-                self.trace.write(step)
-                steps.append(step)
-        finally:
-            dr.free(dsid)
-        return steps
-
-    @staticmethod
-    def _model_ms(policy, drafted: bool, expansions: int, m: int) -> float:
-        """The step's cost by the policy's table (0 without one): drafter calls made plus the verification."""
-        c = policy.costs
-        if c is None:
-            return 0.0
-        return c.step_ms(m) + (c.draft_ctx_ms + expansions * c.draft_step_ms if drafted else 0.0)
+    def decode_round(self, speculative: bool = True, rows: int = 1, features: bool = False) -> DecodeRound:
+        """The shared decode round over this engine's runners: with the drafter and the speculation policy when
+        ``speculative`` (and a drafter exists), teacher-only otherwise; ``rows`` > 1 for batched calls."""
+        spec = speculative and self.drafter is not None
+        return DecodeRound(self.teacher, self.drafter if spec else None, self.spec, rows=rows,
+                           policy=self.policy if spec and rows == 1 else None, validate=self.validate,
+                           trace=self.trace if spec and rows == 1 else None, features=features)
 
 
 def mean_accept_len(steps) -> float:

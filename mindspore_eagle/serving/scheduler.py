@@ -9,9 +9,10 @@ One scheduler step (the loop of :meth:`BatchScheduler.run`):
     prefill  every admitted sequence still filling runs ONE prefill chunk (``cache.prefill_chunk`` tokens) per
              scheduler step, so a long prompt never stalls the others for more than a chunk; after its last
              chunk it picks its first token and joins the batched steps
-    step     ``stepper.step(live)``: one forward for every live sequence -> the next token of each
-    emit     per sequence: EOS / stop strings / max_new_tokens (the engine's ``_Emitter``, so a sequence stops
-             exactly where teacher-only decoding of it alone stops); a finished turn frees its blocks at once,
+    step     ``DecodeRound.step(live)`` (serving/round.py, the round every caller shares): one teacher forward
+             for every live sequence, each Emitter applying EOS / stop strings / max_new_tokens, so a sequence
+             stops exactly where teacher-only decoding of it alone stops
+    settle   a finished turn frees its blocks at once,
              a multi-turn record queues its next turn (the answer appended), a finished record is handed to
              ``on_result`` (the batch job writes and fsyncs it then)
 
@@ -19,14 +20,13 @@ Pool: admission reserves a turn's worst case (ceil(need / B) blocks) against NB,
 an exhausted pool and nothing is ever preempted; a turn waits while the pool is full and runs when others finish. A
 turn whose need exceeds S, or NB on its own, gets an error result (the record's ``error``), never a crash.
 
-The stepper is the one interface behind which the way tokens are produced lives (``start`` after a prefill,
-``step`` -> the tokens each live sequence emits, ``finish``): :class:`TeacherStepper` decodes every live sequence
-through ``TeacherRunner.decode_batch`` (each row over its own block table on the portable backend, a fixed row
-count N and one graph per attention width); :class:`SpeculativeStepper` drafts a tree per sequence and verifies
-all of them in one forward (``TeacherRunner.verify_batch``, N x M rows), then accepts and commits per sequence.
+The round (``self.round``) has N rows: N = 1 runs the engine's single-sequence graphs and speculation policy; N > 1
+decodes every live sequence in one ``TeacherRunner.decode_batch`` call, or (speculative, when the round's RateGate
+measures that it pays at this batch size) drafts a tree per sequence and verifies all of them in one
+``TeacherRunner.verify_batch`` forward of N x M rows.
 Greedy decoding of a sequence in a batch uses the same weights and the same per-row math as alone; only the
 attention width (masked columns) and the row count of the matmuls differ, so float32 results agree to summation
-order (tests/test_scheduler.py checks token equality with one-at-a-time greedy).
+order (tests/serving/test_scheduler.py checks token equality with one-at-a-time greedy).
 """
 from __future__ import annotations
 
@@ -37,120 +37,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mindspore_eagle.config import GenerationConfig
-from mindspore_eagle.core.accept import accept_greedy, accept_sampling, warp_probs
-from mindspore_eagle.core.tree import tensorize
-from mindspore_eagle.serving.engine import Engine, GenerationError, _Emitter
-
-
-class TeacherStepper:
-    """Teacher-only batched decoding: one ``decode_batch`` call of N rows per step, one token per sequence.
-
-    Args:
-        target: the engine's TeacherRunner. gen: GenerationConfig (greedy or sampling per sequence RNG).
-        rows: N, the fixed row count of every call (padding rows write to the pad block), so one graph serves
-            each attention width bucket.
-    """
-
-    extra_slots = 0               # KV slots a sequence needs beyond prompt + max_new_tokens
-
-    def __init__(self, target, gen: GenerationConfig, rows: int):
-        self.teacher, self.gen, self.rows = target, gen, rows
-
-    def start(self, s, ids: list, aux: np.ndarray) -> None:
-        """A sequence joined after its prefill (ids: prompt ids; aux float32 [T, 3H]): nothing to keep."""
-
-    def finish(self, s) -> None:
-        """A sequence left the batch."""
-
-    def step(self, live: list) -> list:
-        """Append each live sequence's pending token ``s.next``; returns one int64 [1] array per sequence."""
-        logits = self.teacher.decode_batch([s.sid for s in live], [s.next for s in live], rows=self.rows)
-        return [np.asarray([Engine._pick(row, self.gen, s.rng)], np.int64) for s, row in zip(live, logits)]
-
-
-class SpeculativeStepper:
-    """EAGLE-3 tree speculative decoding for a batch: the drafter's context passes and dynamic trees of all
-    sequences (``DrafterRunner.draft_batch``: each call batched across the sequences, each in its own drafter cache
-    sequence), then ONE teacher forward verifies every tree
-    (``TeacherRunner.verify_batch``: N x M rows, each tree masked to its own prefix), then per sequence acceptance
-    (greedy or multi-candidate rejection sampling, verify.py) and commit. Every tree has the config's budget M
-    and depth D_max (the fixed policy); a sequence whose cache has no room for M more slots is never admitted
-    (``extra_slots``). A :class:`~mindspore_eagle.core.policy.RateGate` picks each step between that and a plain
-    batched decode by measured tokens per ms, so speculation steps aside where, at this batch size, it does not
-    pay; plain steps keep their (feature, token) pairs and the drafter catches up in its next context pass.
-    Greedy output equals teacher-only decoding token for token either way, as in the engine.
-
-    Args:
-        engine: an Engine with a drafter whose cache holds N sequences. gen: GenerationConfig. rows: N.
-        gate: the step-kind chooser (default ``RateGate(("tree", "plain"))``; tests inject one).
-    Raises:
-        ValueError: the engine has no drafter.
-    """
-
-    def __init__(self, engine: Engine, gen: GenerationConfig, rows: int, gate=None):
-        from mindspore_eagle.core.policy import RateGate
-
-        if engine.drafter is None:
-            raise ValueError("speculative batching needs a drafter (model.drafter is 'none')")
-        self.engine, self.gen, self.rows = engine, gen, rows
-        self.M, self.D = engine.spec.M, engine.spec.D_max
-        self.extra_slots = self.M
-        self.gate = gate or RateGate(("tree", "plain"))
-
-    def start(self, s, ids: list, aux: np.ndarray) -> None:
-        """Open the sequence's drafter cache sequence; its first context pairs are (aux[t], ids[t + 1])."""
-        s.state = {"dsid": self.engine.drafter.new_seq(),
-                   "pending": [(aux, np.asarray(list(ids[1:]) + [s.next], np.int64))]}
-
-    def finish(self, s) -> None:
-        if getattr(s, "state", None):
-            self.engine.drafter.free(s.state["dsid"])
-            s.state = None
-
-    def step(self, live: list) -> list:
-        """One step of the kind the gate picks (tree verification or plain batched decoding); returns each
-        sequence's emitted tokens (int64 [L_k] / [1]) and tells the gate how many tokens per ms it made."""
-        kind = self.gate.choose()
-        t0 = time.perf_counter()
-        out = self._trees(live) if kind == "tree" else self._plain(live)
-        self.gate.observe(kind, sum(len(t) for t in out), (time.perf_counter() - t0) * 1e3)
-        return out
-
-    def _plain(self, live: list) -> list:
-        """Batched teacher decode of every pending token; the (feature, token) pairs wait for the drafter."""
-        logits, aux = self.engine.teacher.decode_batch([s.sid for s in live], [s.next for s in live],
-                                                      rows=self.rows, with_aux=True)
-        out = []
-        for i, s in enumerate(live):
-            tok = np.asarray([Engine._pick(logits[i], self.gen, s.rng)], np.int64)
-            s.state["pending"].append((aux[i:i + 1], tok))
-            out.append(tok)
-        return out
-
-    def _trees(self, live: list) -> list:
-        """Draft a tree per sequence, verify all in one forward, accept and commit; appends L_k (accepted drafts
-        + bonus) to ``s.accept_lens``."""
-        dr, tg, M, D = self.engine.drafter, self.engine.teacher, self.M, self.D
-        pending = [(np.concatenate([a for a, _ in s.state["pending"]]),
-                    np.concatenate([t for _, t in s.state["pending"]])) for s in live]
-        for s in live:
-            s.state["pending"] = []
-        drafted = dr.draft_batch([s.state["dsid"] for s in live], pending, [s.next for s in live], M, D, self.rows)
-        trees = [tensorize(t, M, D) for t in drafted]
-        logits, aux = tg.verify_batch([s.sid for s in live], trees, rows=self.rows * M)
-        out = []
-        for i, (s, tt) in enumerate(zip(live, trees)):
-            rows = slice(i * M, (i + 1) * M)
-            if self.gen.temperature == 0:
-                res = accept_greedy(tt, logits[rows].argmax(-1))
-            else:
-                g = self.gen
-                res = accept_sampling(tt, warp_probs(logits[rows], g.temperature, g.top_p, g.top_k), s.rng)
-            tg.commit(s.sid, res.path, D + 2)
-            s.state["pending"].append((aux[rows][res.path], res.tokens))
-            s.accept_lens.append(len(res.tokens))
-            out.append(np.asarray(res.tokens, np.int64))
-        return out
+from mindspore_eagle.core.accept import sample_token
+from mindspore_eagle.core.emit import Emitter
+from mindspore_eagle.serving.engine import Engine, GenerationError
+from mindspore_eagle.serving.round import Sequence
 
 
 @dataclass
@@ -165,17 +55,12 @@ class _Turn:
 
 
 @dataclass
-class _Live:
-    """One sequence in the batch: its turn, cache sequence id, emitter, RNG, pending token, blocks reserved."""
-    job: _Turn
-    sid: int
-    emitter: _Emitter
-    rng: np.random.Generator
-    next: int
-    prompt_tokens: int
-    blocks: int
-    accept_lens: list = field(default_factory=list)
-    state: dict | None = None
+class _Live(Sequence):
+    """One sequence in the batch: a round Sequence plus its record, prompt (prefilled chunk by chunk) and the KV
+    blocks reserved for it."""
+    job: _Turn | None = None
+    prompt_tokens: int = 0
+    blocks: int = 0
     prompt: list = field(default_factory=list)       # prompt ids; prefilled chunk by chunk
     filled: int = 0
     auxes: list = field(default_factory=list)
@@ -185,26 +70,26 @@ class BatchScheduler:
     """Serve records with up to ``max_batch`` sequences per teacher forward (module docstring).
 
     Args:
-        engine: an :class:`~mindspore_eagle.serving.engine.Engine` (its target's pool is shared by all rows).
+        engine: an :class:`~mindspore_eagle.serving.engine.Engine` (its teacher's KV pool is shared by all rows).
         gen: GenerationConfig (per-sequence EOS / stop strings / max_new_tokens; temperature > 0 samples with a
             generator seeded by ``gen.seed`` per turn, as ``Engine.generate`` does).
         max_batch: N >= 1.
-        speculative: tree speculative decoding for every sequence (:class:`SpeculativeStepper`; the engine's
-            drafter cache must hold N sequences) instead of teacher-only decoding (:class:`TeacherStepper`).
-        stepper: how a step produces tokens (overrides ``speculative``; tests inject one).
+        speculative: EAGLE-3 tree speculation (the engine's drafter cache must hold N sequences) instead of
+            teacher-only decoding.
+        decode_round: the DecodeRound that advances the live sequences (default ``engine.decode_round(speculative,
+            rows=max_batch)``; tests inject one).
         keep_ids: also keep every turn's generated token ids in ``token_ids[record id]`` (list per turn).
     Raises:
         ValueError: max_batch < 1 (names the field).
     """
 
     def __init__(self, engine: Engine, gen: GenerationConfig, max_batch: int, speculative: bool = False,
-                 stepper=None, keep_ids: bool = False):
+                 decode_round=None, keep_ids: bool = False):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"batch.max_batch must be an integer >= 1, got {max_batch!r}")
         self.engine, self.gen, self.N = engine, gen, max_batch
         self.teacher = engine.teacher
-        self.stepper = stepper or (SpeculativeStepper(engine, gen, max_batch) if speculative else
-                                   TeacherStepper(self.teacher, gen, max_batch))
+        self.round = decode_round or engine.decode_round(speculative, rows=max_batch)
         self.B, self.NB = self.teacher.B, self.teacher.bm.num_blocks
         self.chunk = self.teacher.buckets[-1]
         self.reserved = 0                       # blocks promised to live sequences
@@ -245,18 +130,12 @@ class BatchScheduler:
                 ready = [s for s in live if s.filled == len(s.prompt)]
                 if not ready:
                     continue
-                emitted = self.stepper.step(ready)
+                emitted = self.round.step(ready)
                 still = [s for s in live if s.filled < len(s.prompt)]
                 self.interleaved_steps += bool(still)
                 for s, tokens in zip(ready, emitted):
-                    done = False
-                    for t in tokens:
-                        s.next = int(t)
-                        self.new_tokens += 1
-                        done = s.emitter.push(s.next)
-                        if done:
-                            break
-                    if done:
+                    self.new_tokens += len(tokens)
+                    if s.emitter.reason:
                         self._end_turn(s)
                         self._settle(s.job, queue, on_result)
                     else:
@@ -264,7 +143,7 @@ class BatchScheduler:
                 live = still
         finally:
             for s in live:
-                self.stepper.finish(s)
+                self.round.finish(s)
                 self.teacher.free(s.sid)
                 self.reserved -= s.blocks
 
@@ -283,9 +162,9 @@ class BatchScheduler:
         if need > self.teacher.S:
             job.error = f"{head} exceeds cache.max_seq_len={self.teacher.S}"
             return None
-        need += self.stepper.extra_slots
+        need += self.round.extra_slots
         if need > self.teacher.S:
-            job.error = (f"{head} + speculative.M={self.stepper.extra_slots} (a tree verified in a batch) exceeds "
+            job.error = (f"{head} + speculative.M={self.round.extra_slots} (a tree verified in a batch) exceeds "
                          f"cache.max_seq_len={self.teacher.S}")
             return None
         blocks = self.blocks_for(need)
@@ -297,30 +176,31 @@ class BatchScheduler:
                 raise RuntimeError(f"KV pool accounting error: {self.reserved} blocks reserved, no sequence live")
             return _WAIT
         self.reserved += blocks
-        return _Live(job, self.teacher.new_seq(), _Emitter(self.engine.tokenizer, self.engine.eos, self.gen),
-                     np.random.default_rng(self.gen.seed), -1, len(ids), blocks, prompt=ids)
+        return _Live(self.teacher.new_seq(), -1, self.gen, np.random.default_rng(self.gen.seed),
+                     Emitter(self.engine.tokenizer, self.engine.eos, self.gen), job=job, prompt_tokens=len(ids),
+                     blocks=blocks, prompt=ids)
 
     def _prefill_chunk(self, s: _Live) -> bool:
         """Prefill the next chunk (``cache.prefill_chunk`` tokens) of ``s``'s prompt; after the last one pick the
-        first token and hand the sequence to the stepper. Returns True when the turn ended at that token."""
+        first token and hand the sequence to the round. Returns True when the turn ended at that token."""
         part = s.prompt[s.filled: s.filled + self.chunk]
         logits, aux = self.teacher.prefill(s.sid, part)
         s.filled += len(part)
         s.auxes.append(aux)
         if s.filled < len(s.prompt):
             return False
-        s.next = Engine._pick(logits, self.gen, s.rng)
+        s.next = sample_token(logits, s.gen, s.rng)
         self.new_tokens += 1
         if s.emitter.push(s.next):
             self._end_turn(s)
             return True
-        self.stepper.start(s, s.prompt, np.concatenate(s.auxes))
+        self.round.start(s, s.prompt, np.concatenate(s.auxes))
         s.auxes = []
         return False
 
     def _end_turn(self, s: _Live) -> None:
         """Free the sequence's blocks and record its turn in its job."""
-        self.stepper.finish(s)
+        self.round.finish(s)
         self.teacher.free(s.sid)
         self.reserved -= s.blocks
         s.job.done.append({"text": s.emitter.text(), "prompt_tokens": s.prompt_tokens,
@@ -370,4 +250,4 @@ def _result(job: _Turn) -> dict:
             "mean_accept_len": round(float(np.mean(lens)), 4) if lens else 1.0, "stop_reason": fields["stop_reason"]}
 
 
-__all__ = ["BatchScheduler", "TeacherStepper"]
+__all__ = ["BatchScheduler"]

@@ -95,11 +95,11 @@ def test_batched_warmup_then_scheduler_compiles_nothing(ms_runtime, tiny_dir):
     before = eng.teacher.compiles + eng.drafter.compiles
     recs = records([{"id": i, "prompt": p} for i, p in enumerate(["Hi", LONG, "Thanks", "What is 2+2?"])])
     sched = BatchScheduler(eng, cfg.generation, 3, speculative=True)
-    sched.stepper.gate = ScriptedGate(["tree", "plain", "tree"])
+    sched.round.gate = ScriptedGate(["tree", "plain", "tree"])
     got = {}
     sched.run(recs, lambda res: got.setdefault(res["id"], res))
     assert len(got) == 4 and all("error" not in r for r in got.values())
-    assert sched.stepper.gate.seen == {"tree", "plain"}
+    assert sched.round.gate.seen == {"tree", "plain"}
     assert eng.teacher.compiles + eng.drafter.compiles == before
 
 

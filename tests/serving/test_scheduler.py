@@ -211,21 +211,21 @@ def test_speculative_batch_equals_one_at_a_time_greedy(ms_runtime, tiny, tiny_di
     ref = one_at_a_time(eng, gen, recs)
     for pattern in (["tree"], ["plain", "plain", "tree"]):       # forced step kinds: trees only, and a mix
         sched = BatchScheduler(eng, gen, 3, speculative=True)
-        sched.stepper.gate = ScriptedGate(pattern)
+        sched.round.gate = ScriptedGate(pattern)
         out = {}
         sched.run(recs, lambda res: out.setdefault(res["id"], res))
         same_answers(out, ref)
-        assert sched.stepper.gate.seen == {"tree", *pattern}
+        assert sched.round.gate.seen == {"tree", *pattern}
 
     truth = {r.id: eng.generate(r.payload, gen, speculative=False).token_ids for r in recs[:5]}
     sched = BatchScheduler(eng, gen, 3, speculative=True)
-    sched.stepper.gate = ScriptedGate(["tree"])
+    sched.round.gate = ScriptedGate(["tree"])
     by_dsid, rng, V = {}, np.random.default_rng(0), tiny[0].vocab_size
-    start = sched.stepper.start
+    start = sched.round.start
 
     def spy_start(s, ids, aux):
         start(s, ids, aux)
-        by_dsid[s.state["dsid"]] = s
+        by_dsid[s.state.dsid] = s
 
     def oracle(dsid, root, first, M, D, grow=None):
         s = by_dsid[dsid]
@@ -243,7 +243,7 @@ def test_speculative_batch_equals_one_at_a_time_greedy(ms_runtime, tiny, tiny_di
             parents += [node] * len(kids)
             node = base + kids.index(int(t))
         return DraftTree(tokens, parents)
-    sched.stepper.start = spy_start
+    sched.round.start = spy_start
     assert eng.drafter.grouped                      # draft_batch batches: the oracle replaces its tree expansion
     eng.drafter._build_trees = lambda sids, roots, firsts, M, D, groups: [
         oracle(d, r, f, M, D) for d, r, f in zip(sids, roots, firsts)]

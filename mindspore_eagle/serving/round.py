@@ -1,0 +1,303 @@
+"""The decode round: one step of every live sequence, plain or tree, for every caller.
+
+Legend: n = live sequences in the step, N = ``rows`` (the static row count of a batched call), M = tree budget
+ceiling, m = budget of one step (1 = plain decode), D = D_max, V = vocabulary, H = teacher hidden size,
+L_k = accepted length of the step (accepted drafts + bonus).
+
+One round (docs/architecture.md, "The decode round"):
+
+    plan       N = 1: the speculation policy (core/policy.py) answers "draft?", "one more level?", "budget m?"
+               N > 1: a RateGate picks a tree of the fixed budget M for every sequence, or a plain step for all
+    draft      drafter context pass on the pairs the drafter has not seen, then the EAGLE-2 tree
+    tensorize  core.tree.tensorize at the step's budget [+ validate_tree in eager mode / when asked]
+    forward    a plain step: one teacher decode (N = 1) or one batched decode of n rows;
+               a tree step: one teacher verification of m rows (N = 1) or of n x M rows (``BatchLayout``)
+    accept     greedy longest path + bonus, or multi-candidate rejection sampling (core/accept.py)
+    commit     teacher KV of the accepted path moved after the prefix; (feature, token) pairs queued for the drafter
+    emit       every token goes through the sequence's Emitter (EOS, stop strings, max_new_tokens)
+
+The single-sequence engine, the continuous-batching scheduler, teacher regeneration and the server all advance
+their sequences with :meth:`DecodeRound.step`; teacher-only decoding is the same round without a drafter. One
+sequence alone (N = 1) runs the single-sequence graphs (decode k = 1, verify k = m) under the configured policy,
+so a batch of one is served exactly as ``generate`` serves it.
+
+Losslessness: greedy acceptance keeps exactly the teacher's argmax tokens and every token passes the same Emitter
+as teacher-only decoding, so at temperature 0 (float32) both give identical ids; sampling follows the teacher's
+warped distribution exactly (core/accept.py).
+
+A live sequence is a :class:`Sequence` (or any object with its attributes):
+``sid`` (teacher cache sequence), ``next`` (the pending token: emitted, not yet fed to the teacher), ``gen``
+(GenerationConfig), ``rng`` (numpy Generator), ``emitter`` (core.emit.Emitter), ``accept_lens`` (list; L_k of
+every tree step is appended), ``steps`` (list; one core.trace.StepTrace per step is appended), ``state`` (the
+round's, set by :meth:`DecodeRound.start`) and, with ``features=True``, ``features`` (list).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mindspore_eagle.config import SpeculativeConfig
+from mindspore_eagle.core.accept import accept_greedy, accept_sampling, sample_token, warp_probs
+from mindspore_eagle.core.policy import Choice, RateGate, top_nodes
+from mindspore_eagle.core.trace import StepTrace, Timer
+from mindspore_eagle.core.tree import DraftTree, tensorize, validate_tree
+
+
+@dataclass
+class BatchLayout:
+    """Where each sequence's rows sit in one stacked teacher forward (the batch analogue of a tree budget).
+
+    Sequence i owns rows ``offsets[i] .. offsets[i + 1] - 1`` of the call's outputs; rows from ``offsets[-1]`` to
+    ``rows - 1`` are padding (they write to the pad block and are never read).
+    """
+
+    budgets: np.ndarray  # int64 [n]; rows of each sequence (1 = plain decode, m = tree of budget m)
+    rows: int  # static row count of the call (>= budgets.sum())
+    offsets: np.ndarray = field(init=False)  # int64 [n + 1]; first row of each sequence, then the end
+
+    def __post_init__(self):
+        self.budgets = np.asarray(self.budgets, np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.budgets)]).astype(np.int64)
+        if (self.budgets < 1).any() or self.offsets[-1] > self.rows:
+            raise ValueError(f"BatchLayout: budgets {self.budgets.tolist()} must be >= 1 and fit {self.rows} rows")
+
+    @classmethod
+    def uniform(cls, n: int, per_seq: int, rows: int) -> "BatchLayout":
+        """n sequences of ``per_seq`` rows each in a call of ``rows`` rows."""
+        return cls(np.full(n, per_seq, np.int64), rows)
+
+    def rows_of(self, i: int) -> slice:
+        """The rows of sequence i."""
+        return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
+
+
+@dataclass
+class Sequence:
+    """One live sequence of a round (the attributes :class:`DecodeRound` reads and writes; module docstring)."""
+
+    sid: int  # teacher cache sequence id
+    next: int  # pending token: emitted, not yet fed to the teacher
+    gen: object  # config.GenerationConfig of this sequence (temperature, top_p, top_k, stop, max_new_tokens)
+    rng: np.random.Generator  # this sequence's sampling generator
+    emitter: object  # core.emit.Emitter: stop rules and the emitted ids
+    accept_lens: list = field(default_factory=list)  # int; L_k of each tree step
+    steps: list = field(default_factory=list)  # core.trace.StepTrace of each step
+    state: object = None  # the round's drafter state (DecodeRound.start)
+    features: list = field(default_factory=list)  # (hidden [1, H], aux [1, 3H]) per fed token (features=True)
+
+
+@dataclass
+class _DraftState:
+    """The round's per-sequence drafter state: its drafter cache sequence and the (feature, token) pairs the
+    drafter has not seen yet (aux float32 [k, 3H], next tokens int64 [k])."""
+    dsid: int
+    pending: list
+
+
+class DecodeRound:
+    """One decode step for a set of live sequences (module docstring).
+
+    Args:
+        teacher: runners.teacher.TeacherRunner. drafter: runners.drafter.DrafterRunner, or None (teacher-only).
+        spec: SpeculativeConfig (M, D_max; ``validate_tree``). rows: N, the static row count of batched calls;
+            N = 1 uses the single-sequence calls and ``policy``.
+        policy: N = 1 with a drafter: core.policy.AdaptivePolicy or FixedPolicy (kept by the caller across turns).
+        gate: N > 1 with a drafter: the step-kind chooser (default ``RateGate(("tree", "plain"))``).
+        validate: check every tensorized tree against its invariants before verifying it (eager mode).
+        trace: core.trace.TraceWriter receiving each StepTrace, or None.
+        features: also keep the teacher's final-normed hidden state and captured features of every token fed
+            (``s.features`` gets (hidden float32 [1, H], aux float32 [1, 3H]) per step; teacher-only, training data).
+    Raises:
+        ValueError: a drafter at N = 1 without a policy, or features with a drafter.
+    """
+
+    def __init__(self, teacher, drafter=None, spec: SpeculativeConfig | None = None, rows: int = 1, policy=None,
+                 gate=None, validate: bool = False, trace=None, features: bool = False):
+        if drafter is not None and rows == 1 and policy is None:
+            raise ValueError("DecodeRound: a drafter at rows = 1 needs a speculation policy")
+        if features and drafter is not None:
+            raise ValueError("DecodeRound: features are collected on teacher-only rounds")
+        self.teacher, self.drafter = teacher, drafter
+        self.spec = spec or SpeculativeConfig()
+        self.M, self.D = self.spec.M, self.spec.D_max
+        self.rows, self.policy, self.validate, self.trace, self.features = rows, policy, validate, trace, features
+        self.single = rows == 1 and not features
+        self.gate = gate or (RateGate(("tree", "plain")) if drafter is not None and not self.single else None)
+        self.extra_slots = 0 if drafter is None else self.M   # KV slots a sequence needs beyond its tokens
+
+    # ------------------------------------------------------------------ sequences
+    def start(self, s, prompt_ids, aux: np.ndarray) -> None:
+        """After ``s``'s prefill (``s.next`` = its first token): open its drafter sequence; the first context pairs
+        are (aux[t], prompt_ids[t + 1]) with the first token after the last prompt position.
+
+        Args:
+            prompt_ids: int [T] prompt ids. aux: float32 [T, 3H] captured features of the prompt.
+        """
+        s.state = None
+        if self.drafter is not None:
+            nxt = np.asarray(list(prompt_ids[1:]) + [s.next], np.int64)
+            s.state = _DraftState(self.drafter.new_seq(), [(aux, nxt)])
+
+    def finish(self, s) -> None:
+        """``s`` left (ended or cancelled): free its drafter sequence (its teacher sequence is the caller's)."""
+        if getattr(s, "state", None) is not None:
+            self.drafter.free(s.state.dsid)
+            s.state = None
+
+    # ------------------------------------------------------------------ one step
+    def step(self, live: list) -> list:
+        """Advance every sequence of ``live`` by one step.
+
+        Returns:
+            per sequence, the tokens it emitted this step (list[int]: L_k tokens of a tree step or 1 of a plain
+            step, cut where its Emitter ended the turn; ``s.emitter.reason`` tells whether it did).
+        Raises:
+            CacheExhaustedError: a sequence's tokens do not fit its cache (callers reserve room first).
+        """
+        timer = Timer()
+        with timer:
+            trees, choices, expansions = self._draft(live, timer)
+            if any(t is not None for t in trees):
+                results = self._verify(live, trees, [c.m if t is not None else 1 for t, c in zip(trees, choices)],
+                                       timer)
+            else:
+                results = self._decode(live, timer)
+            out = []
+            for s, (path, tokens, aux), tree, choice, grown in zip(live, results, trees, choices, expansions):
+                if s.state is not None:
+                    s.state.pending.append((aux, tokens))
+                if tree is not None:
+                    s.accept_lens.append(len(tokens))
+                if self.single and self.policy is not None:
+                    self.policy.observe(tree, path, len(tokens), self._model_ms(choice, grown))
+                s.next = int(tokens[-1])
+                out.append(s.emitter.push_all(tokens))
+        if self.gate is not None:
+            self.gate.observe("tree" if trees[0] is not None else "plain", sum(len(t) for t in out), timer.total_ms)
+        for s, (path, tokens, _), tree, choice in zip(live, results, trees, choices):
+            st = StepTrace(step=len(s.steps), accept_len=len(tokens), accepted=path.tolist(),
+                           n_nodes=len(tree) if tree is not None else 1, budget=choice.m if choice else 1,
+                           drafted=choice is not None, predicted_len=choice.predicted_len if choice else 1.0,
+                           total_ms=timer.total_ms, **timer.phase_kwargs())
+            s.steps.append(st)
+            if self.trace is not None:
+                self.trace.write(st)
+        return out
+
+    # ------------------------------------------------------------------ plan + draft
+    def _draft(self, live: list, timer: Timer):
+        """Per sequence: the DraftTree to verify (None: a plain step), the policy's Choice (None: the drafter did
+        not run) and the expansion steps drafted."""
+        n = len(live)
+        trees, choices, grown = [None] * n, [None] * n, [0] * n
+        if self.drafter is None:
+            return trees, choices, grown
+        dr = self.drafter
+        if self.single:
+            (s,) = live
+            max_m = self.teacher.S - self.teacher.length(s.sid)           # tree tokens the cache has room for
+            left = s.emitter.left
+            if not self.policy.want_draft(max_m):
+                return trees, choices, grown
+
+            def grow(tree, frontier, depth):
+                ok = self.policy.want_expand(tree, frontier, depth, max_m, left)
+                grown[0] += ok
+                return ok
+            with timer.phase("draft"):
+                first = dr.extend(s.state.dsid, *_take_pending(s.state))
+                tree = dr.build_tree(s.state.dsid, s.next, first, self.M, self.D, grow=grow)
+                choice = self.policy.choose(tree, max_m, left)
+                self.policy.after_draft(choice)
+            choices[0] = choice
+            if choice.m > 1:
+                trees[0] = top_nodes(tree, choice.m)
+            return trees, choices, grown
+        if self.gate.choose() != "tree":
+            return trees, choices, grown
+        with timer.phase("draft"):
+            pending = [_take_pending(s.state) for s in live]
+            drafted = dr.draft_batch([s.state.dsid for s in live], pending, [s.next for s in live], self.M, self.D,
+                                     self.rows)
+        return drafted, [Choice(self.M, 0.0, 0.0)] * n, [max(0, self.D - 1)] * n
+
+    # ------------------------------------------------------------------ forwards
+    def _decode(self, live: list, timer: Timer) -> list:
+        """A plain step: one teacher forward of each sequence's pending token. Returns per sequence (path int32
+        [1], tokens int64 [1], aux float32 [1, 3H])."""
+        tg = self.teacher
+        with timer.phase("decode"):
+            if self.single:
+                logits, aux = tg.decode(live[0].sid, live[0].next)
+                logits = logits[None]
+            elif self.features:
+                logits, hidden, aux = tg.decode_batch([s.sid for s in live], [s.next for s in live], rows=self.rows,
+                                                      with_hidden=True)
+                for i, s in enumerate(live):          # copies: a view would keep the whole call's output alive
+                    s.features.append((hidden[i:i + 1].copy(), aux[i:i + 1].copy()))
+            else:
+                logits, aux = tg.decode_batch([s.sid for s in live], [s.next for s in live], rows=self.rows,
+                                              with_aux=True)
+            return [(np.zeros(1, np.int32), np.asarray([sample_token(logits[i], s.gen, s.rng)], np.int64),
+                     aux[i:i + 1]) for i, s in enumerate(live)]
+
+    def _verify(self, live: list, trees: list, budgets: list, timer: Timer) -> list:
+        """A tree step: one teacher forward over every sequence's tree at its budget (a sequence without a tree
+        verifies its root alone), then acceptance and commit per sequence. Returns per sequence (path int32
+        [L_k], tokens int64 [L_k], aux float32 [L_k, 3H] of the accepted nodes)."""
+        tg, D = self.teacher, self.D
+        with timer.phase("tensorize"):
+            if self.single:
+                layout = BatchLayout(budgets, budgets[0])
+            else:                                     # one budget M for every row block: one graph per width
+                layout = BatchLayout.uniform(len(live), self.M, self.rows * self.M)
+            tts = []
+            for i, (s, t) in enumerate(zip(live, trees)):
+                m = int(layout.budgets[i])
+                tts.append(tensorize(t if t is not None else DraftTree(np.asarray([s.next]), np.zeros(1, np.int64)),
+                                     m, D))
+                if self.validate:
+                    validate_tree(tts[-1], m, D)
+        if self.single:
+            with timer.phase("mask"):
+                mask = tg.verify_mask(live[0].sid, tts[0])
+            with timer.phase("verify"):
+                logits, aux = tg.verify(live[0].sid, tts[0], mask)
+        else:
+            with timer.phase("verify"):
+                logits, aux = tg.verify_batch([s.sid for s in live], tts, rows=layout.rows)
+        out = []
+        for i, (s, tt) in enumerate(zip(live, tts)):
+            r = layout.rows_of(i)
+            with timer.phase("accept"):
+                g = s.gen
+                if g.temperature == 0:
+                    res = accept_greedy(tt, logits[r].argmax(-1))
+                else:
+                    res = accept_sampling(tt, warp_probs(logits[r], g.temperature, g.top_p, g.top_k), s.rng)
+            with timer.phase("commit"):
+                tg.commit(s.sid, res.path, D + 2)
+            out.append((res.path, res.tokens, aux[r][res.path]))
+        return out
+
+    def _model_ms(self, choice, expansions: int) -> float:
+        """The step's cost by the policy's table (0 without one): the drafter calls made (``choice`` None: the
+        drafter did not run) plus the forward of the chosen budget (1 = a plain decode)."""
+        c = self.policy.costs
+        if c is None:
+            return 0.0
+        if choice is None:
+            return c.step_ms(1)
+        return c.step_ms(choice.m) + c.draft_ctx_ms + expansions * c.draft_step_ms
+
+
+def _take_pending(state: _DraftState) -> tuple:
+    """The (aux float32 [k, 3H], tokens int64 [k]) the drafter has not seen, concatenated; the queue is emptied."""
+    aux = np.concatenate([a for a, _ in state.pending])
+    toks = np.concatenate([t for _, t in state.pending])
+    state.pending = []
+    return aux, toks
+
+
+__all__ = ["BatchLayout", "DecodeRound", "Sequence"]
