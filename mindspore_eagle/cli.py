@@ -82,7 +82,8 @@ def config_from_args(args) -> Config:
 def _engine(cfg: Config, warmup: str = "none", log=None):
     """Build the engine of ``cfg`` and warm it up (``warmup``: full | short | none, see mindspore_eagle.runners.warmup);
     progress (downloads, warm-up, graphs compiled on first use) goes to ``log`` (default: a line on stderr)."""
-    from mindspore_eagle.runners.warmup import prepare, report_compiles, stderr_log
+    from mindspore_eagle.runners.warmup import report_compiles, stderr_log
+    from mindspore_eagle.serving.pipeline import prepare
     from mindspore_eagle.serving.pipeline import build_engine
 
     log = log or stderr_log

@@ -1,6 +1,6 @@
 """YAML configuration: one dataclass per section, strict loading, ``--set section.key=value`` overrides.
 
-Sections mirror MindFormers' predict YAMLs (pangu_mindformers.md §2.2): ``context`` (mode, device_target),
+Sections mirror MindFormers' predict YAMLs (docs/design.md, "MindFormers configuration and entry point"): ``context`` (mode, device_target),
 ``model`` (teacher / drafter paths and dtype), ``speculative`` (tree budget M, D_max, top_k, window W, execution
 mode, trace path), ``generation`` (max_new_tokens, sampling), ``cache`` (block_size, num_blocks, max_seq_len).
 
@@ -13,10 +13,17 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import yaml
 
 from mindspore_eagle.errors import MsEagleError
+
+
+def cache_dir() -> Path:
+    """Where this package keeps what it fetches or builds (wheels, compiled graphs, cost tables): $MSEAGLE_CACHE,
+    default ~/.cache/mindspore_eagle (not created here)."""
+    return Path(os.environ.get("MSEAGLE_CACHE") or Path.home() / ".cache" / "mindspore_eagle").expanduser()
 
 
 class YamlLoader(yaml.SafeLoader):

@@ -48,12 +48,9 @@ def rebuild(score, depth, K, M):
 def simulate(path, costs_path, M, D, K):
     import json
 
-    from mindspore_eagle.core.policy import (
-        AdaptivePolicy,
-        CostTable,
-        compiled_budgets,
-        top_nodes,
-    )
+    from mindspore_eagle.core.calibration import top_nodes
+    from mindspore_eagle.core.costs import CostTable, compiled_budgets
+    from mindspore_eagle.core.policy import AdaptivePolicy
     from mindspore_eagle.runners.drafter import select_tree
 
     z = np.load(path)

@@ -117,7 +117,7 @@ def cli_main(argv=None) -> int:
         turn_specs,
     )
     from mindspore_eagle.config import ConfigError, load_config
-    from mindspore_eagle.core.policy import CostTable
+    from mindspore_eagle.core.costs import CostTable
     from mindspore_eagle.evalsets import eval_turns
 
     args = build_parser().parse_args(argv)
@@ -271,8 +271,7 @@ def _batch_sizes_main(args, cfg, gen, argv) -> int:
     from mindspore_eagle.bench import batching
     from mindspore_eagle.bench import sweeps as sw
     from mindspore_eagle.config import ConfigError
-    from mindspore_eagle.runners.warmup import prepare
-    from mindspore_eagle.serving.pipeline import build_engine, load_models
+    from mindspore_eagle.serving.pipeline import build_engine, load_models, prepare
 
     try:
         sizes = sorted(set(sw.parse_int_list(args.batch_sizes)) | {1})

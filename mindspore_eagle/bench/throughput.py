@@ -154,7 +154,7 @@ class EnginePool:
         return self.teacher.compiles + sum(d.compiles for d in self.drafters.values())
 
     def warmup(self, gen, mode: str = "full", log=print) -> dict:
-        """Compile before timing (uncounted), with :func:`mindspore_eagle.runners.warmup.prepare` over the base engine,
+        """Compile before timing (uncounted), with :func:`mindspore_eagle.serving.pipeline.prepare` over the base engine,
         every drafter of the pool and every setting's tree budget. Returns {"mode", "seconds", "compiles",
         "graph_cache"}.
 
@@ -162,7 +162,7 @@ class EnginePool:
         from $MSEAGLE_CACHE/graphs when this pool was warmed before). ``short``: one short generation.
         ``none``: nothing (the first turns then include compile time; their compile_count says so).
         """
-        from mindspore_eagle.runners.warmup import prepare
+        from mindspore_eagle.serving.pipeline import prepare
 
         budgets = sorted({M for eng in self.engines.values() for M in eng.verify_budgets()})
         others = [d for k, d in self.drafters.items() if d is not self.base.drafter]

@@ -1,6 +1,7 @@
 """Speculation policy: each step, plain decoding or a draft tree of one of the compiled budgets, by expected profit.
 
-Pure numpy; never runs a model and never imports MindSpore. The decode round (serving/round.py) asks the policy three questions per step:
+Pure numpy; never runs a model and never imports MindSpore. The cost table is core/costs.py, the acceptance model
+core/calibration.py, the batched step-kind gate core/gate.py. The decode round (serving/round.py) asks the policy three questions per step:
 
     1. ``want_draft()``          run the drafter at all? (before the drafter's context pass)
     2. ``want_expand(cands)``    after the context pass and each expansion: one more depth of the tree?
@@ -25,220 +26,15 @@ by the tokens still to generate.
 """
 from __future__ import annotations
 
-import json
-import os
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
+from mindspore_eagle.core.calibration import AcceptanceModel, node_values, observe_tree
+from mindspore_eagle.core.costs import CostTable
 from mindspore_eagle.core.tree import DraftTree
 
-PROB_EDGES = np.array([0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0 + 1e-6])
 CHILD_DEPTHS = 4
-
-
-def compiled_budgets(M: int) -> list[int]:
-    """Verification budgets the adaptive policy may use under the ceiling M: 2, 4, 8, ... below M, then M.
-
-    Raises:
-        ValueError: M < 2.
-    """
-    if M < 2:
-        raise ValueError(f"speculative.M = {M} must be >= 2 to speculate")
-    out, m = [], 2
-    while m < M:
-        out.append(m)
-        m *= 2
-    return out + [M]
-
-
-@dataclass
-class CostTable:
-    """Measured wall cost of each call a step can make, in ms, on this machine and process (Engine.measure_costs).
-
-    Fields:
-        decode_ms: one teacher decode (k = 1 query row), plus the plain step's host work.
-        verify_ms: {m: ms} one teacher verification of an m-token tree, for each compiled budget m.
-        draft_ctx_ms: the drafter's context pass over one new (feature, token) pair.
-        draft_step_ms: one drafter expansion step (K rows).
-        host_ms: a speculative step's host work (tensorize, mask, accept, commit), added to verify_ms[m].
-    """
-
-    decode_ms: float
-    verify_ms: dict
-    draft_ctx_ms: float
-    draft_step_ms: float
-    host_ms: float = 0.0
-
-    def __post_init__(self):
-        self.verify_ms = {int(m): float(v) for m, v in self.verify_ms.items()}
-        for name in ("decode_ms", "draft_ctx_ms", "draft_step_ms", "host_ms"):
-            if not np.isfinite(getattr(self, name)) or getattr(self, name) < 0:
-                raise ValueError(f"CostTable.{name} = {getattr(self, name)} must be a finite number >= 0 (ms)")
-        if self.decode_ms <= 0 or not self.verify_ms or min(self.verify_ms.values()) <= 0:
-            raise ValueError("CostTable needs decode_ms > 0 and verify_ms > 0 for at least one budget")
-
-    def step_ms(self, m: int) -> float:
-        """Cost of the verification part of a step of budget m (m = 1: a plain decode)."""
-        return self.decode_ms if m == 1 else self.verify_ms[m] + self.host_ms
-
-    def to_dict(self) -> dict:
-        return {"decode_ms": self.decode_ms, "verify_ms": {str(m): v for m, v in sorted(self.verify_ms.items())},
-                "draft_ctx_ms": self.draft_ctx_ms, "draft_step_ms": self.draft_step_ms, "host_ms": self.host_ms}
-
-    def save(self, path: str) -> None:
-        """Write the table as JSON to ``path`` atomically (temporary file, then rename); an unwritable path is
-        skipped (the table is only a cache)."""
-        try:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            tmp = f"{path}.tmp{os.getpid()}"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(self.to_dict(), f)
-            os.replace(tmp, path)
-        except OSError:
-            pass
-
-    @classmethod
-    def load(cls, path: str, max_age_s: float, budgets=()) -> "CostTable | None":
-        """The table saved at ``path`` if it is younger than ``max_age_s`` seconds, readable, and has a cost for
-        every budget in ``budgets``; else None (measure again)."""
-        try:
-            if time.time() - os.path.getmtime(path) > max_age_s:
-                return None
-            with open(path, encoding="utf-8") as f:
-                table = cls(**json.load(f))
-        except (OSError, ValueError, TypeError):
-            return None
-        return table if set(budgets) <= set(table.verify_ms) else None
-
-    def describe(self) -> str:
-        """One line per call, ms and multiple of a decode."""
-        d = self.decode_ms
-        rows = [f"decode           {d:7.1f} ms  1.00x"]
-        rows += [f"verify m={m:<3d}     {v:7.1f} ms  {v / d:.2f}x" for m, v in sorted(self.verify_ms.items())]
-        rows += [f"drafter context  {self.draft_ctx_ms:7.1f} ms  {self.draft_ctx_ms / d:.2f}x",
-                 f"drafter step     {self.draft_step_ms:7.1f} ms  {self.draft_step_ms / d:.2f}x",
-                 f"step host work   {self.host_ms:7.1f} ms  {self.host_ms / d:.2f}x"]
-        return "\n".join(rows)
-
-
-class AcceptanceModel:
-    """P(draft node accepted | its depth, whether it is its parent's likeliest child, its drafter path
-    probability), calibrated online.
-
-    Bins: depth groups 1, 2, >= 3 x {likeliest child, other child} x the probability bins ``PROB_EDGES``. The rank
-    matters: on 3,672 replayed positions the embedded drafter's likeliest depth-1 child at path probability
-    0.1-0.2 was accepted 27 % of the time, while a less likely sibling of the same probability is accepted far less
-    (docs/results.md, "2026-11-30, evening"). Each bin keeps decayed counts of verified nodes and of accepted ones; the
-    estimate is ``(hits + w * prior) / (n + w)`` with the prior = the bin's mean drafter probability (identity
-    calibration) and weight w = ``prior_weight``. Counts decay by ``decay`` per observed step, so the table
-    follows a drafter whose reliability drifts (half-life ln 2 / (1 - decay) steps).
-    """
-
-    def __init__(self, prior_weight: float = 4.0, decay: float = 0.999, depth_groups: int = 3):
-        self.w, self.decay, self.G = float(prior_weight), float(decay), int(depth_groups)
-        shape = (self.G, 2, len(PROB_EDGES) - 1)
-        self.n, self.hits, self.psum = np.zeros(shape), np.zeros(shape), np.zeros(shape)
-
-    def _index(self, scores, depth, best):
-        prob = np.exp(np.minimum(np.asarray(scores, np.float64), 0.0))
-        g = np.clip(np.asarray(depth, np.int64), 1, self.G) - 1
-        r = 1 - np.asarray(best, np.int64)
-        b = np.clip(np.searchsorted(PROB_EDGES, prob, side="right") - 1, 0, len(PROB_EDGES) - 2)
-        return (g, r, b), prob
-
-    def table(self) -> np.ndarray:
-        """float64 [G, 2, bins]: calibrated acceptance probability per (depth group, likeliest/other, prob bin)."""
-        centers = (PROB_EDGES[:-1] + np.minimum(PROB_EDGES[1:], 1.0)) / 2
-        prior = np.where(self.n > 0, self.psum / np.maximum(self.n, 1e-12), centers)
-        return (self.hits + self.w * prior) / (self.n + self.w)
-
-    def predict(self, scores, depth, best) -> np.ndarray:
-        """Calibrated acceptance probability float64 [n] of nodes with cumulative log-prob ``scores`` [n] at
-        ``depth`` [n] (>= 1); ``best`` bool [n]: the node is its parent's likeliest child."""
-        idx, _ = self._index(scores, depth, best)
-        return self.table()[idx]
-
-    def observe(self, scores, depth, best, accepted) -> None:
-        """Add one step's verified drafted nodes (arrays as ``predict``, plus ``accepted`` bool [n])."""
-        for a in (self.n, self.hits, self.psum):
-            a *= self.decay
-        idx, prob = self._index(scores, depth, best)
-        np.add.at(self.n, idx, 1.0)
-        np.add.at(self.hits, idx, np.asarray(accepted, np.float64))
-        np.add.at(self.psum, idx, prob)
-
-    def to_dict(self) -> dict:
-        """Calibration table for reports: per (depth group, likeliest/other child, probability bin) the observed
-        nodes, their mean drafter probability, the observed acceptance rate and the model's estimate."""
-        est = self.table()
-        rows = []
-        for g, r, b in zip(*np.nonzero(self.n >= 0.5)):
-            rows.append({"depth": int(g) + 1 if g + 1 < self.G else f">={self.G}",
-                         "child": "likeliest" if r == 0 else "other",
-                         "prob_lo": float(PROB_EDGES[b]), "prob_hi": float(min(PROB_EDGES[b + 1], 1.0)),
-                         "nodes": float(self.n[g, r, b]), "drafter_prob": float(self.psum[g, r, b] / self.n[g, r, b]),
-                         "accepted": float(self.hits[g, r, b] / self.n[g, r, b]), "estimate": float(est[g, r, b])})
-        return {"bins": rows}
-
-
-def likeliest_child(tree: DraftTree) -> np.ndarray:
-    """bool [n]: node i (>= 1) has the highest score among its siblings in ``tree`` (ties: lower index); root
-    False."""
-    n = len(tree)
-    out = np.zeros(n, bool)
-    best: dict = {}
-    for i in range(1, n):
-        p = int(tree.parents[i])
-        if p not in best or tree.scores[i] > tree.scores[best[p]]:
-            best[p] = i
-    out[list(best.values())] = True
-    return out
-
-
-def node_values(tree: DraftTree, model: AcceptanceModel) -> np.ndarray:
-    """Calibrated P(accepted) float64 [n] of every node of ``tree`` (root = 1).
-
-    Siblings are mutually exclusive (at most one child of a node matches the teacher), so the values of a node's
-    children are scaled down to sum to at most the node's own value. Requires parents before children (DraftTree
-    from drafting.select_tree); ``tree.scores`` are cumulative log-probs.
-    """
-    n = len(tree)
-    depth, _ = _tree_depth(tree)
-    val = np.ones(n)
-    if n > 1:
-        val[1:] = model.predict(tree.scores[1:], depth[1:], likeliest_child(tree)[1:])
-        kids: dict = {}
-        for i in range(1, n):
-            kids.setdefault(int(tree.parents[i]), []).append(i)
-        for i in range(n):                                    # parents first: each cap uses the capped parent
-            if i in kids:
-                ks = kids[i]
-                total = val[ks].sum()
-                if total > val[i]:
-                    val[ks] *= val[i] / total
-    return val
-
-
-def top_nodes(tree: DraftTree, m: int) -> DraftTree:
-    """The root plus the best ``m - 1`` drafted nodes by score (ties: lower index first), parents relinked.
-
-    A child's cumulative score never exceeds its parent's and ties favour the lower index (the parent), so the kept
-    set is closed under parents (docs/design.md, "Tree expansion"). Returns ``tree`` itself when it has <= m nodes.
-    """
-    n = len(tree)
-    if n <= m:
-        return tree
-    order = np.lexsort((np.arange(n - 1), -tree.scores[1:]))[: m - 1] + 1
-    keep = np.concatenate([[0], np.sort(order)])
-    new_index = np.full(n, -1, np.int64)
-    new_index[keep] = np.arange(keep.size)
-    parents = new_index[tree.parents[keep]]
-    parents[0] = 0
-    if (parents < 0).any():
-        raise AssertionError("top_nodes kept a node without its parent")
-    return DraftTree(tree.tokens[keep], parents, tree.scores[keep])
 
 
 @dataclass
@@ -281,86 +77,10 @@ class FixedPolicy:
 
     def observe(self, tree: DraftTree | None, accepted_path, tokens: int, cost_ms: float) -> None:
         if tree is not None and len(tree) > 1 and tree.scores is not None:
-            _observe_tree(self.model, tree, accepted_path)
+            observe_tree(self.model, tree, accepted_path)
 
     def report(self) -> dict:
         return {"policy": self.name, "calibration": self.model.to_dict()}
-
-
-def _tree_depth(tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
-    """(depth int64 [n], has_child bool [n]) of a DraftTree whose parents precede children."""
-    n = len(tree)
-    depth = np.zeros(n, np.int64)
-    has_child = np.zeros(n, bool)
-    for i in range(1, n):
-        depth[i] = depth[tree.parents[i]] + 1
-        has_child[tree.parents[i]] = True
-    return depth, has_child
-
-
-def _observe_tree(model: AcceptanceModel, tree: DraftTree, accepted_path) -> np.ndarray:
-    """Feed a verified tree's drafted nodes to ``model``; returns has_child bool [n]."""
-    depth, has_child = _tree_depth(tree)
-    acc = np.zeros(len(tree), bool)
-    acc[np.asarray(accepted_path, np.int64)] = True
-    model.observe(tree.scores[1:], depth[1:], likeliest_child(tree)[1:], acc[1:])
-    return has_child
-
-
-class RateGate:
-    """Picks, step by step, the faster of two step kinds by measured tokens per millisecond (continuous batching,
-    the decode round with N > 1 rows in serving/round.py: a batched tree verification of N x M rows against a
-    batched decode of N rows).
-
-    Each kind's rate is an exponential moving average (weight ``alpha``) of tokens / ms over its steps. The first
-    ``warm`` steps of each kind are taken in turn; then the faster kind runs and the other is probed once every
-    ``probe_every`` steps, so a change in the batch (size, context lengths, what the drafter gets right) moves the
-    choice. The batch analogue of ``AdaptivePolicy``'s speculate-or-not gate: where verification stops being cheap
-    as the batch grows, speculation steps aside (TensorRT-LLM turns speculation off past a batch size; here it is
-    measured, not configured).
-
-    Args:
-        kinds: the two step kinds (first = preferred on a tie). alpha in (0, 1]. probe_every >= 2. warm >= 1.
-    Raises:
-        ValueError: a parameter out of range (names it).
-    """
-
-    def __init__(self, kinds=("tree", "plain"), alpha: float = 0.3, probe_every: int = 16, warm: int = 2):
-        if len(kinds) != 2 or not 0 < alpha <= 1 or probe_every < 2 or warm < 1:
-            raise ValueError(f"RateGate: need 2 kinds, alpha in (0, 1], probe_every >= 2, warm >= 1; got {kinds}, "
-                             f"{alpha}, {probe_every}, {warm}")
-        self.kinds, self.alpha, self.probe_every, self.warm = tuple(kinds), alpha, probe_every, warm
-        self.rate = {k: None for k in self.kinds}
-        self.count = {k: 0 for k in self.kinds}
-        self.steps = 0
-
-    def best(self) -> str:
-        """The kind with the higher rate so far (the first kind while either is unmeasured or on a tie)."""
-        a, b = self.kinds
-        ra, rb = self.rate[a], self.rate[b]
-        return b if ra is not None and rb is not None and rb > ra else a
-
-    def choose(self) -> str:
-        """The kind of the next step."""
-        for k in self.kinds:
-            if self.count[k] < self.warm:
-                return k
-        best = self.best()
-        if self.steps % self.probe_every == self.probe_every - 1:
-            return self.kinds[1] if best == self.kinds[0] else self.kinds[0]
-        return best
-
-    def observe(self, kind: str, tokens: int, ms: float) -> None:
-        """Record a step of ``kind`` that emitted ``tokens`` tokens in ``ms`` milliseconds."""
-        r = tokens / max(ms, 1e-6)
-        old = self.rate[kind]
-        self.rate[kind] = r if old is None else (1 - self.alpha) * old + self.alpha * r
-        self.count[kind] += 1
-        self.steps += 1
-
-    def report(self) -> dict:
-        """Rates (tokens / ms) and step counts per kind."""
-        return {"rate_tok_per_ms": dict(self.rate), "steps": dict(self.count)}
 
 
 class AdaptivePolicy:
@@ -472,7 +192,7 @@ class AdaptivePolicy:
         """After a step: calibrate on the verified ``tree`` (None for a plain step) and its accepted node indices,
         and fold the step's rate (``tokens`` over its modelled ``cost_ms``) into rho."""
         if tree is not None and len(tree) > 1:
-            has_child = _observe_tree(self.model, tree, accepted_path)
+            has_child = observe_tree(self.model, tree, accepted_path)
             path = np.asarray(accepted_path, np.int64)
             self.reach *= self.model.decay
             self.cont *= self.model.decay

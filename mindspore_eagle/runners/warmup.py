@@ -248,47 +248,6 @@ def warmup(engine, gen, mode: str = "full", log=None, drafters=None, budgets=Non
     return out
 
 
-def prepare(engine, cfg, gen, mode: str = "full", log=None, drafters=None, graph_cache: bool = True,
-            budgets=None) -> dict:
-    """Warm ``engine`` up, reusing compiled graphs from disk when possible (:mod:`~mindspore_eagle.kernels.graph_cache`).
-
-    Args:
-        engine / gen / log / drafters / budgets: as :func:`warmup`. cfg: the Config the engine was built from.
-        mode: full | short | none, as :func:`warmup`; ``cfg.batch.max_batch`` > 1 adds the batched graphs.
-        graph_cache: use the on-disk cache (``context.graph_cache``); only a ``full`` warm-up reads or writes it.
-    Returns:
-        :func:`warmup`'s dict plus "graph_cache": the directory used, or None.
-    Raises:
-        ValueError: unknown mode.
-    """
-    from mindspore_eagle.kernels import graph_cache as gcache
-    from mindspore_eagle.serving.pipeline import EMBEDDED_DRAFTER, resolve_teacher
-
-    if mode not in MODES:
-        raise ValueError(f"warmup mode must be one of {', '.join(MODES)}, got {mode!r}")
-    max_batch = cfg.batch.max_batch
-    cache = None
-    if graph_cache and mode == "full" and engine.teacher.mode == "fused":
-        d = cfg.model.drafter
-        key = gcache.cache_key(cfg, budgets or engine.verify_budgets(), resolve_teacher(cfg.model.teacher),
-                               EMBEDDED_DRAFTER if d == "embedded" else d)
-        cache = gcache.GraphCache(gcache.default_root(), key)
-    if mode != "full" or cache is None or not cache.open():
-        return dict(warmup(engine, gen, mode, log, drafters, budgets, max_batch), graph_cache=None)
-    hit = cache.work == cache.dir
-    if log:
-        log(f"warm-up: {'loading' if hit else 'compiling and saving'} all graphs ({cache.dir})")
-    try:
-        out = warmup(engine, gen, mode, log, drafters, budgets, max_batch)
-    except Exception as e:   # a stale or damaged cache file: drop the cache, compile afresh
-        cache.discard()
-        if log:
-            log(f"warm-up: graph cache {cache.dir} unusable ({type(e).__name__}); removed, compiling")
-        return dict(warmup(engine, gen, mode, log, drafters, budgets, max_batch), graph_cache=None)
-    cache.close(True, out["compiles"])
-    return dict(out, graph_cache=str(cache.dir))
-
-
 def stderr_log(line: str) -> None:
     """Print one progress line to stderr (flushed), the way the CLI reports downloads and compiling."""
     print(line, file=sys.stderr, flush=True)
@@ -318,4 +277,4 @@ def report_compiles(log=stderr_log) -> None:
     runtime.set_compile_listener(listener)
 
 
-__all__ = ["warmup", "prepare", "report_compiles", "teacher_shapes", "drafter_shapes", "stderr_log", "MODES"]
+__all__ = ["warmup", "report_compiles", "teacher_shapes", "drafter_shapes", "stderr_log", "MODES"]

@@ -21,13 +21,9 @@ import numpy as np
 
 from mindspore_eagle.config import GenerationConfig, SpeculativeConfig
 from mindspore_eagle.core.accept import accept_greedy, sample_token
+from mindspore_eagle.core.costs import CostTable, compiled_budgets
 from mindspore_eagle.core.emit import Emitter
-from mindspore_eagle.core.policy import (
-    AdaptivePolicy,
-    CostTable,
-    FixedPolicy,
-    compiled_budgets,
-)
+from mindspore_eagle.core.policy import AdaptivePolicy, FixedPolicy
 from mindspore_eagle.core.trace import TraceWriter, TurnTrace
 from mindspore_eagle.core.tree import DraftTree, tensorize
 from mindspore_eagle.errors import MsEagleError

@@ -19,7 +19,7 @@ from mindspore_eagle.models.eagle3 import (
     load_drafter,
 )
 
-EMBEDDED_DRAFTER = os.path.join(os.path.dirname(__file__), "assets", "drafter_smollm2_135m")
+EMBEDDED_DRAFTER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "drafter_smollm2_135m")
 
 
 def resolve_teacher(spec: str) -> str:
@@ -121,6 +121,48 @@ def build_engine(cfg: Config, loaded: Loaded | None = None, trace=None):
                   cost_file=cost_file(cfg) if sp.policy == "adaptive" and drafter is not None else None)
 
 
+def prepare(engine, cfg, gen, mode: str = "full", log=None, drafters=None, graph_cache: bool = True,
+            budgets=None) -> dict:
+    """Warm ``engine`` up (:func:`~mindspore_eagle.runners.warmup.warmup`), reusing compiled graphs from disk when
+    possible (:mod:`~mindspore_eagle.kernels.graph_cache`).
+
+    Args:
+        engine / gen / log / drafters / budgets: as ``runners.warmup.warmup``. cfg: the Config the engine was built from.
+        mode: full | short | none, as ``warmup``; ``cfg.batch.max_batch`` > 1 adds the batched graphs.
+        graph_cache: use the on-disk cache (``context.graph_cache``); only a ``full`` warm-up reads or writes it.
+    Returns:
+        ``warmup``'s dict plus "graph_cache": the directory used, or None.
+    Raises:
+        ValueError: unknown mode.
+    """
+    from mindspore_eagle.kernels import graph_cache as gcache
+    from mindspore_eagle.runners.warmup import MODES, warmup
+
+    if mode not in MODES:
+        raise ValueError(f"warmup mode must be one of {', '.join(MODES)}, got {mode!r}")
+    max_batch = cfg.batch.max_batch
+    cache = None
+    if graph_cache and mode == "full" and engine.teacher.mode == "fused":
+        d = cfg.model.drafter
+        key = gcache.cache_key(cfg, budgets or engine.verify_budgets(), resolve_teacher(cfg.model.teacher),
+                               EMBEDDED_DRAFTER if d == "embedded" else d)
+        cache = gcache.GraphCache(gcache.default_root(), key)
+    if mode != "full" or cache is None or not cache.open():
+        return dict(warmup(engine, gen, mode, log, drafters, budgets, max_batch), graph_cache=None)
+    hit = cache.work == cache.dir
+    if log:
+        log(f"warm-up: {'loading' if hit else 'compiling and saving'} all graphs ({cache.dir})")
+    try:
+        out = warmup(engine, gen, mode, log, drafters, budgets, max_batch)
+    except Exception as e:   # a stale or damaged cache file: drop the cache, compile afresh
+        cache.discard()
+        if log:
+            log(f"warm-up: graph cache {cache.dir} unusable ({type(e).__name__}); removed, compiling")
+        return dict(warmup(engine, gen, mode, log, drafters, budgets, max_batch), graph_cache=None)
+    cache.close(True, out["compiles"])
+    return dict(out, graph_cache=str(cache.dir))
+
+
 def cost_file(cfg: Config) -> str:
     """Where the adaptive policy's measured CostTable of this machine and config is kept for a day:
     $MSEAGLE_CACHE/costs/<key>.json, keyed by CPU, core count, MindSpore version, teacher, drafter, dtype, mode,
@@ -130,7 +172,7 @@ def cost_file(cfg: Config) -> str:
 
     import mindspore
 
-    from mindspore_eagle.models.fetch import cache_dir
+    from mindspore_eagle.config import cache_dir
 
     cpu = next((line for line in open("/proc/cpuinfo", encoding="utf-8") if line.startswith("model name")), "") \
         if os.path.exists("/proc/cpuinfo") else platform.processor()

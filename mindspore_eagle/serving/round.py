@@ -38,8 +38,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mindspore_eagle.config import SpeculativeConfig
-from mindspore_eagle.core.accept import accept_greedy, accept_sampling, sample_token, warp_probs
-from mindspore_eagle.core.policy import Choice, RateGate, top_nodes
+from mindspore_eagle.core.accept import (
+    accept_greedy,
+    accept_sampling,
+    sample_token,
+    warp_probs,
+)
+from mindspore_eagle.core.calibration import top_nodes
+from mindspore_eagle.core.gate import RateGate
+from mindspore_eagle.core.policy import Choice
 from mindspore_eagle.core.trace import StepTrace, Timer
 from mindspore_eagle.core.tree import DraftTree, tensorize, validate_tree
 
@@ -108,12 +115,14 @@ class DecodeRound:
         trace: core.trace.TraceWriter receiving each StepTrace, or None.
         features: also keep the teacher's final-normed hidden state and captured features of every token fed
             (``s.features`` gets (hidden float32 [1, H], aux float32 [1, 3H]) per step; teacher-only, training data).
+        width_step: batched calls on a non-grouped attention backend pad the concatenated KV width to a multiple
+            of this many slots (``TeacherRunner.decode_batch``).
     Raises:
         ValueError: a drafter at N = 1 without a policy, or features with a drafter.
     """
 
     def __init__(self, teacher, drafter=None, spec: SpeculativeConfig | None = None, rows: int = 1, policy=None,
-                 gate=None, validate: bool = False, trace=None, features: bool = False):
+                 gate=None, validate: bool = False, trace=None, features: bool = False, width_step: int = 512):
         if drafter is not None and rows == 1 and policy is None:
             raise ValueError("DecodeRound: a drafter at rows = 1 needs a speculation policy")
         if features and drafter is not None:
@@ -122,6 +131,7 @@ class DecodeRound:
         self.spec = spec or SpeculativeConfig()
         self.M, self.D = self.spec.M, self.spec.D_max
         self.rows, self.policy, self.validate, self.trace, self.features = rows, policy, validate, trace, features
+        self.width_step = width_step
         self.single = rows == 1 and not features
         self.gate = gate or (RateGate(("tree", "plain")) if drafter is not None and not self.single else None)
         self.extra_slots = 0 if drafter is None else self.M   # KV slots a sequence needs beyond its tokens
@@ -225,7 +235,7 @@ class DecodeRound:
     # ------------------------------------------------------------------ forwards
     def _decode(self, live: list, timer: Timer) -> list:
         """A plain step: one teacher forward of each sequence's pending token. Returns per sequence (path int32
-        [1], tokens int64 [1], aux float32 [1, 3H])."""
+        [1], tokens int64 [1], aux float32 [1, 3H]; a list holding None on teacher-only batched rounds)."""
         tg = self.teacher
         with timer.phase("decode"):
             if self.single:
@@ -233,12 +243,16 @@ class DecodeRound:
                 logits = logits[None]
             elif self.features:
                 logits, hidden, aux = tg.decode_batch([s.sid for s in live], [s.next for s in live], rows=self.rows,
-                                                      with_hidden=True)
+                                                      width_step=self.width_step, with_hidden=True)
                 for i, s in enumerate(live):          # copies: a view would keep the whole call's output alive
                     s.features.append((hidden[i:i + 1].copy(), aux[i:i + 1].copy()))
-            else:
+            elif self.drafter is not None:        # the drafter will need the (feature, token) pairs
                 logits, aux = tg.decode_batch([s.sid for s in live], [s.next for s in live], rows=self.rows,
-                                              with_aux=True)
+                                              width_step=self.width_step, with_aux=True)
+            else:
+                logits = tg.decode_batch([s.sid for s in live], [s.next for s in live], rows=self.rows,
+                                         width_step=self.width_step)
+                aux = [None] * len(live)
             return [(np.zeros(1, np.int32), np.asarray([sample_token(logits[i], s.gen, s.rng)], np.int64),
                      aux[i:i + 1]) for i, s in enumerate(live)]
 
@@ -266,7 +280,8 @@ class DecodeRound:
                 logits, aux = tg.verify(live[0].sid, tts[0], mask)
         else:
             with timer.phase("verify"):
-                logits, aux = tg.verify_batch([s.sid for s in live], tts, rows=layout.rows)
+                logits, aux = tg.verify_batch([s.sid for s in live], tts, rows=layout.rows,
+                                              width_step=self.width_step)
         out = []
         for i, (s, tt) in enumerate(zip(live, tts)):
             r = layout.rows_of(i)

@@ -22,10 +22,13 @@ itself (greedy, or sampled at a temperature) through ``TeacherRunner`` prefill +
 """
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from mindspore_eagle.train.regen import generate_stream
 
 
 def normalise(text: str) -> str:
@@ -137,7 +140,8 @@ def tokenize_conversation(tok, conv: list, max_tokens: int | None = None) -> tup
 
 def regenerate_reply(runner, tok, user: str, max_new: int, temperature: float = 0.0,
                      rng: np.random.Generator | None = None) -> str:
-    """The teacher's own reply to ``user`` (prefill + decode on ``runner``; stops at an EOS id or max_new).
+    """The teacher's own reply to ``user``: one sequence through :func:`train.regen.generate_stream` (the shared
+    teacher-only decode round); stops at an EOS id, after ``max_new`` tokens or when the cache is full.
 
     Args:
         runner: a TeacherRunner; tok: its Tokenizer; temperature: 0 = greedy, else softmax sampling.
@@ -145,27 +149,10 @@ def regenerate_reply(runner, tok, user: str, max_new: int, temperature: float = 
         the decoded reply text (special tokens removed).
     """
     ids = tok.encode_chat([{"role": "user", "content": user}], add_generation_prompt=True)
-    eos = set(tok.eos_token_ids)
-    rng = rng or np.random.default_rng(0)
-    sid = runner.new_seq()
-    out = []
-    try:
-        logits, _ = runner.prefill(sid, ids)
-        for _ in range(max_new):
-            if temperature > 0:
-                z = logits.astype(np.float64) / temperature
-                p = np.exp(z - z.max())
-                nxt = int(rng.choice(len(p), p=p / p.sum()))
-            else:
-                nxt = int(np.argmax(logits))
-            if nxt in eos:
-                break
-            out.append(nxt)
-            if runner.length(sid) + 1 >= runner.S:
-                break
-            logits, _ = runner.decode(sid, nxt)
-    finally:
-        runner.free(sid)
+    budget = max(1, min(max_new, runner.S - len(ids)))        # the last reply token is never fed to the cache
+    gen = generate_stream(runner, [(ids, budget)], tok.eos_token_ids, 1, temperature, rng)
+    with contextlib.closing(gen):
+        _, out, _, _ = next(gen)
     return tok.decode(out, skip_special_tokens=True)
 
 

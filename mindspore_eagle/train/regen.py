@@ -1,8 +1,8 @@
 """Batched regeneration of assistant replies by the teacher (the drafter must learn the teacher's own text).
 
 SpecForge ``scripts/regenerate_train_data.py`` asks a serving engine for the target model's reply to each prompt;
-here the teacher answers with continuous batching over :meth:`TeacherRunner.decode_batch`: up to ``batch``
-sequences decode together in one forward (block-diagonal mask over their concatenated block tables), a finished
+here the teacher answers with continuous batching: up to ``batch`` sequences advance together through the shared
+teacher-only decode round (serving/round.py, one ``TeacherRunner.decode_batch`` forward per step), a finished
 sequence frees its blocks and the next prompt is prefilled into its row. On the 2-core CPU one 16-row call costs
 about twice a single-token decode, so 16 rows give several times the tokens per second of one sequence.
 
@@ -12,16 +12,14 @@ batched call attends over a wider, masked width), which is the distribution the 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import numpy as np
 
-
-def _pick(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
-    if temperature <= 0:
-        return int(np.argmax(logits))
-    z = logits.astype(np.float64) / temperature
-    p = np.exp(z - z.max())
-    return int(rng.choice(len(p), p=p / p.sum()))
+from mindspore_eagle.config import GenerationConfig
+from mindspore_eagle.core.accept import sample_token
+from mindspore_eagle.core.emit import Emitter
+from mindspore_eagle.serving.round import DecodeRound, Sequence
 
 
 def generate_stream(runner, items, eos, batch: int = 16, temperature: float = 0.0,
@@ -57,9 +55,10 @@ def generate_stream(runner, items, eos, batch: int = 16, temperature: float = 0.
         raise ValueError(f"regenerate batch must be >= 1, got {batch}")
     rng = rng or np.random.default_rng(0)
     eos = set(int(e) for e in eos)
+    rnd = DecodeRound(runner, rows=batch, features=features, width_step=width_step)     # teacher-only
     queue = enumerate(items)
     more = True
-    active: list[dict] = []       # {"i", "sid", "budget", "out", "freed", "next"}
+    active: list = []             # _Reply sequences in flight, not yet freed
     try:
         while more or active:
             if should_stop is not None and should_stop():
@@ -71,52 +70,50 @@ def generate_stream(runner, items, eos, batch: int = 16, temperature: float = 0.
                     break
                 if budget < 1:
                     raise ValueError(f"generate_stream: item {i} has budget {budget}, need >= 1")
-                a = {"i": i, "sid": runner.new_seq(), "budget": budget, "out": [], "freed": False}
-                active.append(a)            # before prefill: an error there still frees its blocks
+                gen = GenerationConfig(max_new_tokens=budget, temperature=temperature)
+                s = _Reply(runner.new_seq(), -1, gen, rng, Emitter(None, eos, gen), index=i)
+                active.append(s)            # before prefill: an error there still frees its blocks
                 if features:
-                    logits, hid, aux = runner.prefill_with_hidden(a["sid"], ids)
-                    a["hid"], a["aux"] = [hid], [aux]
+                    logits, hid, aux = runner.prefill_with_hidden(s.sid, ids)
+                    s.features.append((hid, aux))
                 else:
-                    logits, _ = runner.prefill(a["sid"], ids)
-                a["next"] = _pick(logits, temperature, rng)
-            live, finished = [], []
-            for a in active:
-                if a["next"] in eos:
-                    finished.append((a, "eos", a["next"]))
-                    continue
-                a["out"].append(a["next"])
-                if counts is not None:
-                    counts["decoded"] = counts.get("decoded", 0) + 1
-                if len(a["out"]) >= a["budget"]:
-                    finished.append((a, "length", None))
-                else:
-                    live.append(a)
-            for a, _, _ in finished:
-                runner.free(a["sid"])
-                a["freed"] = True
-            active = live                                 # finished rows are already freed
-            for a, stop, end in finished:
+                    logits, _ = runner.prefill(s.sid, ids)
+                s.next = sample_token(logits, gen, rng)
+                _count(counts, s.next not in eos)
+                s.emitter.push(s.next)
+            live = [s for s in active if not s.emitter.reason]
+            if live:
+                for s, toks in zip(live, rnd.step(live)):
+                    _count(counts, sum(t not in eos for t in toks))
+            finished = [s for s in active if s.emitter.reason]
+            active = [s for s in active if not s.emitter.reason]
+            for s in finished:
+                runner.free(s.sid)
+                s.sid = -1
+            for s in finished:
+                stop, ids_ = s.emitter.reason, s.emitter.ids
+                reply, end = (ids_[:-1], ids_[-1]) if stop == "eos" else (ids_, None)
                 if features:
-                    yield a["i"], a["out"], stop, end, (np.concatenate(a["hid"]), np.concatenate(a["aux"]))
+                    hid = np.concatenate([h for h, _ in s.features])
+                    aux = np.concatenate([a for _, a in s.features])
+                    yield s.index, reply, stop, end, (hid, aux)
                 else:
-                    yield a["i"], a["out"], stop, end
-            if not active:
-                continue
-            sids, toks = [a["sid"] for a in active], [a["next"] for a in active]
-            if features:
-                logits, hid, aux = runner.decode_batch(sids, toks, rows=batch, width_step=width_step,
-                                                       with_hidden=True)
-                for i, a in enumerate(active):
-                    a["hid"].append(hid[i:i + 1].copy())      # copies: a view would keep the whole call's
-                    a["aux"].append(aux[i:i + 1].copy())      # output alive until the row finishes
-            else:
-                logits = runner.decode_batch(sids, toks, rows=batch, width_step=width_step)
-            for a, row in zip(active, logits):
-                a["next"] = _pick(row, temperature, rng)
+                    yield s.index, reply, stop, end
     finally:                            # on an error or close mid-pass, free each row exactly once
-        for a in active:
-            if not a["freed"]:
-                runner.free(a["sid"])
+        for s in active:
+            if s.sid >= 0:
+                runner.free(s.sid)
+
+
+@dataclass
+class _Reply(Sequence):
+    """A reply in flight: a round Sequence plus the index of its item."""
+    index: int = -1
+
+
+def _count(counts: dict | None, n: int) -> None:
+    if counts is not None:
+        counts["decoded"] = counts.get("decoded", 0) + int(n)
 
 
 def regenerate_replies(runner, tok, prompts: list, max_len: int, batch: int = 16, temperature: float = 0.0,

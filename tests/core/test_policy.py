@@ -5,16 +5,14 @@ import pytest
 from scipy import stats
 from tiny_pangu import causal_mask, exact_two_tokens, numpy_forward
 
-from mindspore_eagle.core.policy import (
+from mindspore_eagle.core.calibration import (
     AcceptanceModel,
-    AdaptivePolicy,
-    CostTable,
-    FixedPolicy,
-    compiled_budgets,
     likeliest_child,
     node_values,
     top_nodes,
 )
+from mindspore_eagle.core.costs import CostTable, compiled_budgets
+from mindspore_eagle.core.policy import AdaptivePolicy, FixedPolicy
 from mindspore_eagle.core.tree import DraftTree, tensorize, validate_tree
 from mindspore_eagle.runners.drafter import select_tree
 
@@ -330,7 +328,7 @@ def test_cost_table_reused_from_file_for_a_day(ms_runtime, tiny_dir, drafter_dir
 def test_rate_gate_picks_the_faster_kind_and_probes_the_other():
     """Warm-up takes each kind twice; then the faster one runs, the other once every probe_every steps; when the
     rates swap, the choice follows within a few probes."""
-    from mindspore_eagle.core.policy import RateGate
+    from mindspore_eagle.core.gate import RateGate
 
     g = RateGate(("tree", "plain"), alpha=0.5, probe_every=4, warm=2)
     rates = {"tree": 1.0, "plain": 2.0}              # tokens per ms

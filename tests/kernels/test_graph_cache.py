@@ -87,10 +87,11 @@ def test_discard_removes_the_cache_and_close_of_an_unopened_cache_does_nothing(t
 
 
 def test_a_cache_that_fails_to_load_is_discarded_and_the_warmup_compiles(tmp_path, tiny_dir, monkeypatch):
-    """runners.warmup.prepare: when the warm-up fails on a complete cache (a damaged graph file), the cache
+    """serving.pipeline.prepare: when the warm-up fails on a complete cache (a damaged graph file), the cache
     directory is deleted, the warm-up runs again without it and the result names no cache."""
     from mindspore_eagle.kernels import graph_cache as gcache
     from mindspore_eagle.runners import warmup as wu
+    from mindspore_eagle.serving import pipeline
 
     monkeypatch.setenv("MSEAGLE_CACHE", str(tmp_path))
     cfg = _cfg(tiny_dir)
@@ -117,7 +118,7 @@ def test_a_cache_that_fails_to_load_is_discarded_and_the_warmup_compiles(tmp_pat
     monkeypatch.setattr(wu, "warmup", fake_warmup)
     engine = SimpleNamespace(teacher=SimpleNamespace(mode="fused"), verify_budgets=lambda: [8])
     lines = []
-    out = wu.prepare(engine, cfg, cfg.generation, "full", lines.append)
+    out = pipeline.prepare(engine, cfg, cfg.generation, "full", lines.append)
     assert calls == ["full", "full"] and out["graph_cache"] is None and out["compiles"] == 3
     assert not cache_dir.exists()
     assert lines[0] == f"warm-up: loading all graphs ({cache_dir})"

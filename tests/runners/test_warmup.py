@@ -138,7 +138,7 @@ RUN = textwrap.dedent("""
     import json, sys
     from mindspore_eagle.config import load_config
     from mindspore_eagle.serving.pipeline import build_engine
-    from mindspore_eagle.runners.warmup import prepare
+    from mindspore_eagle.serving.pipeline import prepare
     cfg = load_config(None, sys.argv[1:])
     eng = build_engine(cfg)
     lines = []

@@ -1,0 +1,64 @@
+"""RateGate: the faster of two step kinds by measured tokens per millisecond (batched speculation on or off).
+
+Pure Python; never imports MindSpore.
+"""
+from __future__ import annotations
+
+
+class RateGate:
+    """Picks, step by step, the faster of two step kinds by measured tokens per millisecond (continuous batching,
+    the decode round with N > 1 rows in serving/round.py: a batched tree verification of N x M rows against a
+    batched decode of N rows).
+
+    Each kind's rate is an exponential moving average (weight ``alpha``) of tokens / ms over its steps. The first
+    ``warm`` steps of each kind are taken in turn; then the faster kind runs and the other is probed once every
+    ``probe_every`` steps, so a change in the batch (size, context lengths, what the drafter gets right) moves the
+    choice. The batch analogue of ``AdaptivePolicy``'s speculate-or-not gate: where verification stops being cheap
+    as the batch grows, speculation steps aside (TensorRT-LLM turns speculation off past a batch size; here it is
+    measured, not configured).
+
+    Args:
+        kinds: the two step kinds (first = preferred on a tie). alpha in (0, 1]. probe_every >= 2. warm >= 1.
+    Raises:
+        ValueError: a parameter out of range (names it).
+    """
+
+    def __init__(self, kinds=("tree", "plain"), alpha: float = 0.3, probe_every: int = 16, warm: int = 2):
+        if len(kinds) != 2 or not 0 < alpha <= 1 or probe_every < 2 or warm < 1:
+            raise ValueError(f"RateGate: need 2 kinds, alpha in (0, 1], probe_every >= 2, warm >= 1; got {kinds}, "
+                             f"{alpha}, {probe_every}, {warm}")
+        self.kinds, self.alpha, self.probe_every, self.warm = tuple(kinds), alpha, probe_every, warm
+        self.rate = {k: None for k in self.kinds}
+        self.count = {k: 0 for k in self.kinds}
+        self.steps = 0
+
+    def best(self) -> str:
+        """The kind with the higher rate so far (the first kind while either is unmeasured or on a tie)."""
+        a, b = self.kinds
+        ra, rb = self.rate[a], self.rate[b]
+        return b if ra is not None and rb is not None and rb > ra else a
+
+    def choose(self) -> str:
+        """The kind of the next step."""
+        for k in self.kinds:
+            if self.count[k] < self.warm:
+                return k
+        best = self.best()
+        if self.steps % self.probe_every == self.probe_every - 1:
+            return self.kinds[1] if best == self.kinds[0] else self.kinds[0]
+        return best
+
+    def observe(self, kind: str, tokens: int, ms: float) -> None:
+        """Record a step of ``kind`` that emitted ``tokens`` tokens in ``ms`` milliseconds."""
+        r = tokens / max(ms, 1e-6)
+        old = self.rate[kind]
+        self.rate[kind] = r if old is None else (1 - self.alpha) * old + self.alpha * r
+        self.count[kind] += 1
+        self.steps += 1
+
+    def report(self) -> dict:
+        """Rates (tokens / ms) and step counts per kind."""
+        return {"rate_tok_per_ms": dict(self.rate), "steps": dict(self.count)}
+
+
+__all__ = ["RateGate"]
