@@ -49,6 +49,7 @@ from mindspore_eagle.core.gate import RateGate
 from mindspore_eagle.core.policy import Choice
 from mindspore_eagle.core.trace import StepTrace, Timer
 from mindspore_eagle.core.tree import DraftTree, tensorize, validate_tree
+from mindspore_eagle.runners.protocols import DrafterRunnerLike, TeacherRunnerLike
 
 
 @dataclass
@@ -106,7 +107,8 @@ class DecodeRound:
     """One decode step for a set of live sequences (module docstring).
 
     Args:
-        teacher: runners.teacher.TeacherRunner. drafter: runners.drafter.DrafterRunner, or None (teacher-only).
+        teacher: a runners.protocols.TeacherRunnerLike (runners.teacher.TeacherRunner). drafter: a
+            runners.protocols.DrafterRunnerLike (runners.drafter.DrafterRunner), or None (teacher-only).
         spec: SpeculativeConfig (M, D_max; ``validate_tree``). rows: N, the static row count of batched calls;
             N = 1 uses the single-sequence calls and ``policy``.
         policy: N = 1 with a drafter: core.policy.AdaptivePolicy or FixedPolicy (kept by the caller across turns).
@@ -121,7 +123,8 @@ class DecodeRound:
         ValueError: a drafter at N = 1 without a policy, or features with a drafter.
     """
 
-    def __init__(self, teacher, drafter=None, spec: SpeculativeConfig | None = None, rows: int = 1, policy=None,
+    def __init__(self, teacher: TeacherRunnerLike, drafter: DrafterRunnerLike | None = None,
+                 spec: SpeculativeConfig | None = None, rows: int = 1, policy=None,
                  gate=None, validate: bool = False, trace=None, features: bool = False, width_step: int = 512):
         if drafter is not None and rows == 1 and policy is None:
             raise ValueError("DecodeRound: a drafter at rows = 1 needs a speculation policy")

@@ -1,0 +1,251 @@
+"""serving/round.py without MindSpore: the decode round over numpy stand-ins of the two runners.
+
+The stand-in teacher's next token is a fixed function of (last token, position), so the exact teacher-only output
+is known in closed form; the stand-in drafter proposes a chain of those true tokens plus a wrong sibling (an
+oracle) or random tokens. Greedy output must equal teacher-only output token for token whatever the drafter does.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mindspore_eagle.config import GenerationConfig, SpeculativeConfig
+from mindspore_eagle.core.emit import Emitter
+from mindspore_eagle.core.policy import FixedPolicy
+from mindspore_eagle.core.tree import DraftTree
+from mindspore_eagle.serving.round import BatchLayout, DecodeRound, Sequence
+
+V, EOS = 50, 0
+
+
+def truth(token: int, pos: int) -> int:
+    """The stand-in teacher's argmax after ``token`` at position ``pos`` (never EOS)."""
+    return 1 + (token * 7 + pos * 3) % (V - 1)
+
+
+def logits_for(token: int, pos: int) -> np.ndarray:
+    z = np.linspace(0.0, 0.1, V).astype(np.float32)          # distinct values: a unique argmax
+    z[truth(token, pos)] = 5.0
+    return z
+
+
+class FakeTeacher:
+    """TeacherRunnerLike in numpy: a sequence is its committed token list; a tree verified is kept until commit."""
+
+    def __init__(self, S: int = 512):
+        self.S, self.seqs, self.trees, self.n = S, {}, {}, 0
+
+    def new_seq(self):
+        self.n += 1
+        self.seqs[self.n] = []
+        return self.n
+
+    def free(self, sid):
+        del self.seqs[sid]
+
+    def length(self, sid):
+        return len(self.seqs[sid])
+
+    def prefill(self, sid, ids):
+        self.seqs[sid] += [int(i) for i in ids]
+        return logits_for(self.seqs[sid][-1], len(self.seqs[sid]) - 1), np.zeros((len(ids), 3), np.float32)
+
+    def decode(self, sid, token):
+        self.seqs[sid].append(int(token))
+        return logits_for(int(token), len(self.seqs[sid]) - 1), np.zeros((1, 3), np.float32)
+
+    def decode_batch(self, sids, tokens, rows, width_step=512, with_aux=False, with_hidden=False):
+        assert len(sids) <= rows
+        out = [self.decode(s, t) for s, t in zip(sids, tokens)]
+        logits, aux = np.stack([o[0] for o in out]), np.concatenate([o[1] for o in out])
+        return (logits, aux) if with_aux else logits
+
+    def verify_mask(self, sid, tt):
+        return None
+
+    def verify(self, sid, tt, mask=None):
+        n = len(self.seqs[sid])
+        self.trees[sid] = tt
+        logits = np.stack([logits_for(int(t), n + int(d)) for t, d in zip(tt.tokens, tt.depth)])
+        return logits, np.arange(tt.budget, dtype=np.float32)[:, None].repeat(3, 1)
+
+    def verify_batch(self, sids, trees, rows, width_step=512):
+        M = trees[0].budget
+        assert len(sids) * M <= rows and all(t.budget == M for t in trees)
+        outs = [self.verify(s, t) for s, t in zip(sids, trees)]
+        return np.concatenate([o[0] for o in outs]), np.concatenate([o[1] for o in outs])
+
+    def commit(self, sid, path, width):
+        tt = self.trees.pop(sid)
+        self.seqs[sid] += [int(tt.tokens[i]) for i in path]
+
+
+class FakeDrafter:
+    """DrafterRunnerLike in numpy: ``extend`` counts context pairs (= the teacher's committed length), trees are
+    the true chain from the root plus one wrong sibling per level (``oracle``) or random tokens."""
+
+    def __init__(self, oracle: bool = True, seed: int = 0):
+        self.oracle, self.rng, self.count, self.n = oracle, np.random.default_rng(seed), {}, 0
+
+    def new_seq(self):
+        self.n += 1
+        self.count[self.n] = 0
+        return self.n
+
+    def free(self, sid):
+        del self.count[sid]
+
+    def extend(self, sid, aux, next_tokens):
+        assert len(aux) == len(next_tokens) >= 1
+        self.count[sid] += len(next_tokens)
+        return self.count[sid]
+
+    def build_tree(self, sid, root, first, M, D, grow=None):
+        tokens, parents, scores, node, tok = [root], [0], [0.0], 0, root
+        for depth in range(1, D + 1):
+            if depth > 1 and grow is not None and not grow(DraftTree(tokens, parents, np.asarray(scores)),
+                                                          np.asarray(scores[-2:]), depth - 1):
+                break
+            nxt = truth(tok, first + depth - 1) if self.oracle else int(self.rng.integers(1, V))
+            if len(tokens) >= M:
+                break
+            tokens.append(nxt)                                  # the chain token, then a wrong sibling
+            parents.append(node)
+            scores.append(-0.1 * depth)
+            chain = len(tokens) - 1
+            if len(tokens) < M:
+                tokens.append(1 + nxt % (V - 1))
+                parents.append(node)
+                scores.append(-0.1 * depth - 1.0)
+            node, tok = chain, nxt
+        return DraftTree(np.asarray(tokens), np.asarray(parents), np.asarray(scores, np.float64))
+
+    def draft_batch(self, sids, pending, roots, M, D, groups):
+        assert len(sids) <= groups
+        return [self.build_tree(s, r, self.extend(s, *p), M, D) for s, p, r in zip(sids, pending, roots)]
+
+
+class Tok:
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def reference(prompt: list, n_new: int) -> list:
+    """Teacher-only greedy output of the stand-in teacher, in closed form."""
+    seq, out = list(prompt), []
+    for _ in range(n_new):
+        out.append(truth(seq[-1], len(seq) - 1))
+        seq.append(out[-1])
+    return out
+
+
+def run(rnd: DecodeRound, teacher: FakeTeacher, prompts: list, gen: GenerationConfig) -> list:
+    """Prefill each prompt, then step all sequences together until every Emitter ends; returns the ids."""
+    seqs = []
+    for p in prompts:
+        s = Sequence(teacher.new_seq(), -1, gen, np.random.default_rng(0), Emitter(Tok(), {EOS}, gen))
+        logits, aux = teacher.prefill(s.sid, p)
+        s.next = int(np.argmax(logits))
+        s.emitter.push(s.next)
+        rnd.start(s, p, aux)
+        seqs.append(s)
+    live = list(seqs)
+    while live:
+        for s, toks in zip(live, rnd.step(live)):
+            assert toks == s.emitter.ids[len(s.emitter.ids) - len(toks):]
+        live = [s for s in live if not s.emitter.reason]
+    for s in seqs:
+        rnd.finish(s)
+    return seqs
+
+
+PROMPTS = [[3, 9, 4], [7], [11, 12, 13, 14, 15, 16]]
+
+
+def assert_cache_true(tg: FakeTeacher, s, prompt: list) -> None:
+    """Every token in the teacher cache is the prompt or a true output token (commit kept the accepted path only),
+    and the cache holds at least every emitted token but the pending last one."""
+    cache = tg.seqs[s.sid]
+    assert cache == (prompt + reference(prompt, 64))[: len(cache)]
+    assert len(cache) >= len(prompt) + len(s.emitter.ids) - 1
+
+
+def test_teacher_only_round_is_greedy_decoding():
+    gen = GenerationConfig(max_new_tokens=20)
+    for rows in (1, 3):
+        tg = FakeTeacher()
+        seqs = run(DecodeRound(tg, rows=rows), tg, PROMPTS if rows > 1 else PROMPTS[:1], gen)
+        for s, p in zip(seqs, PROMPTS):
+            assert s.emitter.ids == reference(p, 20) and s.emitter.reason == "length"
+            assert s.accept_lens == [] and all(st.budget == 1 for st in s.steps)
+
+
+@pytest.mark.parametrize("oracle", [True, False])
+def test_speculative_round_one_sequence_is_lossless(oracle):
+    """N = 1: the policy's budget, the single-sequence calls; output identical to teacher-only greedy."""
+    gen = GenerationConfig(max_new_tokens=23)
+    spec = SpeculativeConfig(M=8, D_max=3, top_k=2, policy="fixed")
+    tg, dr = FakeTeacher(), FakeDrafter(oracle)
+    (s,) = run(DecodeRound(tg, dr, spec, rows=1, policy=FixedPolicy(8, 3)), tg, PROMPTS[:1], gen)
+    assert s.emitter.ids == reference(PROMPTS[0], 23)
+    assert_cache_true(tg, s, PROMPTS[0])
+    if oracle:                                                     # every draft accepted: L_k = D_max + 1
+        assert s.accept_lens[:-1] == [4] * (len(s.accept_lens) - 1) and s.emitter.reason == "length"
+    else:
+        assert min(s.accept_lens) >= 1 and len(s.steps) >= 20
+    assert dr.count == {}                                          # finish() freed the drafter sequence
+
+
+def test_speculative_batch_is_lossless_and_the_gate_sees_both_kinds():
+    """N = 3: trees of budget M for every row (one verify_batch), or a plain batched step, as the gate says."""
+
+    class Scripted:
+        def __init__(self, kinds):
+            self.kinds, self.i, self.seen = kinds, 0, []
+
+        def choose(self):
+            self.i += 1
+            return self.kinds[(self.i - 1) % len(self.kinds)]
+
+        def observe(self, kind, tokens, ms):
+            self.seen.append((kind, tokens))
+
+    gen = GenerationConfig(max_new_tokens=17)
+    spec = SpeculativeConfig(M=8, D_max=3, top_k=2, policy="fixed")
+    tg, dr = FakeTeacher(), FakeDrafter(True)
+    gate = Scripted(["tree", "plain"])
+    seqs = run(DecodeRound(tg, dr, spec, rows=3, gate=gate), tg, PROMPTS, gen)
+    for s, p in zip(seqs, PROMPTS):
+        assert s.emitter.ids == reference(p, 17)
+        assert_cache_true(tg, s, p)
+    assert {k for k, _ in gate.seen} == {"tree", "plain"}
+    assert all(n == 3 for k, n in gate.seen if k == "plain")       # a plain step: one token per live sequence
+    assert max(n for k, n in gate.seen if k == "tree") == 3 * 4     # a tree step: L_k = 4 for each of 3 rows
+
+
+def test_a_tree_step_stops_at_the_emitter():
+    """max_new_tokens inside an accepted path: the emitted tokens are cut there, and nothing after is pushed."""
+    gen = GenerationConfig(max_new_tokens=6)
+    spec = SpeculativeConfig(M=8, D_max=3, top_k=2, policy="fixed")
+    tg = FakeTeacher()
+    (s,) = run(DecodeRound(tg, FakeDrafter(True), spec, rows=1, policy=FixedPolicy(8, 3)), tg, PROMPTS[:1], gen)
+    assert s.emitter.ids == reference(PROMPTS[0], 6) and s.emitter.reason == "length"
+    assert s.accept_lens == [4, 4]                                  # the second step accepted 4, emitted 1
+
+
+def test_batch_layout():
+    lay = BatchLayout(np.array([1, 4, 2]), 8)
+    assert lay.offsets.tolist() == [0, 1, 5, 7]
+    assert [lay.rows_of(i) for i in range(3)] == [slice(0, 1), slice(1, 5), slice(5, 7)]
+    assert BatchLayout.uniform(3, 8, 32).offsets.tolist() == [0, 8, 16, 24]
+    with pytest.raises(ValueError, match="fit 6 rows"):
+        BatchLayout(np.array([4, 4]), 6)
+    with pytest.raises(ValueError, match=">= 1"):
+        BatchLayout(np.array([0, 2]), 6)
+
+
+def test_round_arguments_are_checked():
+    with pytest.raises(ValueError, match="needs a speculation policy"):
+        DecodeRound(FakeTeacher(), FakeDrafter(), SpeculativeConfig(), rows=1)
+    with pytest.raises(ValueError, match="teacher-only"):
+        DecodeRound(FakeTeacher(), FakeDrafter(), SpeculativeConfig(), rows=2, features=True)
