@@ -115,19 +115,93 @@ def warp_probs(logits, temperature: float, top_p: float = 1.0, top_k: int = 0) -
     return _softmax(x)
 
 
-def sample_token(logits, gen, rng: np.random.Generator) -> int:
-    """The next token of a plain (non-tree) step: argmax at ``gen.temperature == 0``, else one draw from
-    ``warp_probs(logits, gen.temperature, gen.top_p, gen.top_k)`` with ``rng``.
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's output function on uint64 arrays (Steele, Lea and Flood, OOPSLA 2014), wrapping mod 2**64."""
+    z = x + _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def position_uniforms(seed: int, positions) -> np.ndarray:
+    """The uniform draw of each output position of a sequence sampled with ``seed``: a counter-based generator,
+    u = SplitMix64(SplitMix64(seed) xor position) / 2**64 (53 bits), a pure function of (seed, position).
+
+    Every decoding path (teacher-only, any draft tree, any batch) samples the token at position t from the same
+    u_t, which is what makes seeded sampling reproducible across paths (:func:`accept_coupled`).
+    Args:
+        seed: int in [0, 2**64). positions: int [k] absolute positions of the tokens to draw (the token's index in
+            the sequence, prompt included).
+    Returns:
+        float64 [k] in [0, 1).
+    """
+    key = _splitmix64(np.asarray([seed % (1 << 64)], np.uint64))
+    z = _splitmix64(np.asarray(positions, np.int64).astype(np.uint64) ^ key)
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+
+
+def sample_at(probs, u: float) -> int:
+    """Inverse-CDF draw from one distribution: the smallest token t with cdf(t) > u * total mass, never a token of
+    probability 0. With u uniform on [0, 1) the token is distributed exactly as ``probs``.
 
     Args:
-        logits: float [V] teacher logits of the last position. gen: GenerationConfig. rng: the sequence's generator.
+        probs: float [V], non-negative, positive sum (need not be normalised). u: float in [0, 1).
+    Returns:
+        token id (int).
+    """
+    cdf = np.cumsum(probs, dtype=np.float64)
+    t = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    if t >= cdf.size:                       # u * total rounded up to the total: the last token with mass
+        t = int(np.flatnonzero(np.asarray(probs) > 0)[-1])
+    return t
+
+
+def sample_token(logits, gen, pos: int) -> int:
+    """The token at output position ``pos`` after a plain (non-tree) step: argmax at ``gen.temperature == 0``,
+    else the draw of ``warp_probs(logits, gen.temperature, gen.top_p, gen.top_k)`` with the position's uniform
+    (:func:`position_uniforms` of ``gen.seed``).
+
+    Args:
+        logits: float [V] teacher logits of the last position. gen: GenerationConfig. pos: the index of the token
+            to draw in the sequence (= tokens before it, prompt included).
     Returns:
         token id (int).
     """
     if gen.temperature == 0:
         return int(np.argmax(logits))
     p = warp_probs(np.asarray(logits)[None], gen.temperature, gen.top_p, gen.top_k)[0]
-    return int(rng.choice(p.size, p=p))
+    return sample_at(p, float(position_uniforms(gen.seed, [pos])[0]))
+
+
+def accept_coupled(tt: TreeTensors, probs, seed: int, first_pos: int) -> VerifyResult:
+    """Seeded sampling acceptance by coupling: accept a draft token exactly when it equals the teacher's own sample
+    at that position, drawn with that position's uniform.
+
+    Node i's teacher sample is ``sample_at(probs[i], u_{first_pos + depth_i})`` (the token after node i); the
+    accepted path is the longest root path whose drafts equal their parents' samples, and the bonus is the sample
+    after its last node, so the emitted tokens are exactly those teacher-only sampling with the same seed emits
+    (:func:`sample_token` at the same positions), whatever the tree. Each emitted token is distributed exactly as
+    the teacher's (warped) distribution, since its uniform is used once on the path actually taken. With a
+    deterministic draft (q = 1) a node's children are accepted with total probability sum_c p(c), the same as
+    multi-candidate rejection sampling (:func:`accept_sampling`), so coupling costs no accepted length
+    (tests/core/test_accept.py measures both).
+    Args:
+        tt: TreeTensors for budget M. probs: float [M, V] warped teacher distributions (pad rows ignored).
+        seed: the sequence's seed. first_pos: position of the token after the root (committed length + 1).
+    Returns:
+        VerifyResult with accept_len = accepted drafts + 1.
+    Raises:
+        ValueError: probs has the wrong shape or invalid rows, or a draft token is >= V.
+    """
+    p = _check_probs(tt, probs)
+    n = tt.n_nodes
+    u = position_uniforms(seed, first_pos + tt.depth[:n].astype(np.int64))
+    samples = np.zeros(tt.budget, np.int64)
+    samples[:n] = [sample_at(p[i], u[i]) for i in range(n)]
+    return accept_greedy(tt, samples)
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:

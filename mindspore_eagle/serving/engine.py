@@ -230,11 +230,11 @@ class Engine:
         rnd = self.decode_round(speculative)
         emitter = Emitter(self.tokenizer, self.eos, gen, on_token)
         compiles0, compile_ms0 = self.compiles, self.compile_ms
-        seq = Sequence(self.teacher.new_seq(), -1, gen, np.random.default_rng(gen.seed), emitter)
+        seq = Sequence(self.teacher.new_seq(), -1, gen, emitter)
         try:
             t0 = time.perf_counter()
             logits, aux = self.teacher.prefill(seq.sid, ids)
-            seq.next = sample_token(logits, gen, seq.rng)
+            seq.next = sample_token(logits, gen, len(ids))
             prefill_ms = (time.perf_counter() - t0) * 1e3
             t1 = time.perf_counter()
             if not emitter.push(seq.next):

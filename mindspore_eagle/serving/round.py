@@ -12,7 +12,8 @@ One round (docs/architecture.md, "The decode round"):
     tensorize  core.tree.tensorize at the step's budget [+ validate_tree in eager mode / when asked]
     forward    a plain step: one teacher decode (N = 1) or one batched decode of n rows;
                a tree step: one teacher verification of m rows (N = 1) or of n x M rows (``BatchLayout``)
-    accept     greedy longest path + bonus, or multi-candidate rejection sampling (core/accept.py)
+    accept     greedy longest path + bonus, or seeded sampling by coupling (core/accept.py): a draft is accepted
+               when it equals the teacher's own sample at its position
     commit     teacher KV of the accepted path moved after the prefix; (feature, token) pairs queued for the drafter
     emit       every token goes through the sequence's Emitter (EOS, stop strings, max_new_tokens)
 
@@ -22,12 +23,14 @@ sequence alone (N = 1) runs the single-sequence graphs (decode k = 1, verify k =
 so a batch of one is served exactly as ``generate`` serves it.
 
 Losslessness: greedy acceptance keeps exactly the teacher's argmax tokens and every token passes the same Emitter
-as teacher-only decoding, so at temperature 0 (float32) both give identical ids; sampling follows the teacher's
-warped distribution exactly (core/accept.py).
+as teacher-only decoding, so at temperature 0 (float32) both give identical ids. Sampling draws the token at
+position t with the uniform u_t = f(seed, t) (core.accept.position_uniforms) on every path, and accepts a draft
+exactly when it equals that draw, so a seeded sampled text is the same with or without speculation, alone or in
+any batch, and follows the teacher's warped distribution exactly.
 
 A live sequence is a :class:`Sequence` (or any object with its attributes):
 ``sid`` (teacher cache sequence), ``next`` (the pending token: emitted, not yet fed to the teacher), ``gen``
-(GenerationConfig), ``rng`` (numpy Generator), ``emitter`` (core.emit.Emitter), ``accept_lens`` (list; L_k of
+(GenerationConfig; sampling draws with ``gen.seed``), ``emitter`` (core.emit.Emitter), ``accept_lens`` (list; L_k of
 every tree step is appended), ``steps`` (list; one core.trace.StepTrace per step is appended), ``state`` (the
 round's, set by :meth:`DecodeRound.start`) and, with ``features=True``, ``features`` (list).
 """
@@ -40,7 +43,7 @@ import numpy as np
 from mindspore_eagle.config import SpeculativeConfig
 from mindspore_eagle.core.accept import (
     accept_greedy,
-    accept_sampling,
+    accept_coupled,
     sample_token,
     warp_probs,
 )
@@ -87,7 +90,6 @@ class Sequence:
     sid: int  # teacher cache sequence id
     next: int  # pending token: emitted, not yet fed to the teacher
     gen: object  # config.GenerationConfig of this sequence (temperature, top_p, top_k, stop, max_new_tokens)
-    rng: np.random.Generator  # this sequence's sampling generator
     emitter: object  # core.emit.Emitter: stop rules and the emitted ids
     accept_lens: list = field(default_factory=list)  # int; L_k of each tree step
     steps: list = field(default_factory=list)  # core.trace.StepTrace of each step
@@ -256,14 +258,17 @@ class DecodeRound:
                 logits = tg.decode_batch([s.sid for s in live], [s.next for s in live], rows=self.rows,
                                          width_step=self.width_step)
                 aux = [None] * len(live)
-            return [(np.zeros(1, np.int32), np.asarray([sample_token(logits[i], s.gen, s.rng)], np.int64),
-                     aux[i:i + 1]) for i, s in enumerate(live)]
+            # the token drawn sits at the teacher's new length (sampling draws its uniform by position)
+            return [(np.zeros(1, np.int32),
+                     np.asarray([sample_token(logits[i], s.gen, tg.length(s.sid) if s.gen.temperature else 0)],
+                                np.int64), aux[i:i + 1]) for i, s in enumerate(live)]
 
     def _verify(self, live: list, trees: list, budgets: list, timer: Timer) -> list:
         """A tree step: one teacher forward over every sequence's tree at its budget (a sequence without a tree
         verifies its root alone), then acceptance and commit per sequence. Returns per sequence (path int32
         [L_k], tokens int64 [L_k], aux float32 [L_k, 3H] of the accepted nodes)."""
         tg, D = self.teacher, self.D
+        first_pos = [tg.length(s.sid) + 1 if s.gen.temperature else 0 for s in live]   # the token after each root
         with timer.phase("tensorize"):
             if self.single:
                 layout = BatchLayout(budgets, budgets[0])
@@ -293,7 +298,8 @@ class DecodeRound:
                 if g.temperature == 0:
                     res = accept_greedy(tt, logits[r].argmax(-1))
                 else:
-                    res = accept_sampling(tt, warp_probs(logits[r], g.temperature, g.top_p, g.top_k), s.rng)
+                    res = accept_coupled(tt, warp_probs(logits[r], g.temperature, g.top_p, g.top_k), g.seed,
+                                         first_pos[i])
             with timer.phase("commit"):
                 tg.commit(s.sid, res.path, D + 2)
             out.append((res.path, res.tokens, aux[r][res.path]))

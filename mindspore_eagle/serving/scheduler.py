@@ -176,7 +176,7 @@ class BatchScheduler:
                 raise RuntimeError(f"KV pool accounting error: {self.reserved} blocks reserved, no sequence live")
             return _WAIT
         self.reserved += blocks
-        return _Live(self.teacher.new_seq(), -1, self.gen, np.random.default_rng(self.gen.seed),
+        return _Live(self.teacher.new_seq(), -1, self.gen,
                      Emitter(self.engine.tokenizer, self.engine.eos, self.gen), job=job, prompt_tokens=len(ids),
                      blocks=blocks, prompt=ids)
 
@@ -189,7 +189,7 @@ class BatchScheduler:
         s.auxes.append(aux)
         if s.filled < len(s.prompt):
             return False
-        s.next = sample_token(logits, s.gen, s.rng)
+        s.next = sample_token(logits, s.gen, len(s.prompt))
         self.new_tokens += 1
         if s.emitter.push(s.next):
             self._end_turn(s)

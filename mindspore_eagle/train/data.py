@@ -139,7 +139,7 @@ def tokenize_conversation(tok, conv: list, max_tokens: int | None = None) -> tup
 
 
 def regenerate_reply(runner, tok, user: str, max_new: int, temperature: float = 0.0,
-                     rng: np.random.Generator | None = None) -> str:
+                     seed: int = 0) -> str:
     """The teacher's own reply to ``user``: one sequence through :func:`train.regen.generate_stream` (the shared
     teacher-only decode round); stops at an EOS id, after ``max_new`` tokens or when the cache is full.
 
@@ -150,7 +150,7 @@ def regenerate_reply(runner, tok, user: str, max_new: int, temperature: float = 
     """
     ids = tok.encode_chat([{"role": "user", "content": user}], add_generation_prompt=True)
     budget = max(1, min(max_new, runner.S - len(ids)))        # the last reply token is never fed to the cache
-    gen = generate_stream(runner, [(ids, budget)], tok.eos_token_ids, 1, temperature, rng)
+    gen = generate_stream(runner, [(ids, budget)], tok.eos_token_ids, 1, temperature, seed)
     with contextlib.closing(gen):
         _, out, _, _ = next(gen)
     return tok.decode(out, skip_special_tokens=True)
@@ -180,7 +180,6 @@ def build_samples(tok, conversations: list, n_samples: int, max_len: int, min_as
         raise ValueError("regenerate > 0 needs a TeacherRunner")
     keys = eval_prompt_keys() if eval_keys is None else eval_keys
     stats, samples = DataStats(), []
-    rng = np.random.default_rng(0)
     batched = {}
     if regenerate and regen_batch:
         from mindspore_eagle.train.regen import regenerate_replies
@@ -193,7 +192,7 @@ def build_samples(tok, conversations: list, n_samples: int, max_len: int, min_as
                 if len(firsts) >= regenerate:
                     break
         batched = dict(zip(firsts, regenerate_replies(runner, tok, firsts, max_len, batch=regen_batch,
-                                                      temperature=temperature, rng=rng, progress=regen_progress)))
+                                                      temperature=temperature, progress=regen_progress)))
     for conv in conversations:
         if len(samples) >= n_samples:
             break
@@ -208,7 +207,7 @@ def build_samples(tok, conversations: list, n_samples: int, max_len: int, min_as
             if regen_batch:
                 reply = batched[first] or ""
             else:
-                reply = regenerate_reply(runner, tok, first, max_new=max_len, temperature=temperature, rng=rng)
+                reply = regenerate_reply(runner, tok, first, max_new=max_len, temperature=temperature)
             if not reply.strip():
                 continue
             conv = [{"role": "user", "content": first}, {"role": "assistant", "content": reply}]

@@ -23,7 +23,7 @@ from mindspore_eagle.serving.round import DecodeRound, Sequence
 
 
 def generate_stream(runner, items, eos, batch: int = 16, temperature: float = 0.0,
-                    rng: np.random.Generator | None = None, width_step: int = 512, counts: dict | None = None,
+                    seed: int = 0, width_step: int = 512, counts: dict | None = None,
                     should_stop=None, features: bool = False):
     """Continuous-batching generation; yields each sequence as soon as it finishes.
 
@@ -53,7 +53,6 @@ def generate_stream(runner, items, eos, batch: int = 16, temperature: float = 0.
     """
     if batch < 1:
         raise ValueError(f"regenerate batch must be >= 1, got {batch}")
-    rng = rng or np.random.default_rng(0)
     eos = set(int(e) for e in eos)
     rnd = DecodeRound(runner, rows=batch, features=features, width_step=width_step)     # teacher-only
     queue = enumerate(items)
@@ -70,15 +69,15 @@ def generate_stream(runner, items, eos, batch: int = 16, temperature: float = 0.
                     break
                 if budget < 1:
                     raise ValueError(f"generate_stream: item {i} has budget {budget}, need >= 1")
-                gen = GenerationConfig(max_new_tokens=budget, temperature=temperature)
-                s = _Reply(runner.new_seq(), -1, gen, rng, Emitter(None, eos, gen), index=i)
+                gen = GenerationConfig(max_new_tokens=budget, temperature=temperature, seed=seed)
+                s = _Reply(runner.new_seq(), -1, gen, Emitter(None, eos, gen), index=i)
                 active.append(s)            # before prefill: an error there still frees its blocks
                 if features:
                     logits, hid, aux = runner.prefill_with_hidden(s.sid, ids)
                     s.features.append((hid, aux))
                 else:
                     logits, _ = runner.prefill(s.sid, ids)
-                s.next = sample_token(logits, gen, rng)
+                s.next = sample_token(logits, gen, len(ids))
                 _count(counts, s.next not in eos)
                 s.emitter.push(s.next)
             live = [s for s in active if not s.emitter.reason]
@@ -117,7 +116,7 @@ def _count(counts: dict | None, n: int) -> None:
 
 
 def regenerate_replies(runner, tok, prompts: list, max_len: int, batch: int = 16, temperature: float = 0.0,
-                       min_reply: int = 16, rng: np.random.Generator | None = None, progress=None) -> list:
+                       min_reply: int = 16, seed: int = 0, progress=None) -> list:
     """The teacher's reply to each user prompt, generated ``batch`` sequences at a time (:func:`generate_stream`).
 
     Args:
@@ -145,7 +144,7 @@ def regenerate_replies(runner, tok, prompts: list, max_len: int, batch: int = 16
             ids_list.append(ids)
     done, new_tokens = len(prompts) - len(keep), 0
     gen = generate_stream(runner, [(x, max_len - len(x)) for x in ids_list], tok.eos_token_ids, batch,
-                          temperature, rng)
+                          temperature, seed)
     with contextlib.closing(gen):
         for j, reply, _, _ in gen:
             out[keep[j]] = tok.decode(reply, skip_special_tokens=True)

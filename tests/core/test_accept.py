@@ -1,4 +1,5 @@
-"""verify.py: greedy acceptance on constructed argmax arrays, warping, and exactness of rejection sampling.
+"""core/accept.py: greedy acceptance on constructed argmax arrays, warping, and exactness of rejection sampling
+and of seeded sampling by coupling (same emission law, same text as teacher-only sampling with the seed).
 
 Exactness is shown two ways: (1) an independent exact-probability version of the acceptance rule (Fractions)
 proves that the first emitted token is distributed as p at the root, and that the 2-token joint equals the
@@ -18,8 +19,11 @@ from tree_strategies import BUDGETS, draft_trees, ref_children  # noqa: E402
 
 from mindspore_eagle.core.accept import (  # noqa: E402
     VerifyResult,
+    accept_coupled,
     accept_greedy,
     accept_sampling,
+    position_uniforms,
+    sample_at,
     warp_probs,
 )
 from mindspore_eagle.core.tree import DraftTree, chain_tree, tensorize  # noqa: E402
@@ -390,3 +394,108 @@ def test_sampling_thresholds_and_sibling_order(uniforms, path, tokens):
     rng = ScriptedRng(*uniforms)
     _check(accept_sampling(tt, probs, rng), path, tokens)
     assert rng.u == []  # one uniform per tried child plus one for the bonus
+
+
+# ------------------------------------------------------------- seeded sampling by coupling
+
+
+def test_position_uniforms_are_a_pure_function_of_seed_and_position():
+    from scipy import stats
+
+    u = position_uniforms(7, np.arange(50000))
+    assert ((u >= 0) & (u < 1)).all() and stats.kstest(u, "uniform").pvalue > 1e-3
+    np.testing.assert_array_equal(position_uniforms(7, [3, 9]), [position_uniforms(7, [3])[0],
+                                                                  position_uniforms(7, [9])[0]])
+    assert position_uniforms(7, [3])[0] != position_uniforms(8, [3])[0] != position_uniforms(7, [4])[0]
+    assert position_uniforms(2 ** 64 - 1, [0]).shape == (1,)
+    v = position_uniforms(8, np.arange(50000))                    # another seed: uncorrelated draws
+    assert abs(np.corrcoef(u, v)[0, 1]) < 0.02
+
+
+def test_sample_at_is_the_inverse_cdf_and_never_a_zero_mass_token():
+    p = np.array([0.0, 0.25, 0.0, 0.5, 0.25, 0.0])
+    assert [sample_at(p, u) for u in (0.0, 0.2499, 0.25, 0.7499, 0.75, 1 - 2 ** -53)] == [1, 1, 3, 3, 4, 4]
+    assert sample_at(p * 3, 0.5) == 3                             # unnormalised mass
+    u = position_uniforms(3, np.arange(20000))
+    counts = Counter(sample_at(p, x) for x in u)
+    ok, stat, df = _chi_square_ok(counts, {1: 0.25, 3: 0.5, 4: 0.25}, len(u))
+    assert ok, f"chi-square {stat:.1f} on {df} df"
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_coupled_sampling_matches_the_exact_distribution_of_rejection_sampling(case):
+    """Over 20,000 seeds, the emissions of accept_coupled follow exactly the law of multi-candidate rejection
+    sampling (``exact_emissions``): the same first-token distribution p, the same accepted lengths."""
+    rng = np.random.default_rng(2000 + case)
+    M, D, V = 8, 3, 4
+    tree = [DraftTree([0, 1, 2, 3, 0, 1, 2], [0, 0, 0, 0, 1, 1, 4]),
+            DraftTree([0, 1, 2, 0, 2, 1], [0, 0, 0, 1, 1, 2]),
+            chain_tree([3, 2, 1, 0]),
+            DraftTree([2], [0]),
+            DraftTree([0, 3, 1, 0, 2], [0, 0, 1, 2, 1]),
+            DraftTree([1, 0, 1, 2, 3, 3], [0, 0, 0, 0, 0, 1])][case]
+    probs_f = [_random_dist(rng, V) for _ in range(len(tree))]
+    probs = np.full((M, V), np.nan)  # pad rows must never be read
+    probs[: len(tree)] = np.array(probs_f, dtype=float)
+    tt = tensorize(tree, M, D)
+    expected = exact_emissions(tree, probs_f)
+    N = 20000
+    counts = Counter(tuple(accept_coupled(tt, probs, seed, 17).tokens.tolist()) for seed in range(N))
+    ok, stat, df = _chi_square_ok(counts, expected, N)
+    assert ok, f"chi-square {stat:.1f} on {df} df"
+    lens = Counter(len(k) for k in counts.elements())
+    exp_len: dict = {}
+    for k, f in expected.items():
+        exp_len[len(k)] = exp_len.get(len(k), 0) + f
+    ok, stat, df = _chi_square_ok(lens, exp_len, N)
+    assert ok, f"accepted length chi-square {stat:.1f} on {df} df"
+
+
+def _teacher_probs(prefix: tuple, V: int = 6) -> np.ndarray:
+    """A stand-in teacher: a fixed pseudo-random distribution per prefix (some zero entries)."""
+    r = np.random.default_rng(abs(hash(prefix)) % (2 ** 32))
+    w = r.integers(0, 4, size=V).astype(float)
+    w[r.integers(0, V)] += 1.0
+    return w / w.sum()
+
+
+def test_coupled_speculation_emits_what_teacher_only_sampling_emits_with_the_seed():
+    """Whatever tree is drafted (random trees, some holding the teacher's own draws), the tokens accept_coupled
+    emits are the next tokens of teacher-only sampling with the same seed (sample_at with the position's u)."""
+    rng = np.random.default_rng(5)
+    V, M, D, prompt = 6, 8, 3, (1, 2, 3)
+    for seed in range(40):
+        ref, seq = [], list(prompt)
+        for t in range(24):                                   # teacher-only: token at position len(seq)
+            seq.append(sample_at(_teacher_probs(tuple(seq)), position_uniforms(seed, [len(seq)])[0]))
+            ref.append(seq[-1])
+        out, seq = [], list(prompt[:-1])
+        root = prompt[-1]
+        while len(out) < 10:
+            tokens, parents = [root], [0]
+            truth = ref[len(out):len(out) + D]
+            node = 0
+            for d in range(D):                                # a chain, sometimes the truth, and random siblings
+                cand = {int(truth[d]) if d < len(truth) and rng.random() < 0.7 else int(rng.integers(0, V))}
+                cand |= {int(x) for x in rng.integers(0, V, size=int(rng.integers(0, 2)))}
+                kids = sorted(cand)[: M - len(tokens)]
+                if not kids:
+                    break
+                base = len(tokens)
+                tokens += kids
+                parents += [node] * len(kids)
+                node = base + int(rng.integers(0, len(kids)))
+            tree = DraftTree(tokens, parents)
+            tt = tensorize(tree, M, D)
+            probs = np.zeros((M, V))
+            for i in range(len(tree)):
+                path, j = [], i
+                while j:
+                    path.append(tokens[j])
+                    j = parents[j]
+                probs[i] = _teacher_probs(tuple(seq + [root] + path[::-1]))
+            res = accept_coupled(tt, probs, seed, len(seq) + 1)
+            out += res.tokens.tolist()
+            seq += [root] + [tokens[j] for j in res.path[1:].tolist()]
+            root = int(res.tokens[-1])
+        assert out == ref[: len(out)], f"seed {seed}"

@@ -173,3 +173,34 @@ def test_bad_generation_inputs(ms_runtime, tiny_dir, drafter_dir):
         eng.generate_ids([], cfg.generation)
     with pytest.raises(GenerationError, match=r"exceeds cache.max_seq_len=256"):
         eng.generate_ids(list(range(5, 205)), cfg.generation)      # 200 + 128 new + M > 256
+
+
+def test_seeded_sampling_gives_the_same_text_on_every_path(ms_runtime, tiny_dir, drafter_dir):
+    """Temperature 0.8, one (prompt, seed): the same tokens alone, after other turns have moved the policy's
+    state, teacher-only (--baseline), and inside a speculative batch of 4 next to other prompts; another seed
+    gives another text (the draws are keyed by (seed, position), core/accept.py)."""
+    from tiny_engines import records
+
+    from mindspore_eagle.serving.scheduler import BatchScheduler
+
+    eng, cfg = tiny_engine(tiny_dir, drafter_dir, "fused", ["speculative.M=8", "speculative.D_max=3",
+                                                            "cache.num_blocks=160"])
+    gen = cfg.generation
+    gen.temperature, gen.max_new_tokens, gen.seed = 0.8, 24, 11
+    p = "Name a random fruit and say why you like it."
+    alone = eng.generate(p, gen)
+    for q in PROMPTS:
+        eng.generate(q, gen)
+    again = eng.generate(p, gen)
+    base = eng.generate(p, gen, speculative=False)
+    assert alone.token_ids == again.token_ids == base.token_ids
+    eng.drafter.build_tree = oracle_builder(eng, base.token_ids, len(eng.encode_chat(p)), np.random.default_rng(3), 3)
+    oracle = eng.generate(p, gen)                 # trees holding the sampled text: long accepted paths
+    del eng.drafter.build_tree
+    assert oracle.token_ids == base.token_ids and max(oracle.accept_lens) >= 3
+    recs = records([{"id": i, "prompt": q} for i, q in enumerate([PROMPTS[0], p, PROMPTS[1], p])])
+    sched = BatchScheduler(eng, gen, 4, speculative=True, keep_ids=True)
+    sched.run(recs, lambda res: None)
+    assert sched.token_ids[1] == sched.token_ids[3] == [alone.token_ids]
+    gen.seed = 12
+    assert eng.generate(p, gen).token_ids != alone.token_ids

@@ -143,7 +143,7 @@ def run(rnd: DecodeRound, teacher: FakeTeacher, prompts: list, gen: GenerationCo
     """Prefill each prompt, then step all sequences together until every Emitter ends; returns the ids."""
     seqs = []
     for p in prompts:
-        s = Sequence(teacher.new_seq(), -1, gen, np.random.default_rng(0), Emitter(Tok(), {EOS}, gen))
+        s = Sequence(teacher.new_seq(), -1, gen, Emitter(Tok(), {EOS}, gen))
         logits, aux = teacher.prefill(s.sid, p)
         s.next = int(np.argmax(logits))
         s.emitter.push(s.next)
