@@ -230,7 +230,9 @@ def _check_probs(tt: TreeTensors, probs) -> np.ndarray:
 
 
 def accept_sampling(tt: TreeTensors, probs, rng: np.random.Generator) -> VerifyResult:
-    """Exact multi-candidate rejection sampling with a deterministic draft (q = 1), SpecInfer-style.
+    """Exact multi-candidate rejection sampling with a deterministic draft (q = 1), SpecInfer-style: the reference
+    law :func:`accept_coupled` (what the decode round runs) is tested against; it needs a random stream whose
+    consumption depends on the tree, so its text is not reproducible across paths.
 
     Walk from the root. At the current node take its teacher distribution p (probs row, renormalised) as the
     residual r. Try the node's children in node-index order (siblings carry distinct tokens): accept child x with

@@ -52,12 +52,16 @@ class Emitter:
         return out
 
     def text(self) -> str:
-        """The turn's text: EOS dropped, cut before the first stop string."""
+        """The turn's text: EOS dropped, cut before the first stop string. A turn cut by ``max_new_tokens`` in the
+        middle of a multi-byte character (byte-level tokens) ends before that character: the tokenizer decodes the
+        incomplete bytes as U+FFFD, which are dropped from the end."""
         ids = self.ids[:-1] if self.reason == "eos" else self.ids
         text = self.tok.decode(ids)
         for s in self.gen.stop:
             if s in text:
                 text = text[: text.index(s)]
+        if self.reason == "length":
+            text = text.rstrip("\ufffd")
         return text
 
 

@@ -88,6 +88,7 @@ class TurnTrace(_Record):
     compile_ms: float = 0.0  # wall ms of the calls that compiled them (inside prefill_ms / decode_ms)
     mean_accept_len: float = 0.0  # mean L_k over the turn's tree-verifying steps (1.0 for teacher-only decoding)
     spec_share: float = 0.0  # share of the turn's steps that verified a tree (0.0 for teacher-only decoding)
+    warnings: list = field(default_factory=list)  # str; what the user was warned about (e.g. drafter positions)
 
 
 _KINDS = {StepTrace.kind: StepTrace, TurnTrace.kind: TurnTrace}

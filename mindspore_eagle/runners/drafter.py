@@ -56,6 +56,12 @@ class DrafterRunner:
     def compile_ms(self) -> float:
         return self._ctx.compile_ms + self._step.compile_ms
 
+    @property
+    def max_positions(self) -> int:
+        """Positions the drafter was trained for (its config's ``max_position_embeddings``); past them it still
+        runs (RoPE extrapolates) and output stays lossless, but its drafts are accepted less often."""
+        return int(self.drafter.cfg.max_position_embeddings)
+
     def new_seq(self) -> int:
         return self.bm.new_seq()
 

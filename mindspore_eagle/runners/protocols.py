@@ -59,6 +59,8 @@ class TeacherRunnerLike(Protocol):
 class DrafterRunnerLike(Protocol):
     """The EAGLE-3 drafter's context pass and tree expansion over its own cache (``runners.drafter.DrafterRunner``)."""
 
+    max_positions: int  # positions the drafter was trained for (max_position_embeddings)
+
     def new_seq(self) -> int:
         """Open an empty drafter sequence; returns its id."""
 

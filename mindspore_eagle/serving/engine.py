@@ -250,7 +250,7 @@ class Engine:
         turn = TurnTrace(turn_id=turn_id, prompt_tokens=len(ids), new_tokens=n_new, prefill_ms=prefill_ms,
                          decode_ms=decode_ms, tok_per_s=n_new / max(1e-9, (prefill_ms + decode_ms) / 1e3),
                          compile_count=self.compiles - compiles0, compile_ms=self.compile_ms - compile_ms0,
-                         mean_accept_len=mean_accept_len(steps), spec_share=spec_share(steps))
+                         mean_accept_len=mean_accept_len(steps), spec_share=spec_share(steps), warnings=list(seq.notes))
         self.trace.write(turn)
         return Generation(emitter.ids, emitter.text(), emitter.reason, len(ids), steps, turn)
 

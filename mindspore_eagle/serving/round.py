@@ -36,6 +36,7 @@ round's, set by :meth:`DecodeRound.start`) and, with ``features=True``, ``featur
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -95,6 +96,7 @@ class Sequence:
     steps: list = field(default_factory=list)  # core.trace.StepTrace of each step
     state: object = None  # the round's drafter state (DecodeRound.start)
     features: list = field(default_factory=list)  # (hidden [1, H], aux [1, 3H]) per fed token (features=True)
+    notes: list = field(default_factory=list)  # str; warnings about this turn (e.g. past the drafter's positions)
 
 
 @dataclass
@@ -153,6 +155,22 @@ class DecodeRound:
         if self.drafter is not None:
             nxt = np.asarray(list(prompt_ids[1:]) + [s.next], np.int64)
             s.state = _DraftState(self.drafter.new_seq(), [(aux, nxt)])
+            self._check_positions(s, len(prompt_ids))
+
+    def _check_positions(self, s, prompt_len: int) -> None:
+        """A turn that can reach past the drafter's trained positions: a note on the sequence (``s.notes``, the
+        engine puts it in the turn's trace) and, once per drafter, one line on stderr."""
+        limit = getattr(self.drafter, "max_positions", None)
+        last = prompt_len + s.gen.max_new_tokens
+        if limit is None or last <= limit:
+            return
+        note = (f"prompt of {prompt_len} tokens + generation.max_new_tokens={s.gen.max_new_tokens} reaches position "
+                f"{last}, past the drafter's trained max_position_embeddings={limit}: output stays lossless, drafts "
+                f"there are accepted less often")
+        s.notes.append(note)
+        if id(self.drafter) not in _POSITION_WARNED:
+            _POSITION_WARNED.add(id(self.drafter))
+            print(f"warning: {note}", file=sys.stderr, flush=True)
 
     def finish(self, s) -> None:
         """``s`` left (ended or cancelled): free its drafter sequence (its teacher sequence is the caller's)."""
@@ -314,6 +332,9 @@ class DecodeRound:
         if choice is None:
             return c.step_ms(1)
         return c.step_ms(choice.m) + c.draft_ctx_ms + expansions * c.draft_step_ms
+
+
+_POSITION_WARNED: set = set()          # ids of drafter runners whose position warning was printed
 
 
 def _take_pending(state: _DraftState) -> tuple:

@@ -249,3 +249,26 @@ def test_round_arguments_are_checked():
         DecodeRound(FakeTeacher(), FakeDrafter(), SpeculativeConfig(), rows=1)
     with pytest.raises(ValueError, match="teacher-only"):
         DecodeRound(FakeTeacher(), FakeDrafter(), SpeculativeConfig(), rows=2, features=True)
+
+
+def test_a_turn_past_the_drafters_trained_positions_is_noted_once(capsys):
+    """Lossless as ever, but said: a note on each such sequence, one stderr line per drafter."""
+    import mindspore_eagle.serving.round as round_mod
+
+    gen = GenerationConfig(max_new_tokens=12)
+    spec = SpeculativeConfig(M=8, D_max=3, top_k=2, policy="fixed")
+    tg, dr = FakeTeacher(), FakeDrafter(True)
+    dr.max_positions = 10
+    round_mod._POSITION_WARNED.discard(id(dr))
+    rnd = DecodeRound(tg, dr, spec, rows=3, gate=None)
+    seqs = run(rnd, tg, PROMPTS, gen)
+    assert [s.emitter.ids for s in seqs] == [reference(p, 12) for p in PROMPTS]
+    for s, p in zip(seqs, PROMPTS):
+        last = len(p) + 12
+        assert s.notes == [f"prompt of {len(p)} tokens + generation.max_new_tokens=12 reaches position {last}, past "
+                           f"the drafter's trained max_position_embeddings=10: output stays lossless, drafts there "
+                           f"are accepted less often"]
+    assert capsys.readouterr().err.count("warning: prompt of") == 1
+    dr.max_positions = 64
+    (s,) = run(DecodeRound(tg, dr, spec, rows=1, policy=FixedPolicy(8, 3)), tg, PROMPTS[:1], gen)
+    assert s.notes == []
