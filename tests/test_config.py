@@ -82,13 +82,18 @@ def test_unknown_key_lists_allowed(tmp_path):
 
 def test_unknown_section(tmp_path):
     with pytest.raises(ConfigError, match="unknown section 'parallel'; allowed sections: context, model, "
-                                          "speculative, generation, cache, batch$"):
+                                          "speculative, generation, cache, batch, serve$"):
         load_config(_yaml(tmp_path, "parallel:\n  data_parallel: 1\n"))
 
 
 @pytest.mark.parametrize("override, message", [
     ("speculative.M=1", "speculative.M = 1 is out of range: must be an int in [2, 512]"),
     ("batch.max_batch=0", "batch.max_batch = 0 is out of range: must be an int in [1, 256]"),
+    ("serve.port=70000", "serve.port = 70000 is out of range: must be an int in [0, 65535]"),
+    ("serve.max_batch=0", "serve.max_batch = 0 is out of range: must be an int in [1, 256]"),
+    ("serve.speculative=1", "serve.speculative must be true or false, got 1"),
+    ("serve.drain_timeout_s=-1", "serve.drain_timeout_s = -1.0 is out of range: must be a number in [0.0, 86400.0]"),
+    ("serve.max_body_bytes=10", "serve.max_body_bytes = 10 is out of range: must be an int in [1024, 1073741824]"),
     ("speculative.M=abc", "speculative.M = 'abc' is out of range: must be an int in [2, 512]"),
     ("speculative.M=16.0", "speculative.M = 16.0 is out of range: must be an int in [2, 512]"),
     ("speculative.D_max=0", "speculative.D_max = 0 is out of range: must be an int in [1, 64]"),

@@ -1,37 +1,44 @@
-"""Continuous batching: many sequences share one teacher forward per step, admitted as slots free.
+"""Continuous batching: many sequences share one teacher forward per step, admitted as rows and KV blocks free.
 
 Legend: N = ``max_batch`` (rows of one batched forward), S = cache.max_seq_len, B = cache.block_size, NB =
-cache.num_blocks (the KV pool), need = prompt tokens + generation.max_new_tokens of one turn.
+cache.num_blocks (the KV pool), need = prompt tokens + max_new_tokens of one request (+ speculative.M when trees
+are verified).
 
-One scheduler step (the loop of :meth:`BatchScheduler.run`):
-    admit    while a row is free and the pool can hold the next turn's ``need`` tokens: chat-template it and
-             reserve its blocks
-    prefill  every admitted sequence still filling runs ONE prefill chunk (``cache.prefill_chunk`` tokens) per
-             scheduler step, so a long prompt never stalls the others for more than a chunk; after its last
-             chunk it picks its first token and joins the batched steps
-    step     ``DecodeRound.step(live)`` (serving/round.py, the round every caller shares): one teacher forward
-             for every live sequence, each Emitter applying EOS / stop strings / max_new_tokens, so a sequence
-             stops exactly where teacher-only decoding of it alone stops
-    settle   a finished turn frees its blocks at once,
-             a multi-turn record queues its next turn (the answer appended), a finished record is handed to
-             ``on_result`` (the batch job writes and fsyncs it then)
+The core is request-driven (the server and the batch job run the same code): :meth:`BatchScheduler.add` queues a
+:class:`Request` (a prompt or chat messages, its own GenerationConfig, callbacks), :meth:`BatchScheduler.step`
+runs one iteration, :meth:`BatchScheduler.cancel` drops a request wherever it is. One iteration:
 
-Pool: admission reserves a turn's worst case (ceil(need / B) blocks) against NB, so a running sequence never meets
-an exhausted pool and nothing is ever preempted; a turn waits while the pool is full and runs when others finish. A
-turn whose need exceeds S, or NB on its own, gets an error result (the record's ``error``), never a crash.
+    admit    while a row is free and the pool can hold the next request's ``need`` tokens: chat-template it
+             and reserve its blocks (in order; a request that cannot run at all ends at once with an error)
+    prefill  every admitted sequence still filling runs ONE prefill chunk (``cache.prefill_chunk`` tokens), so
+             a long prompt never stalls the others for more than a chunk; after its last chunk it samples its
+             first token with its own settings and generator and joins the decode round
+    step     ``DecodeRound.step(ready)`` (serving/round.py): one forward for every ready sequence, plain or a
+             tree per sequence; each sequence's Emitter applies its own EOS / stop strings / max_new_tokens
+    emit     ``request.on_tokens(request, tokens)`` per sequence with the tokens it committed this step
+             (streaming); a finished sequence frees its blocks at once and gets ``request.on_done``
 
-The round (``self.round``) has N rows: N = 1 runs the engine's single-sequence graphs and speculation policy; N > 1
-decodes every live sequence in one ``TeacherRunner.decode_batch`` call, or (speculative, when the round's RateGate
-measures that it pays at this batch size) drafts a tree per sequence and verifies all of them in one
-``TeacherRunner.verify_batch`` forward of N x M rows.
-Greedy decoding of a sequence in a batch uses the same weights and the same per-row math as alone; only the
-attention width (masked columns) and the row count of the matmuls differ, so float32 results agree to summation
-order (tests/serving/test_scheduler.py checks token equality with one-at-a-time greedy).
+:meth:`BatchScheduler.run` is the batch job on top: every record's turns become requests (a multi-turn record
+queues its next turn at the front when an answer is done), results are handed to ``on_result`` as records finish.
+
+Pool: admission reserves a request's worst case (ceil(need / B) blocks) against NB, so a running sequence never
+meets an exhausted pool and nothing is ever preempted; a request waits while the pool is full. A request whose need
+exceeds S, or NB on its own, ends with an error (:meth:`BatchScheduler.fit_error` gives the words), never a crash.
+
+Rounds: the batched round (``engine.decode_round(speculative, rows=N)``) runs N-row graphs; with trees, a
+:class:`SizeGates` (one ``RateGate`` per number of live sequences) picks a tree step or a plain step by measured
+tokens per ms at that batch size, so speculation steps aside where it does not pay. With ``single_round``, a step
+with one sequence alone runs the single-sequence round instead (decode k = 1 / verify k = m graphs and the
+engine's speculation policy), as ``Engine.generate`` serves it. Greedy decoding of a sequence in a batch uses the
+same weights and per-row math as alone; only the attention width (masked columns) and the row count of the
+matmuls differ, so float32 results agree to summation order (tests/serving/test_scheduler.py checks token
+equality with one-at-a-time greedy).
 """
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,6 +51,364 @@ from mindspore_eagle.serving.round import Sequence
 
 
 @dataclass
+class Request:
+    """One generation request (one chat turn or one prompt).
+
+    Attributes:
+        rid: the caller's id (hashable; unique among requests in flight: :meth:`BatchScheduler.cancel` finds it).
+        gen: this request's GenerationConfig (max_new_tokens, temperature, top_p, top_k, seed, stop): its sequence
+            samples with its own settings; seeded draws by position (``core.accept.position_uniforms(gen.seed, t)``).
+        messages: chat messages (chat-templated at admission), or None when ``prompt_ids`` is given.
+        prompt_ids: prompt token ids (int list, used as they are), or None.
+        on_tokens: ``callable(request, tokens: list[int])`` after every step that committed tokens of this request
+            (the first token after the prefill included; EOS included; stop strings not applied), on the thread
+            that runs :meth:`BatchScheduler.step`.
+        on_done: ``callable(request, result: TurnResult)``, once, when the request ends (finished, cancelled or
+            failed).
+        tag: anything the caller wants back (the batch job keeps its record there).
+    """
+    rid: object
+    gen: GenerationConfig
+    messages: list | None = None
+    prompt_ids: list | None = None
+    on_tokens: Callable | None = None
+    on_done: Callable | None = None
+    tag: object = None
+
+
+@dataclass
+class TurnResult:
+    """How a request ended.
+
+    Attributes:
+        text: its text (EOS dropped, cut before a stop string). token_ids: the generated ids (EOS included).
+        prompt_tokens: prompt length (0 when it never got admitted). stop_reason: "eos" | "stop" | "length" |
+        "cancelled" | "error". accept_lens: L_k of each tree verification of this sequence. error: why it failed
+        ("" otherwise). internal: the failure was the engine's (a step raised), not the request's.
+        t_admitted: time.perf_counter() at admission (or at its failure, when never admitted).
+    """
+    text: str
+    token_ids: list
+    prompt_tokens: int
+    stop_reason: str
+    accept_lens: list = field(default_factory=list)
+    error: str = ""
+    internal: bool = False
+    t_admitted: float = 0.0
+
+
+@dataclass
+class StepInfo:
+    """One decode step, for metrics: its kind ("tree" when any sequence verified a tree, else "plain"), the
+    sequences in it, the tokens they committed, the L_k of each tree verified, its wall time (ms)."""
+    kind: str
+    sequences: int
+    tokens: int
+    accept_lens: list
+    ms: float
+
+
+@dataclass
+class _Live(Sequence):
+    """A sequence in the batch (:class:`~mindspore_eagle.serving.round.Sequence`) plus its request, its reserved
+    blocks and its prefill progress."""
+    req: Request | None = None
+    blocks: int = 0
+    prompt: list = field(default_factory=list)       # prompt ids; prefilled chunk by chunk
+    filled: int = 0
+    auxes: list = field(default_factory=list)
+    started: bool = False                             # prefilled and handed to the round
+    t_admitted: float = 0.0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def job(self):
+        """The request's ``tag`` (the batch job's record in flight)."""
+        return self.req.tag
+
+
+class SizeGates:
+    """One rate gate per batch size (``make()`` builds one, e.g. a ``RateGate(("tree", "plain"))``): the scheduler
+    sets ``n`` (sequences in the next step) before each step, and the round's ``choose`` / ``observe`` go to that
+    size's gate, so whether trees pay is measured separately at 2, 3, ... N sequences."""
+
+    def __init__(self, make):
+        self.make, self.gates, self.n = make, {}, 1
+
+    def _gate(self):
+        if self.n not in self.gates:
+            self.gates[self.n] = self.make()
+        return self.gates[self.n]
+
+    def choose(self) -> str:
+        return self._gate().choose()
+
+    def observe(self, kind: str, tokens: int, ms: float) -> None:
+        self._gate().observe(kind, tokens, ms)
+
+    def report(self) -> dict:
+        """Per batch size: the gate's rates (tokens / ms) and step counts."""
+        return {n: g.report() for n, g in sorted(self.gates.items())}
+
+
+class BatchScheduler:
+    """Serve requests with up to ``max_batch`` sequences per teacher forward (module docstring).
+
+    Args:
+        engine: an :class:`~mindspore_eagle.serving.engine.Engine` (its teacher's pool is shared by all rows).
+        gen: the GenerationConfig of the batch job's records (requests bring their own).
+        max_batch: N >= 1.
+        speculative: tree speculative decoding (the engine's drafter, whose cache must hold N sequences) instead
+            of teacher-only decoding.
+        decode_round: the batched DecodeRound (default ``engine.decode_round(speculative, rows=max_batch)``, its
+            rate gate split per batch size by :class:`SizeGates`; tests inject one).
+        single_round: a step with one sequence alone runs ``engine.decode_round(speculative, rows=1)`` (the
+            single-sequence graphs and the engine's policy, as ``generate``); the server's choice.
+        keep_ids: also keep every turn's generated token ids in ``token_ids[record id]`` (list per turn).
+        on_step: optional ``callable(StepInfo)`` after every decode step (the server's metrics).
+    Raises:
+        ValueError: max_batch < 1 (names the field).
+    """
+
+    def __init__(self, engine: Engine, gen: GenerationConfig, max_batch: int, speculative: bool = False,
+                 decode_round=None, single_round: bool = False, keep_ids: bool = False, on_step=None):
+        if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
+            raise ValueError(f"batch.max_batch must be an integer >= 1, got {max_batch!r}")
+        speculative = speculative and engine.drafter is not None
+        self.engine, self.gen, self.N = engine, gen, max_batch
+        self.teacher = engine.teacher
+        if decode_round is None:
+            decode_round = engine.decode_round(speculative, rows=max_batch)
+            if decode_round.gate is not None:
+                kind = type(decode_round.gate)
+                decode_round.gate = SizeGates(lambda: kind(("tree", "plain")))
+        self.round = decode_round
+        self.round_one = engine.decode_round(speculative, rows=1) if single_round and max_batch > 1 else None
+        self.extra_slots = max(r.extra_slots for r in (self.round, self.round_one) if r is not None)
+        self.B, self.NB = self.teacher.B, self.teacher.bm.num_blocks
+        self.S = self.teacher.S
+        self.chunk = self.teacher.buckets[-1]
+        self.waiting: deque[Request] = deque()
+        self.live: list[_Live] = []
+        self.reserved = 0                       # blocks promised to live sequences
+        self.new_tokens = 0
+        self.peak_live = 0
+        self.interleaved_steps = 0        # decode steps taken while another sequence was still prefilling
+        self.token_ids: dict | None = {} if keep_ids else None
+        self.on_step = on_step
+
+    # ------------------------------------------------------------------ requests
+    def blocks_for(self, n_tokens: int) -> int:
+        """Blocks a sequence of ``n_tokens`` tokens can occupy: ceil(n / B)."""
+        return -(-n_tokens // self.B)
+
+    def fit_error(self, prompt_tokens: int, max_new_tokens: int) -> str:
+        """Why a request of ``prompt_tokens`` prompt tokens and ``max_new_tokens`` can never run here ("" when it
+        can): the words of the command line's error (prompt + generation.max_new_tokens exceeds
+        cache.max_seq_len, or the room a tree needs, or more blocks than the pool has). Pure (any thread)."""
+        need = prompt_tokens + max_new_tokens
+        head = f"prompt of {prompt_tokens} tokens + generation.max_new_tokens={max_new_tokens} = {need}"
+        if need > self.S:
+            return f"{head} exceeds cache.max_seq_len={self.S}"
+        if need + self.extra_slots > self.S:
+            return (f"{head} + speculative.M={self.extra_slots} (a tree verified in a batch) exceeds "
+                    f"cache.max_seq_len={self.S}")
+        blocks = self.blocks_for(need + self.extra_slots)
+        if blocks > self.NB:
+            return f"{head} tokens needs {blocks} KV blocks but cache.num_blocks={self.NB}"
+        return ""
+
+    def add(self, req: Request, front: bool = False) -> None:
+        """Queue ``req`` (at the front of the queue with ``front``); it is admitted by a later :meth:`step`."""
+        if front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
+
+    def cancel(self, rid) -> bool:
+        """End request ``rid`` now (stop_reason "cancelled"): dropped from the queue, or its sequence leaves the
+        batch and its KV blocks go back to the pool. Returns False when no such request is in flight."""
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                self._done(req, TurnResult("", [], 0, "cancelled", t_admitted=time.perf_counter()))
+                return True
+        for s in self.live:
+            if s.req.rid == rid:
+                self._end(s, "cancelled")
+                return True
+        return False
+
+    @property
+    def has_work(self) -> bool:
+        """Requests queued or sequences live."""
+        return bool(self.waiting or self.live)
+
+    def kv_blocks_used(self) -> int:
+        """Teacher KV blocks holding tokens now (of ``cache.num_blocks``)."""
+        return self.NB - self.teacher.bm.free_blocks()
+
+    # ------------------------------------------------------------------ one iteration
+    def step(self) -> None:
+        """One iteration (module docstring): admit, one prefill chunk per filling sequence, one decode round step
+        of the ready sequences, callbacks. An exception leaves the scheduler as it was before the failing call;
+        :meth:`abort` then ends the live sequences."""
+        while self.waiting and len(self.live) < self.N:
+            s = self._admit(self.waiting[0])
+            if s is _WAIT:                      # the pool is full: wait for a sequence to finish
+                break
+            self.waiting.popleft()
+            if s is not None:
+                self.live.append(s)
+        self.peak_live = max(self.peak_live, len(self.live))
+        for s in [s for s in self.live if s.filled < len(s.prompt)]:
+            self._prefill_chunk(s)
+        ready = [s for s in self.live if s.started]
+        if not ready:
+            return
+        single = self.round_one is not None and len(ready) == 1
+        rnd = self.round_one if single else self.round
+        if isinstance(rnd.gate, SizeGates):
+            rnd.gate.n = len(ready)
+        n_lens = [len(s.accept_lens) for s in ready]
+        t0 = time.perf_counter()
+        emitted = rnd.step(ready)
+        ms = (time.perf_counter() - t0) * 1e3
+        self.interleaved_steps += any(not s.started for s in self.live)
+        lens = [lk for s, n0 in zip(ready, n_lens) for lk in s.accept_lens[n0:]]
+        for s, tokens in zip(ready, emitted):
+            self.new_tokens += len(tokens)
+            if tokens and s.req.on_tokens is not None:
+                s.req.on_tokens(s.req, list(tokens))
+            if s.emitter.reason:
+                self._end(s)
+        if self.on_step is not None:
+            self.on_step(StepInfo("tree" if lens else "plain", len(ready), sum(len(t) for t in emitted), lens, ms))
+
+    def abort(self, error: str, internal: bool = True) -> list:
+        """End every live sequence with ``error`` (stop_reason "error"; its blocks freed, ``on_done`` called); the
+        queue stays. The server calls it when a step raised. Returns the requests ended."""
+        ended = [s.req for s in self.live]
+        for s in list(self.live):
+            self._end(s, "error", error, internal)
+        return ended
+
+    # ------------------------------------------------------------------ the batch job
+    def run(self, records, on_result) -> None:
+        """Generate every record (InputRecord with kind prompt / messages / turns, no error) and call
+        ``on_result(result_dict)`` as each one finishes (fields as ``batch_job.run_record``; ``tok_per_s`` = the
+        record's new tokens per second from its admission to its end). Records are admitted in order (a
+        record's next turn goes first); results arrive in finishing order. On an exception every live
+        sequence's blocks are freed before it propagates."""
+        for r in records:
+            job = _Turn(r, *_first_turn(r))
+            self.add(self._turn_request(job, on_result))
+        try:
+            while self.has_work:
+                self.step()
+        finally:
+            for s in list(self.live):
+                self._release(s)
+            self.live = []
+            self.waiting.clear()
+
+    def _turn_request(self, job: _Turn, on_result) -> Request:
+        return Request((job.rec.id, len(job.done)), self.gen, messages=job.messages, tag=job,
+                       on_done=lambda req, res: self._turn_done(job, res, on_result))
+
+    def _turn_done(self, job: _Turn, res: TurnResult, on_result) -> None:
+        """A record's turn ended: queue its next turn (at the front, the answer appended) or hand out its result."""
+        job.t0 = job.t0 or res.t_admitted
+        if res.error:
+            job.error = res.error
+            on_result(_result(job))
+            return
+        job.done.append({"text": res.text, "prompt_tokens": res.prompt_tokens, "new_tokens": len(res.token_ids),
+                         "stop_reason": res.stop_reason, "accept_lens": res.accept_lens})
+        if self.token_ids is not None:
+            self.token_ids.setdefault(job.rec.id, []).append(list(res.token_ids))
+        if job.todo:
+            job.messages = job.messages + [{"role": "assistant", "content": res.text},
+                                           {"role": "user", "content": job.todo[0]}]
+            job.todo = job.todo[1:]
+            self.add(self._turn_request(job, on_result), front=True)
+        else:
+            on_result(_result(job))
+
+    # ------------------------------------------------------------------ internals
+    def _admit(self, req: Request):
+        """Template ``req``'s prompt and reserve its blocks. Returns its _Live (to be prefilled chunk by chunk);
+        None when the request cannot run (it has ended with an error); ``_WAIT`` when the pool cannot hold it
+        yet."""
+        now = time.perf_counter()
+        try:
+            ids = list(req.prompt_ids) if req.prompt_ids is not None else self.engine.encode_chat(req.messages)
+            if not ids:
+                raise GenerationError("prompt is empty (0 tokens)")
+        except GenerationError as e:
+            self._done(req, TurnResult("", [], 0, "error", error=str(e), t_admitted=now))
+            return None
+        error = self.fit_error(len(ids), req.gen.max_new_tokens)
+        if error:
+            self._done(req, TurnResult("", [], len(ids), "error", error=error, t_admitted=now))
+            return None
+        blocks = self.blocks_for(len(ids) + req.gen.max_new_tokens + self.extra_slots)
+        if self.reserved + blocks > self.NB:
+            if not self.live:
+                raise RuntimeError(f"KV pool accounting error: {self.reserved} blocks reserved, no sequence live")
+            return _WAIT
+        self.reserved += blocks
+        return _Live(self.teacher.new_seq(), -1, req.gen,
+                     Emitter(self.engine.tokenizer, self.engine.eos, req.gen), req=req, blocks=blocks, prompt=ids,
+                     t_admitted=now)
+
+    def _prefill_chunk(self, s: _Live) -> None:
+        """Prefill the next chunk (``cache.prefill_chunk`` tokens) of ``s``'s prompt; after the last one sample the
+        first token, report it and hand the sequence to the round (or end it, when that token ended the turn)."""
+        part = s.prompt[s.filled: s.filled + self.chunk]
+        logits, aux = self.teacher.prefill(s.sid, part)
+        s.filled += len(part)
+        s.auxes.append(aux)
+        if s.filled < len(s.prompt):
+            return
+        s.next = sample_token(logits, s.gen, len(s.prompt))
+        self.new_tokens += 1
+        ended = s.emitter.push(s.next)
+        if s.req.on_tokens is not None:
+            s.req.on_tokens(s.req, [s.next])
+        if ended:
+            self._end(s)
+            return
+        self.round.start(s, s.prompt, np.concatenate(s.auxes))
+        s.started, s.auxes = True, []
+
+    def _release(self, s: _Live) -> None:
+        """Give back the sequence's drafter sequence, teacher blocks and reservation."""
+        if s.started:
+            self.round.finish(s)
+            s.started = False
+        self.teacher.free(s.sid)
+        self.reserved -= s.blocks
+
+    def _end(self, s: _Live, reason: str = "", error: str = "", internal: bool = False) -> None:
+        """``s`` leaves the batch: blocks freed, ``on_done`` with its result (``reason`` overrides the Emitter's
+        stop reason: "cancelled" / "error")."""
+        self._release(s)
+        self.live.remove(s)
+        res = TurnResult(s.emitter.text(), list(s.emitter.ids), len(s.prompt), reason or s.emitter.reason,
+                         list(s.accept_lens), error, internal, s.t_admitted)
+        self._done(s.req, res)
+
+    @staticmethod
+    def _done(req: Request, res: TurnResult) -> None:
+        if req.on_done is not None:
+            req.on_done(req, res)
+
+
+@dataclass
 class _Turn:
     """A record in flight: its chat so far, the user turns still to ask, and the finished turns' results."""
     rec: object
@@ -52,173 +417,6 @@ class _Turn:
     done: list = field(default_factory=list)
     t0: float = 0.0
     error: str = ""
-
-
-@dataclass
-class _Live(Sequence):
-    """One sequence in the batch: a round Sequence plus its record, prompt (prefilled chunk by chunk) and the KV
-    blocks reserved for it."""
-    job: _Turn | None = None
-    prompt_tokens: int = 0
-    blocks: int = 0
-    prompt: list = field(default_factory=list)       # prompt ids; prefilled chunk by chunk
-    filled: int = 0
-    auxes: list = field(default_factory=list)
-
-
-class BatchScheduler:
-    """Serve records with up to ``max_batch`` sequences per teacher forward (module docstring).
-
-    Args:
-        engine: an :class:`~mindspore_eagle.serving.engine.Engine` (its teacher's KV pool is shared by all rows).
-        gen: GenerationConfig (per-sequence EOS / stop strings / max_new_tokens; temperature > 0 samples with a
-            generator seeded by ``gen.seed`` per turn, as ``Engine.generate`` does).
-        max_batch: N >= 1.
-        speculative: EAGLE-3 tree speculation (the engine's drafter cache must hold N sequences) instead of
-            teacher-only decoding.
-        decode_round: the DecodeRound that advances the live sequences (default ``engine.decode_round(speculative,
-            rows=max_batch)``; tests inject one).
-        keep_ids: also keep every turn's generated token ids in ``token_ids[record id]`` (list per turn).
-    Raises:
-        ValueError: max_batch < 1 (names the field).
-    """
-
-    def __init__(self, engine: Engine, gen: GenerationConfig, max_batch: int, speculative: bool = False,
-                 decode_round=None, keep_ids: bool = False):
-        if not isinstance(max_batch, int) or max_batch < 1:
-            raise ValueError(f"batch.max_batch must be an integer >= 1, got {max_batch!r}")
-        self.engine, self.gen, self.N = engine, gen, max_batch
-        self.teacher = engine.teacher
-        self.round = decode_round or engine.decode_round(speculative, rows=max_batch)
-        self.B, self.NB = self.teacher.B, self.teacher.bm.num_blocks
-        self.chunk = self.teacher.buckets[-1]
-        self.reserved = 0                       # blocks promised to live sequences
-        self.new_tokens = 0
-        self.peak_live = 0
-        self.interleaved_steps = 0        # batched steps taken while another sequence was still prefilling
-        self.token_ids: dict | None = {} if keep_ids else None
-
-    def blocks_for(self, n_tokens: int) -> int:
-        """Blocks a sequence of ``n_tokens`` tokens can occupy: ceil(n / B)."""
-        return -(-n_tokens // self.B)
-
-    def run(self, records, on_result) -> None:
-        """Generate every record (InputRecord with kind prompt / messages / turns, no error) and call
-        ``on_result(result_dict)`` as each one finishes (fields as ``batch.run_record``; ``tok_per_s`` = the
-        record's new tokens per second from its admission to its end). Records are admitted in order (a
-        record's next turn goes first); results arrive in finishing order. On an exception every live
-        sequence's blocks are freed before it propagates."""
-        queue = deque(_Turn(r, *_first_turn(r)) for r in records)
-        live: list[_Live] = []
-        try:
-            while queue or live:
-                while queue and len(live) < self.N:
-                    out = self._admit(queue[0], bool(live))
-                    if out is _WAIT:              # the pool is full: wait for a sequence to finish
-                        break
-                    job = queue.popleft()
-                    if out is None:               # cannot run: its error is the record's result
-                        self._settle(job, queue, on_result)
-                    else:
-                        live.append(out)
-                self.peak_live = max(self.peak_live, len(live))
-                filling = [s for s in live if s.filled < len(s.prompt)]
-                for s in filling:                 # one prefill chunk each, between two batched steps
-                    if self._prefill_chunk(s):
-                        live.remove(s)
-                        self._settle(s.job, queue, on_result)
-                ready = [s for s in live if s.filled == len(s.prompt)]
-                if not ready:
-                    continue
-                emitted = self.round.step(ready)
-                still = [s for s in live if s.filled < len(s.prompt)]
-                self.interleaved_steps += bool(still)
-                for s, tokens in zip(ready, emitted):
-                    self.new_tokens += len(tokens)
-                    if s.emitter.reason:
-                        self._end_turn(s)
-                        self._settle(s.job, queue, on_result)
-                    else:
-                        still.append(s)
-                live = still
-        finally:
-            for s in live:
-                self.round.finish(s)
-                self.teacher.free(s.sid)
-                self.reserved -= s.blocks
-
-    # ------------------------------------------------------------------ internals
-    def _admit(self, job: _Turn, others_live: bool):
-        """Template ``job``'s current turn and reserve its blocks. Returns its _Live (to be prefilled chunk by
-        chunk); None when the turn cannot run (``job.error`` set); ``_WAIT`` when the pool cannot hold it yet."""
-        job.t0 = job.t0 or time.perf_counter()
-        try:
-            ids = self.engine.encode_chat(job.messages)
-        except GenerationError as e:
-            job.error = str(e)
-            return None
-        need = len(ids) + self.gen.max_new_tokens
-        head = f"prompt of {len(ids)} tokens + generation.max_new_tokens={self.gen.max_new_tokens} = {need}"
-        if need > self.teacher.S:
-            job.error = f"{head} exceeds cache.max_seq_len={self.teacher.S}"
-            return None
-        need += self.round.extra_slots
-        if need > self.teacher.S:
-            job.error = (f"{head} + speculative.M={self.round.extra_slots} (a tree verified in a batch) exceeds "
-                         f"cache.max_seq_len={self.teacher.S}")
-            return None
-        blocks = self.blocks_for(need)
-        if blocks > self.NB:
-            job.error = f"{head} tokens needs {blocks} KV blocks but cache.num_blocks={self.NB}"
-            return None
-        if self.reserved + blocks > self.NB:
-            if not others_live:
-                raise RuntimeError(f"KV pool accounting error: {self.reserved} blocks reserved, no sequence live")
-            return _WAIT
-        self.reserved += blocks
-        return _Live(self.teacher.new_seq(), -1, self.gen,
-                     Emitter(self.engine.tokenizer, self.engine.eos, self.gen), job=job, prompt_tokens=len(ids),
-                     blocks=blocks, prompt=ids)
-
-    def _prefill_chunk(self, s: _Live) -> bool:
-        """Prefill the next chunk (``cache.prefill_chunk`` tokens) of ``s``'s prompt; after the last one pick the
-        first token and hand the sequence to the round. Returns True when the turn ended at that token."""
-        part = s.prompt[s.filled: s.filled + self.chunk]
-        logits, aux = self.teacher.prefill(s.sid, part)
-        s.filled += len(part)
-        s.auxes.append(aux)
-        if s.filled < len(s.prompt):
-            return False
-        s.next = sample_token(logits, s.gen, len(s.prompt))
-        self.new_tokens += 1
-        if s.emitter.push(s.next):
-            self._end_turn(s)
-            return True
-        self.round.start(s, s.prompt, np.concatenate(s.auxes))
-        s.auxes = []
-        return False
-
-    def _end_turn(self, s: _Live) -> None:
-        """Free the sequence's blocks and record its turn in its job."""
-        self.round.finish(s)
-        self.teacher.free(s.sid)
-        self.reserved -= s.blocks
-        s.job.done.append({"text": s.emitter.text(), "prompt_tokens": s.prompt_tokens,
-                           "new_tokens": len(s.emitter.ids), "stop_reason": s.emitter.reason,
-                           "accept_lens": s.accept_lens})
-        if self.token_ids is not None:
-            self.token_ids.setdefault(s.job.rec.id, []).append(list(s.emitter.ids))
-
-    @staticmethod
-    def _settle(job: _Turn, queue: deque, on_result) -> None:
-        """After a turn: queue the record's next turn (at the front, the answer appended) or hand out its result."""
-        if not job.error and job.todo:
-            job.messages = job.messages + [{"role": "assistant", "content": job.done[-1]["text"]},
-                                           {"role": "user", "content": job.todo[0]}]
-            job.todo = job.todo[1:]
-            queue.appendleft(job)
-        else:
-            on_result(_result(job))
 
 
 _WAIT = object()
@@ -234,7 +432,7 @@ def _first_turn(rec) -> tuple[list, list]:
 
 
 def _result(job: _Turn) -> dict:
-    """The batch job's result dict of a finished record (``batch.run_record``'s fields; mean L_k over the tree
+    """The batch job's result dict of a finished record (``batch_job.run_record``'s fields; mean L_k over the tree
     verifications, 1.0 for teacher-only decoding)."""
     head = {"id": job.rec.id, "line": job.rec.line}
     if job.error:
@@ -250,4 +448,4 @@ def _result(job: _Turn) -> dict:
             "mean_accept_len": round(float(np.mean(lens)), 4) if lens else 1.0, "stop_reason": fields["stop_reason"]}
 
 
-__all__ = ["BatchScheduler"]
+__all__ = ["BatchScheduler", "Request", "SizeGates", "StepInfo", "TurnResult"]

@@ -252,3 +252,72 @@ def test_speculative_batch_equals_one_at_a_time_greedy(ms_runtime, tiny, tiny_di
     same_answers(out, {k: ref[k] for k in range(5)})
     assert max(r["mean_accept_len"] for r in out.values()) > 2.0
     assert eng.drafter.bm.free_blocks() == eng.drafter.bm.num_blocks and sched.reserved == 0
+
+
+def test_request_core_per_request_settings_streaming_cancel_and_abort(ms_runtime, tiny_dir):
+    """The request-driven core the server runs (add / step / cancel / abort): each request's own max_new_tokens,
+    temperature and seed in one batch (greedy rows equal one-at-a-time greedy, a seeded sampled row equals the same
+    request alone), the tokens streamed through on_tokens add up to the result's, a request cancelled while queued
+    or while running ends "cancelled" with its blocks freed, and an aborted step ends its sequences with an internal
+    error while the queue goes on."""
+    import dataclasses
+
+    from mindspore_eagle.serving.scheduler import Request
+
+    eng, cfg = tiny_engine(tiny_dir)
+    gen = cfg.generation
+    sched = BatchScheduler(eng, gen, 3, single_round=True)
+    streamed, done = {}, {}
+
+    def req(rid, prompt, **kw):
+        return Request(rid, dataclasses.replace(gen, **kw), messages=[{"role": "user", "content": prompt}],
+                       on_tokens=lambda r, toks: streamed.setdefault(r.rid, []).extend(toks),
+                       on_done=lambda r, res: done.__setitem__(r.rid, res))
+
+    sampled = dict(temperature=1.0, top_p=0.9, seed=5, max_new_tokens=12)
+    for r in (req("g0", PROMPTS[0]), req("s", PROMPTS[1], **sampled), req("short", PROMPTS[3], max_new_tokens=3),
+              req("live", PROMPTS[4]), req("queued", PROMPTS[5]), req("g1", PROMPTS[6])):
+        sched.add(r)
+    sched.step()
+    assert [s.req.rid for s in sched.live] == ["g0", "s", "short"]
+    assert sched.cancel("queued") and done["queued"].stop_reason == "cancelled"
+    assert not sched.cancel("no such request")
+    while "short" not in done:
+        sched.step()
+    while not any(s.req.rid == "live" and s.started for s in sched.live):
+        sched.step()
+    assert sched.cancel("live") and done["live"].stop_reason == "cancelled" and done["live"].prompt_tokens > 0
+    while sched.has_work:
+        sched.step()
+    assert sched.reserved == 0 and eng.teacher.bm.free_blocks() == eng.teacher.bm.num_blocks
+    for rid, prompt in (("g0", PROMPTS[0]), ("g1", PROMPTS[6])):
+        want = eng.generate(prompt, gen, speculative=False)
+        assert (done[rid].text, done[rid].token_ids, done[rid].stop_reason) == (want.text, want.token_ids,
+                                                                                want.stop_reason)
+    alone = eng.generate(PROMPTS[1], dataclasses.replace(gen, **sampled), speculative=False)
+    assert done["s"].token_ids == alone.token_ids and done["s"].text == alone.text
+    assert len(done["short"].token_ids) == 3 and done["short"].stop_reason == "length"
+    assert all(streamed[rid] == done[rid].token_ids for rid in ("g0", "g1", "s", "short"))
+
+    fails = {"n": 1}
+
+    def failing(real):
+        def boom(live):
+            if fails["n"]:
+                fails["n"] -= 1
+                raise RuntimeError("injected")
+            return real(live)
+        return boom
+    sched.round.step, sched.round_one.step = failing(sched.round.step), failing(sched.round_one.step)
+    for r in (req("a", PROMPTS[0]), req("b", PROMPTS[1])):
+        sched.add(r)
+    with pytest.raises(RuntimeError, match="injected"):
+        while sched.has_work:
+            sched.step()
+    assert {r.rid for r in sched.abort("engine failed")} == {"a", "b"}
+    assert done["a"].stop_reason == "error" and done["a"].internal and done["a"].error == "engine failed"
+    assert sched.reserved == 0 and eng.teacher.bm.free_blocks() == eng.teacher.bm.num_blocks
+    sched.add(req("after", PROMPTS[0]))
+    while sched.has_work:
+        sched.step()
+    assert done["after"].text == eng.generate(PROMPTS[0], gen, speculative=False).text

@@ -1,0 +1,311 @@
+"""``bench serve``: OpenAI-compatible servers under N concurrent streaming chat clients.
+
+    mindspore-eagle bench serve --config configs/default.yaml --clients 1,4,16 --prompts 32 --out runs/serve
+    mindspore-eagle bench serve --url http://127.0.0.1:8000 --model SmolLM2-135M-Instruct --clients 1,4,16
+
+With ``--config`` the benchmark starts each server itself, one after the other, on 127.0.0.1 with
+``--max-batch`` = the largest client count: ``mindspore-eagle serve --baseline`` (teacher-only), ``mindspore-eagle
+serve`` (speculative: the config's drafter, trees gated per batch size) and, where ``llama_cpp.server`` is
+importable (the optional ``[peer]`` extra plus its server dependencies), llama.cpp's OpenAI server on an F32 GGUF
+of the same teacher weights (bench/peer.py writes it). With ``--url`` (repeatable, ``LABEL=URL`` or ``URL``) it
+drives servers that are already running.
+
+Per server and client count N: N clients, each a loop that takes the next prompt (ShareGPT first user turns from
+``--offset`` on, evaluation prompts excluded; a built-in list when ShareGPT is not available offline) and streams
+its chat completion (greedy, ``--max-tokens`` new tokens at most), until ``--prompts`` requests are done. Measured
+on the client (the official ``openai`` client's async streaming):
+
+    tok/s      completion tokens of all requests / wall seconds of the run (usage from the server's final chunk;
+               the number of content chunks where a server sends no usage)
+    TTFT       request sent -> first content chunk (ms, p50 / p99 over requests)
+    ITL        gap between two content chunks of a request (ms, p50 / p99 over all gaps; a tree step sends its
+               L_k tokens in one chunk)
+    TPOT       (last chunk - first chunk) / (completion tokens - 1) per request (ms, p50 / p99)
+
+Writes ``serve_bench.json`` and ``serve_bench.md`` into ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+BUILTIN_PROMPTS = ["What is the capital of France?", "Explain photosynthesis in two sentences.",
+                   "Write a haiku about the sea.", "How do I reverse a list in Python?", "Name three primary colours.",
+                   "What causes rain?", "Give me a short recipe for pancakes.", "Why is the sky blue?",
+                   "Summarise the plot of Romeo and Juliet.", "What is 17 times 23?",
+                   "Write a limerick about a cat.", "What is a black hole?", "List four planets of the solar system.",
+                   "How does a bicycle stay upright?", "Translate 'good morning' into Spanish.",
+                   "What is the difference between a virus and a bacterium?"]
+
+
+def _log(msg: str) -> None:
+    print(f"[bench serve] {msg}", file=sys.stderr, flush=True)
+
+
+def prompts_for(n: int, offset: int) -> tuple[list[str], str]:
+    """(n chat prompts, where they come from): ShareGPT first user turns (bench/batching.chat_prompts), else the
+    built-in list repeated."""
+    try:
+        from mindspore_eagle.bench.batching import chat_prompts
+
+        return chat_prompts(n, offset), f"ShareGPT first user turns from conversation {offset}"
+    except Exception as e:  # noqa: BLE001 - offline or missing data: the benchmark still runs
+        _log(f"ShareGPT prompts unavailable ({type(e).__name__}: {e}); using the built-in prompts")
+        return [BUILTIN_PROMPTS[i % len(BUILTIN_PROMPTS)] for i in range(n)], "built-in prompts"
+
+
+def _pct(xs, q) -> float | None:
+    return round(float(np.percentile(xs, q)) * 1e3, 2) if len(xs) else None
+
+
+async def _drive(url: str, model: str, prompts: list, clients: int, max_tokens: int, api_key: str,
+                 timeout: float) -> dict:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key, max_retries=0, timeout=timeout)
+    todo = list(enumerate(prompts))
+    results = []
+
+    async def one(prompt: str) -> dict:
+        t0 = time.perf_counter()
+        times, tokens = [], None
+        try:
+            stream = await client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
+                stream=True, stream_options={"include_usage": True})
+            async for ch in stream:
+                if ch.choices and ch.choices[0].delta.content:
+                    times.append(time.perf_counter())
+                if getattr(ch, "usage", None) is not None:
+                    tokens = ch.usage.completion_tokens
+        except openai.APIError as e:
+            return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        tokens = len(times) if tokens is None else tokens
+        out = {"ok": True, "tokens": tokens, "ttft": times[0] - t0 if times else None,
+               "gaps": list(np.diff(times)) if len(times) > 1 else []}
+        out["tpot"] = (times[-1] - times[0]) / (tokens - 1) if len(times) > 1 and tokens > 1 else None
+        return out
+
+    async def worker():
+        while todo:
+            _, prompt = todo.pop(0)
+            results.append(await one(prompt))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    wall = time.perf_counter() - t0
+    await client.close()
+    ok = [r for r in results if r["ok"]]
+    tokens = sum(r["tokens"] for r in ok)
+    ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
+    gaps = [g for r in ok for g in r["gaps"]]
+    tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
+    return {"clients": clients, "requests": len(results), "ok": len(ok),
+            "errors": sorted({r["error"] for r in results if not r["ok"]})[:3], "tokens": tokens,
+            "wall_s": round(wall, 2), "tok_s": round(tokens / wall, 2) if wall > 0 else None,
+            "ttft_p50_ms": _pct(ttft, 50), "ttft_p99_ms": _pct(ttft, 99), "itl_p50_ms": _pct(gaps, 50),
+            "itl_p99_ms": _pct(gaps, 99), "tpot_p50_ms": _pct(tpot, 50), "tpot_p99_ms": _pct(tpot, 99)}
+
+
+def run_load(url: str, model: str, prompts: list, clients: int, max_tokens: int, api_key: str = "none",
+             timeout: float = 1800.0) -> dict:
+    """Drive ``url`` with ``clients`` concurrent streaming chat clients over ``prompts``; the row of metrics
+    (module docstring)."""
+    return asyncio.run(_drive(url, model, prompts, clients, max_tokens, api_key, timeout))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_health(url: str, proc, timeout: float, path: str = "/health") -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url + path, timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"server at {url} not ready after {timeout:.0f} s")
+
+
+class ServeProcess:
+    """``mindspore-eagle serve`` (or another OpenAI server command) as a child process on 127.0.0.1."""
+
+    def __init__(self, cmd: list, url: str, log_path: str):
+        self.url, self.log = url, open(log_path, "w", encoding="utf-8")   # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def start_ours(configs: list, sets: list, max_batch: int, baseline: bool, out: str, timeout: float) -> ServeProcess:
+    """Start ``mindspore-eagle serve`` (teacher-only with ``baseline``) and wait until /health answers 200."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "mindspore_eagle", "serve", "--port", str(port), "--max-batch", str(max_batch)]
+    for c in configs:
+        cmd += ["--config", c]
+    for s in sets:
+        cmd += ["--set", s]
+    if baseline:
+        cmd.append("--baseline")
+    name = "teacher-only" if baseline else "speculative"
+    p = ServeProcess(cmd, f"http://127.0.0.1:{port}", os.path.join(out, f"server_{name}.log"))
+    _wait_health(p.url, p.proc, timeout)
+    return p
+
+
+def start_llamacpp(cfg, out: str, threads: int, timeout: float):
+    """llama.cpp's OpenAI server (``python -m llama_cpp.server``) on an F32 GGUF of the teacher; None (and a
+    logged reason) where llama_cpp.server cannot be imported or the teacher has no GGUF tokenizer."""
+    import importlib.util
+
+    from mindspore_eagle.bench import peer
+    from mindspore_eagle.serving.pipeline import load_models, resolve_teacher
+
+    if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("llama_cpp.server") is None:
+        _log("llama_cpp.server is not importable (pip install -e '.[peer]' and llama-cpp-python[server]); skipped")
+        return None
+    src = resolve_teacher(cfg.model.teacher)
+    if not str(src).lower().endswith(".gguf"):
+        _log(f"teacher {src} is not a GGUF file (no llama.cpp tokenizer to copy); llama.cpp skipped")
+        return None
+    path = os.path.join(out, "teacher_f32.gguf")
+    if not os.path.exists(path):
+        loaded = load_models(cfg)
+        peer.write_gguf_f32(path + ".tmp", loaded.teacher_cfg, loaded.teacher_tensors, src)
+        os.replace(path + ".tmp", path)
+    port = _free_port()
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", path, "--model_alias", "llama.cpp", "--host",
+           "127.0.0.1", "--port", str(port), "--n_ctx", str(cfg.cache.max_seq_len), "--n_threads", str(threads)]
+    p = ServeProcess(cmd, f"http://127.0.0.1:{port}", os.path.join(out, "server_llama_cpp.log"))
+    _wait_health(p.url, p.proc, timeout, "/v1/models")
+    return p
+
+
+def write_report(result: dict, out: str) -> None:
+    """``serve_bench.json`` and ``serve_bench.md`` (one table row per server and client count)."""
+    with open(os.path.join(out, "serve_bench.json"), "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+    head = (f"{result['prompts']} chat prompts ({result['prompt_source']}), up to {result['max_tokens']} new tokens, "
+            f"greedy, streamed; clients measured with the openai client. {result['note']}")
+    lines = [f"# Serving benchmark ({result['when']})", "", head, "",
+             "| server | clients | ok / requests | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 / p99 ms |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['server']} | {r['clients']} | {r['ok']} / {r['requests']} | {r['tok_s']} | "
+                     f"{r['ttft_p50_ms']} / {r['ttft_p99_ms']} | {r['itl_p50_ms']} / {r['itl_p99_ms']} | "
+                     f"{r['tpot_p50_ms']} / {r['tpot_p99_ms']} |")
+    with open(os.path.join(out, "serve_bench.md"), "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mindspore-eagle bench serve", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", action="append", default=[], metavar="FILE",
+                   help="start the servers of this config (teacher-only, speculative, llama.cpp where installed)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="config override")
+    p.add_argument("--url", action="append", default=[], metavar="[LABEL=]URL",
+                   help="drive a running server instead (repeatable)")
+    p.add_argument("--model", default=None, help="model id for --url servers (default: the first of GET /v1/models)")
+    p.add_argument("--api-key", default="none", help="API key for --url servers")
+    p.add_argument("--clients", default="1,4,16", help="concurrent clients per run (default 1,4,16)")
+    p.add_argument("--prompts", type=int, default=32, help="requests per run (default 32)")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request at most (default 128)")
+    p.add_argument("--offset", type=int, default=9000, help="first ShareGPT conversation of the prompts")
+    p.add_argument("--no-llamacpp", action="store_true", help="with --config: do not start llama.cpp's server")
+    p.add_argument("--start-timeout", type=float, default=1800.0, help="seconds a server may take to warm up")
+    p.add_argument("--out", default="runs/serve_bench", help="report folder (default runs/serve_bench)")
+    return p
+
+
+def _model_of(url: str, api_key: str) -> str:
+    import httpx
+
+    r = httpx.get(url.rstrip("/") + "/v1/models", headers={"Authorization": f"Bearer {api_key}"}, timeout=30)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def main(argv=None) -> int:
+    """Entry point of ``bench serve``; returns the exit code (0; 2 for a known error, printed by the CLI)."""
+    from mindspore_eagle.config import ConfigError, load_config
+    from mindspore_eagle.serving.api_server import model_name
+
+    args = build_parser().parse_args(argv)
+    try:
+        import openai  # noqa: F401 - the benchmark's client
+    except ImportError:
+        raise ConfigError("bench serve needs the openai client: pip install openai httpx") from None
+    clients = [int(c) for c in args.clients.split(",") if c.strip()]
+    if not clients or min(clients) < 1:
+        raise ConfigError(f"--clients must list integers >= 1, got {args.clients!r}")
+    if not args.config and not args.url:
+        raise ConfigError("bench serve needs --config (start the servers) or --url (drive a running one)")
+    os.makedirs(args.out, exist_ok=True)
+    prompts, source = prompts_for(args.prompts, args.offset)
+    rows = []
+
+    def measure(label, url, model, api_key):
+        for n in clients:
+            _log(f"{label}: {n} client(s), {len(prompts)} requests")
+            row = {"server": label, **run_load(url, model, prompts, n, args.max_tokens, api_key)}
+            rows.append(row)
+            _log(f"{label} x{n}: {row['tok_s']} tok/s, TTFT p50 {row['ttft_p50_ms']} ms, ITL p50 "
+                 f"{row['itl_p50_ms']} ms ({row['ok']}/{row['requests']} ok)")
+
+    for spec in args.url:
+        label, _, url = spec.rpartition("=") if "=" in spec.split("://")[0] else ("", "", spec)
+        measure(label or url, url, args.model or _model_of(url, args.api_key), args.api_key)
+    if args.config:
+        cfg = load_config(args.config, args.set)
+        for baseline in (True, False) if cfg.model.drafter != "none" else (True,):
+            label = "teacher-only" if baseline else "speculative"
+            _log(f"starting {label} server (warm-up: every graph, from the graph cache when it is there)")
+            p = start_ours(args.config, args.set, max(clients), baseline, args.out, args.start_timeout)
+            try:
+                measure(f"mindspore-eagle {label}", p.url, model_name(cfg), "none")
+            finally:
+                p.stop()
+        if not args.no_llamacpp:
+            threads = cfg.context.threads or min(os.cpu_count() or 1, 8)
+            p = start_llamacpp(cfg, args.out, threads, args.start_timeout)
+            if p is not None:
+                try:
+                    measure("llama.cpp server (F32 GGUF)", p.url, "llama.cpp", "none")
+                finally:
+                    p.stop()
+    result = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "prompts": len(prompts),
+              "prompt_source": source, "max_tokens": args.max_tokens, "clients": clients, "rows": rows,
+              "note": f"{os.cpu_count()} CPU cores; load average {os.getloadavg()[0]:.2f} at the end.",
+              "command": " ".join(["mindspore-eagle", "bench", "serve", *(argv if argv is not None else sys.argv[1:])])}
+    write_report(result, args.out)
+    _log(f"report: {os.path.join(args.out, 'serve_bench.md')}")
+    return 0
+
+
+__all__ = ["build_parser", "main", "prompts_for", "run_load", "write_report"]

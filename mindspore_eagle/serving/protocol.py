@@ -1,0 +1,343 @@
+"""The OpenAI API shapes the server speaks, and their translation into the engine's parameters.
+
+Requests (``POST /v1/chat/completions``, ``POST /v1/completions``) are parsed from the raw body by pydantic in
+strict mode (``"10"`` is not an integer, ``1.5`` is not an integer, ``true`` is not a number; unknown fields are
+refused), so every problem becomes an :class:`APIError` that names the field, in OpenAI's error shape::
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": "invalid_type"}}
+
+Supported per-request parameters: ``max_tokens`` (or ``max_completion_tokens``), ``temperature`` [0, 2],
+``top_p`` (0, 1], ``top_k`` (0 or -1 = off), ``stop`` (a string or a list of up to 16 non-empty strings),
+``seed`` (any integer; omitted with temperature > 0: a fresh seed per request), ``stream`` and
+``stream_options.include_usage``; ``user`` is accepted and not used. Parameters the engine does not implement
+(``n`` > 1, ``logprobs``, ``top_logprobs``, ``logit_bias``, the penalties, ``response_format``, tools and
+functions, ``echo``, ``suffix``, ``best_of`` > 1) are refused with a 400 naming the field unless they hold their
+neutral value (``n: 1``, ``presence_penalty: 0``, ``logprobs: false``, ``response_format: {"type": "text"}``,
+...), which asks for nothing. Omitted parameters take the server configuration's ``generation`` section values
+(``max_tokens``: ``generation.max_new_tokens`` for chat, 16 for completions as in OpenAI's API, cut to what the
+context has room for when omitted).
+
+Responses are plain dicts in OpenAI's shapes (``chat.completion``, ``chat.completion.chunk``,
+``text_completion``); ``usage`` carries prompt_tokens, completion_tokens, total_tokens and ``mean_accept_len``
+(mean accepted length L_k per tree verification of the request; 1.0 when no tree was verified).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mindspore_eagle.config import GenerationConfig
+
+MAX_STOP = 16
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          500: "server_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    """An HTTP error answered as ``{"error": {"message", "type", "param", "code"}}``.
+
+    Args:
+        status: HTTP status code. message: one line for the client. param: the request field at fault (dotted
+            path, e.g. ``messages[1].content``) or None. code: a short machine-readable reason or None.
+        type: OpenAI's error type (default by status: invalid_request_error, rate_limit_error, server_error).
+    """
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        """The JSON body of the error response."""
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    """``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# ------------------------------------------------------------------------------------------ request models --
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(_Strict):
+    """One part of a message's content list; only text parts are supported."""
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    """A chat message. ``developer`` is OpenAI's newer name for ``system``; ``name`` is accepted and not used."""
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    """Fields both endpoints share. Fields typed ``Any`` are unsupported: only their neutral value passes
+    (:data:`NEUTRAL`, checked by :func:`check_unsupported`)."""
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    n: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    logprobs: Any = None
+
+
+class ChatCompletionRequest(_Common):
+    """``POST /v1/chat/completions`` body."""
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    top_logprobs: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions`` body. ``prompt``: a string, a list of one string, or a list of token ids."""
+    prompt: str | list[str] | list[int]
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
+
+
+# field -> values that ask for nothing (anything else is a 400 naming the field)
+NEUTRAL = {"n": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "logprobs": (False,),
+           "top_logprobs": (0,), "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
+           "parallel_tool_calls": (True, False), "functions": ([],), "function_call": ("none",), "echo": (False,),
+           "suffix": ("",), "best_of": (1,)}
+_WHY = {"n": "one choice per request (n = 1)", "logprobs": "log probabilities are not returned",
+        "top_logprobs": "log probabilities are not returned", "logit_bias": "no logit bias",
+        "presence_penalty": "no penalties", "frequency_penalty": "no penalties",
+        "response_format": "plain text only", "tools": "no tool calls", "tool_choice": "no tool calls",
+        "parallel_tool_calls": "no tool calls", "functions": "no function calls", "function_call": "no function calls",
+        "echo": "the prompt is not echoed", "suffix": "no suffix", "best_of": "one candidate per request"}
+_UNION_HINT = {"stop": "a string or a list of strings", "content": "a string or a list of text parts",
+               "prompt": "a string, a list of one string, or a list of token ids"}
+_FIELDS = set().union(*(m.model_fields for m in (ChatCompletionRequest, CompletionRequest, ChatMessage, TextPart,
+                                                  StreamOptions)))
+
+
+def _same(value, allowed) -> bool:
+    """``value == allowed`` without ``True == 1`` (JSON booleans and numbers stay apart)."""
+    if isinstance(value, bool) != isinstance(allowed, bool):
+        return False
+    return value == allowed
+
+
+def check_unsupported(req: _Common) -> None:
+    """Raise a 400 :class:`APIError` naming the first unsupported parameter set to a non-neutral value."""
+    for name, neutral in NEUTRAL.items():
+        if name in type(req).model_fields:
+            value = getattr(req, name)
+            if value is not None and not any(_same(value, a) for a in neutral):
+                raise APIError(400, f"{name} = {json.dumps(value)} is not supported by this server: {_WHY[name]}",
+                               name, "unsupported_parameter")
+
+
+def _param(loc) -> str | None:
+    """A pydantic error location as a dotted request path (``messages[0].content``); type tags dropped."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in _FIELDS:
+            out += ("." if out else "") + part
+    return out or None
+
+
+def parse_request(cls, body: bytes):
+    """Parse and check a request body.
+
+    Args:
+        cls: ChatCompletionRequest or CompletionRequest. body: the raw request body (UTF-8 JSON).
+    Returns:
+        the request model.
+    Raises:
+        APIError: 400 for malformed JSON, a body that is not an object, a missing, unknown or wrong-typed field,
+            an out-of-range value or an unsupported parameter (message and ``param`` name the field).
+    """
+    try:
+        req = cls.model_validate_json(body)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    check_unsupported(req)
+    if isinstance(req, ChatCompletionRequest) and None not in (req.max_tokens, req.max_completion_tokens) \
+            and req.max_tokens != req.max_completion_tokens:
+        raise APIError(400, "max_tokens and max_completion_tokens disagree; give one of them",
+                       "max_completion_tokens", "invalid_value")
+    return req
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    err = e.errors()[0]
+    kind, loc, msg = err["type"], err["loc"], err["msg"]
+    if kind == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON ({err.get('ctx', {}).get('error', msg)})", None,
+                        "invalid_json")
+    if kind == "model_type" and not loc:
+        return APIError(400, "the request body must be a JSON object", None, "invalid_type")
+    param = _param(loc)
+    if kind == "missing":
+        return APIError(400, f"Missing required parameter: '{param}'", param, "missing_required_parameter")
+    if kind == "extra_forbidden":
+        param = ".".join(filter(None, [param, str(loc[-1])])) if loc and loc[-1] not in _FIELDS else param
+        return APIError(400, f"Unrecognized request argument supplied: {param}", param, "unknown_parameter")
+    leaf = param.split(".")[-1].split("[")[0] if param else ""
+    if leaf in _UNION_HINT and len(e.errors()) > 1 and kind.endswith("_type"):
+        return APIError(400, f"Invalid type for '{param}': expected {_UNION_HINT[leaf]}", param, "invalid_type")
+    if kind.endswith(("_type", "_parsing")):
+        return APIError(400, f"Invalid type for '{param}': {msg}", param, "invalid_type")
+    return APIError(400, f"Invalid value for '{param}': {msg}", param, "invalid_value")
+
+
+# ------------------------------------------------------------------------------------------- translation --
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    """The request's messages as the engine's ``[{"role", "content"}]`` (text parts joined by newlines,
+    ``developer`` as ``system``)."""
+    out = []
+    for m in req.messages:
+        content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content)
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    return out
+
+
+def completion_prompt(req: CompletionRequest):
+    """The prompt of a completion request: a str, or a list of token ids (ints).
+
+    Raises:
+        APIError: 400 for several prompts or an empty one.
+    """
+    p = req.prompt
+    if isinstance(p, list) and p and isinstance(p[0], str):
+        if len(p) != 1:
+            raise APIError(400, f"prompt holds {len(p)} prompts; this server takes one prompt per request",
+                           "prompt", "unsupported_parameter")
+        p = p[0]
+    if not p:
+        raise APIError(400, "prompt is empty", "prompt", "invalid_value")
+    return p
+
+
+def generation_config(req: _Common, defaults: GenerationConfig, default_max_tokens: int | None = None
+                      ) -> tuple[GenerationConfig, bool]:
+    """The request's sampling parameters as a GenerationConfig (omitted ones from ``defaults``).
+
+    Args:
+        req: a parsed request. defaults: the server's ``generation`` section.
+        default_max_tokens: max_new_tokens when the request gives none (default ``defaults.max_new_tokens``).
+    Returns:
+        (GenerationConfig, whether max_tokens was given by the request).
+    Raises:
+        APIError: 400 for an empty stop string or more than :data:`MAX_STOP` of them.
+    """
+    max_tokens = req.max_tokens
+    if max_tokens is None and isinstance(req, ChatCompletionRequest):
+        max_tokens = req.max_completion_tokens
+    stop = defaults.stop if req.stop is None else [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    if len(stop) > MAX_STOP:
+        raise APIError(400, f"stop holds {len(stop)} strings; at most {MAX_STOP}", "stop", "invalid_value")
+    if any(not s for s in stop):
+        raise APIError(400, "stop strings must be non-empty", "stop", "invalid_value")
+    temperature = defaults.temperature if req.temperature is None else float(req.temperature)
+    if req.seed is not None:
+        seed = req.seed % (1 << 64)
+    else:
+        seed = defaults.seed if temperature == 0 else secrets.randbits(63)
+    gen = dataclasses.replace(
+        defaults, max_new_tokens=max_tokens or default_max_tokens or defaults.max_new_tokens,
+        temperature=temperature, top_p=defaults.top_p if req.top_p is None else float(req.top_p),
+        top_k=defaults.top_k if req.top_k is None else max(0, req.top_k), seed=seed, stop=stop)
+    return gen, max_tokens is not None
+
+
+# --------------------------------------------------------------------------------------------- responses --
+FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+def new_id(prefix: str) -> str:
+    """A response id, e.g. ``chatcmpl-3f2a...`` (32 hex digits)."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, mean_accept_len: float | None = None) -> dict:
+    """OpenAI's usage object (+ ``mean_accept_len``: mean L_k per tree verification, when known)."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if mean_accept_len is not None:
+        out["mean_accept_len"] = round(float(mean_accept_len), 4)
+    return out
+
+
+def chat_response(rid: str, model: str, text: str, finish: str, use: dict) -> dict:
+    """A ``chat.completion`` object with one choice."""
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": finish}], "usage": use}
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict | None, finish: str | None = None,
+               use: dict | None = None) -> dict:
+    """A ``chat.completion.chunk``: one choice with ``delta`` (and ``finish_reason``), or, with ``delta`` None,
+    the usage chunk (no choices)."""
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+    if use is not None:
+        out["usage"] = use
+    return out
+
+
+def completion_response(rid: str, model: str, text: str, finish: str, use: dict) -> dict:
+    """A ``text_completion`` object with one choice."""
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], "usage": use}
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str | None, finish: str | None = None,
+                     use: dict | None = None) -> dict:
+    """A streamed ``text_completion`` chunk (``text`` None: the usage chunk, no choices)."""
+    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+    out = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+    if use is not None:
+        out["usage"] = use
+    return out
+
+
+def model_list(name: str, created: int) -> dict:
+    """``GET /v1/models``: the one served model."""
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
+                                        "owned_by": "mindspore-eagle"}]}
+
+
+__all__ = ["FINISH", "APIError", "ChatCompletionRequest", "CompletionRequest", "chat_chunk", "chat_messages",
+           "chat_response", "check_unsupported", "completion_chunk", "completion_prompt", "completion_response",
+           "error_body", "generation_config", "model_list", "new_id", "parse_request", "usage"]

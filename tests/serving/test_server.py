@@ -1,0 +1,480 @@
+"""The OpenAI-compatible server (serving/api_server.py) as a real process on 127.0.0.1, talked to with the official
+``openai`` client and raw HTTP (httpx): answers equal ``Engine.generate``'s greedy text, streamed text equals
+non-streamed text, concurrent clients get their own answers, per-request sampling parameters take effect, a client
+that disconnects frees its KV blocks, every bad request gets its status and an OpenAI-shaped JSON error, a failed
+engine step fails only its requests, and SIGTERM drains and exits 0. The tiny openPangu teacher throughout; one
+slow test on the embedded default (SmolLM2-135M + its drafter)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from mindspore_eagle.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = ["What is the capital of France?", "Hi", "Write a short story about a robot who learns to paint.",
+           "def add(a, b):", "List three colours.", "2+2?", "Tell me about the sea.", "Name a fruit.",
+           "Why is the sky blue?", "Count to five.", "Say hello in French.", "What is water?", "Spell 'cat'.",
+           "Give me a word that rhymes with moon.", "Who wrote Hamlet?", "What day comes after Monday?"]
+MODEL = "tiny"
+
+
+def tiny_overrides(tiny_dir, drafter="none") -> list[str]:
+    """The tiny teacher's config: 256-slot sequences of 8-token blocks, 16-token prefill chunks, 24 new tokens."""
+    return [f"model.teacher={tiny_dir}", f"model.drafter={drafter}", "cache.block_size=8", "cache.max_seq_len=256",
+            "cache.prefill_chunk=16", "generation.max_new_tokens=24", "context.graph_cache=false",
+            "context.threads=1", f"serve.model_name={MODEL}"]
+
+
+class ServerProcess:
+    """``python -m mindspore_eagle serve --port 0 ...`` in a child process; ``url`` once it listens, ``ready()``
+    once /health answers 200 (``warming`` = the statuses seen before)."""
+
+    def __init__(self, sets: list[str], args=(), env=None):
+        cmd = [sys.executable, "-m", "mindspore_eagle", "serve", "--port", "0", *args]
+        for s in sets:
+            cmd += ["--set", s]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               **(env or {})}
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self.url = None
+        self.warming: list[int] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip("\n"))
+            if self.url is None and line.startswith("serving ") and " on http://" in line:
+                self.url = line.split(" on ", 1)[1].split()[0]
+
+    def log(self) -> str:
+        return "\n".join(self.lines[-40:])
+
+    def ready(self, timeout: float = 600.0) -> ServerProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"server exited with {self.proc.returncode}:\n{self.log()}"
+            if self.url is not None:
+                try:
+                    status = httpx.get(self.url + "/health", timeout=5).status_code
+                except httpx.TransportError:
+                    status = None
+                if status == 200:
+                    return self
+                self.warming.append(status)
+            time.sleep(0.2)
+        raise AssertionError(f"server not ready after {timeout} s:\n{self.log()}")
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0,
+                             timeout=kw.pop("timeout", 300), **kw)
+
+    def metrics(self) -> dict:
+        """{(sample name, frozenset(labels)): value} of GET /metrics (prometheus_client's parser)."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return {(s.name, frozenset(s.labels.items())): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def metric(m: dict, name: str, **labels) -> float:
+    return m.get((name, frozenset(labels.items())), 0.0)
+
+
+def wait_for(cond, timeout=30.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir):
+    """In-process teacher-only engine of the tiny config: the one-at-a-time greedy answers."""
+    from mindspore_eagle.serving.pipeline import build_engine
+
+    cfg = load_config(None, tiny_overrides(tiny_dir))
+    engine = build_engine(cfg)
+    cache = {}
+
+    def answer(prompt, max_tokens=24, raw=False):
+        key = (prompt, max_tokens, raw)
+        if key not in cache:
+            import dataclasses
+
+            gen = dataclasses.replace(cfg.generation, max_new_tokens=max_tokens)
+            ids = engine.tokenizer.encode(prompt) if raw else engine.encode_chat(prompt)
+            cache[key] = engine.generate_ids(ids, gen, speculative=False)
+        return cache[key]
+    answer.engine = engine
+    return answer
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, tiny, tmp_path_factory):
+    """Speculative tiny server, 16 rows: an untrained tiny drafter, trees of the fixed budget (M 4, D_max 2) gated
+    per batch size, the single-sequence round for a lone sequence."""
+    from tiny_engines import tiny_drafter_dir
+
+    d = tiny_drafter_dir(tmp_path_factory.mktemp("server_drafter"), tiny[0])
+    p = ServerProcess(tiny_overrides(tiny_dir, d) + ["serve.max_queue=64", "speculative.policy=fixed",
+                                                     "speculative.M=4", "speculative.D_max=2", "speculative.top_k=2"],
+                      ["--max-batch", "16"])
+    try:
+        yield p.ready()
+    finally:
+        p.stop()
+
+
+@pytest.fixture(scope="module")
+def small_server(tiny_dir):
+    """Teacher-only tiny server with an API key, 2 rows and a queue of 1 (the SIGTERM test, last in this file,
+    stops it)."""
+    p = ServerProcess(tiny_overrides(tiny_dir) + ["serve.max_queue=1", "serve.drain_timeout_s=60",
+                                                  "speculative.M=2", "speculative.top_k=2"],
+                      ["--max-batch", "2", "--api-key", "sekret"])
+    try:
+        yield p.ready()
+    finally:
+        p.stop()
+
+
+def chat(client, prompt, model=MODEL, **kw):
+    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}], **kw)
+
+
+def chat_stream(client, prompt, **kw) -> tuple[str, str, dict | None]:
+    """(text, finish_reason, usage) of a streamed chat completion."""
+    text, finish, use = "", None, None
+    for ch in chat(client, prompt, stream=True, stream_options={"include_usage": True}, **kw):
+        if ch.choices:
+            text += ch.choices[0].delta.content or ""
+            finish = ch.choices[0].finish_reason or finish
+        if ch.usage is not None:
+            use = ch.usage
+    return text, finish, use
+
+
+# ------------------------------------------------------------------------------------------------- answers --
+def test_health_models_and_metrics(server):
+    assert 503 in server.warming                 # /health answered 503 while the warm-up ran
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    m = server.metrics()
+    assert metric(m, "mseagle_kv_blocks_total") == 16 * 256 // 8
+    assert metric(m, "mseagle_num_requests_running") == 0
+    assert any(line.startswith("ready in ") for line in server.lines)
+    assert not any("compiled graph" in line for line in server.lines)    # nothing compiled on first use
+
+
+def test_chat_greedy_equals_generate_streamed_or_not(server, reference):
+    c = server.client()
+    for prompt in PROMPTS[:3]:
+        want = reference(prompt)
+        r = chat(c, prompt)
+        assert r.choices[0].message.content == want.text
+        assert r.choices[0].finish_reason == {"eos": "stop", "length": "length"}[want.stop_reason]
+        assert r.usage.prompt_tokens == want.prompt_tokens and r.usage.completion_tokens == len(want.token_ids)
+        text, finish, use = chat_stream(c, prompt)
+        assert (text, finish) == (want.text, r.choices[0].finish_reason)
+        assert use.completion_tokens == len(want.token_ids) and use.prompt_tokens == want.prompt_tokens
+
+
+def test_completions_raw_prompt_streamed_or_not(server, reference):
+    c = server.client()
+    want = reference("Once upon a time", 12, raw=True)
+    r = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12)
+    assert r.choices[0].text == want.text and r.usage.completion_tokens == 12
+    pieces = [ch.choices[0].text for ch in c.completions.create(model=MODEL, prompt="Once upon a time",
+                                                                 max_tokens=12, stream=True) if ch.choices]
+    assert "".join(pieces) == want.text and len(pieces) > 2
+    ids = reference.engine.tokenizer.encode("Once upon a time")
+    assert c.completions.create(model=MODEL, prompt=ids, max_tokens=12).choices[0].text == want.text
+
+
+def test_16_concurrent_clients_get_their_own_answers(server, reference):
+    want = {p: reference(p).text for p in PROMPTS}
+
+    def ask(i):
+        c = server.client()
+        p = PROMPTS[i]
+        return p, (chat_stream(c, p)[0] if i % 2 else chat(c, p).choices[0].message.content)
+
+    with ThreadPoolExecutor(16) as pool:
+        got = dict(pool.map(ask, range(16)))
+    assert got == want
+    m = server.metrics()
+    assert metric(m, "mseagle_steps_total", kind="tree") > 0 and metric(m, "mseagle_spec_tree_verifications_total") > 0
+    assert metric(m, "mseagle_kv_blocks_used") == 0 and metric(m, "mseagle_generation_tokens_total") >= 16 * 10
+
+
+def test_per_request_sampling_parameters(server, reference):
+    c = server.client()
+    p = PROMPTS[0]
+    a = chat(c, p, temperature=1.0, seed=7).choices[0].message.content
+    assert chat(c, p, temperature=1.0, seed=7).choices[0].message.content == a       # same seed: same text
+    assert chat(c, p, temperature=1.0, seed=8).choices[0].message.content != a       # another seed: another
+    assert chat(c, p, temperature=1.0, seed=7, extra_body={"top_k": 1}).choices[0].message.content == \
+        reference(p).text                                                            # top_k 1 is greedy
+    r = chat(c, p, max_tokens=5)
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+    full = reference(p).text
+    stop = full[3:5]
+    r = chat(c, p, stop=[stop, "never-there"])
+    assert r.choices[0].message.content == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
+    assert chat_stream(c, p, stop=stop)[:2] == (full[: full.index(stop)], "stop")
+
+    # temperature-0 rows batched with sampled rows stay greedy-exact; a seeded sampled row gives the same text in
+    # a batch as alone (each token is drawn with the uniform of (seed, position), trees or not)
+    def ask(i):
+        cl = server.client()
+        if i % 2:
+            return chat(cl, PROMPTS[i], temperature=1.5, top_p=0.9, seed=i).choices[0].message.content
+        return chat(cl, PROMPTS[i], temperature=0).choices[0].message.content
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(ask, range(8)))
+    assert [got[i] for i in range(0, 8, 2)] == [reference(PROMPTS[i]).text for i in range(0, 8, 2)]
+    assert [got[i] for i in range(1, 8, 2)] == [ask(i) for i in range(1, 8, 2)]
+
+
+def test_disconnect_mid_stream_cancels_and_frees_kv_blocks(server):
+    before = metric(server.metrics(), "mseagle_request_success_total", finish_reason="cancelled")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 220, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(line for line in lines if '"content": "' in line and '"role"' not in line)   # some text
+        wait_for(lambda: (lambda m: metric(m, "mseagle_num_requests_running") == 1
+                          and metric(m, "mseagle_kv_blocks_used") > 0)(server.metrics()), 10, "the running gauge")
+    wait_for(lambda: metric(server.metrics(), "mseagle_request_success_total", finish_reason="cancelled")
+             == before + 1, what="the cancelled request")
+    m = server.metrics()
+    assert metric(m, "mseagle_num_requests_running") == 0
+    assert metric(m, "mseagle_kv_blocks_used") == 0 and metric(m, "mseagle_kv_blocks_reserved") == 0
+
+
+# ------------------------------------------------------------------------------------------------- errors --
+GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+
+
+@pytest.mark.parametrize("body, status, param, code", [
+    (b'{"model": "tiny", "messages": [', 400, None, "invalid_json"),
+    (b'[1, 2]', 400, None, "invalid_type"),
+    ({"model": MODEL}, 400, "messages", "missing_required_parameter"),
+    ({"messages": GOOD["messages"]}, 400, "model", "missing_required_parameter"),
+    ({**GOOD, "max_tokens": "5"}, 400, "max_tokens", "invalid_type"),
+    ({**GOOD, "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+    ({**GOOD, "temperature": "hot"}, 400, "temperature", "invalid_type"),
+    ({**GOOD, "temperature": 3}, 400, "temperature", "invalid_value"),
+    ({**GOOD, "stop": 5}, 400, "stop", "invalid_type"),
+    ({**GOOD, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", "invalid_type"),
+    ({**GOOD, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role", "invalid_value"),
+    ({**GOOD, "messages": []}, 400, "messages", "invalid_value"),
+    ({**GOOD, "messages": [{"role": "user", "content": " "}]}, 400, "messages", "invalid_value"),
+    ({**GOOD, "frobnicate": 1}, 400, "frobnicate", "unknown_parameter"),
+    ({**GOOD, "n": 2}, 400, "n", "unsupported_parameter"),
+    ({**GOOD, "logprobs": True}, 400, "logprobs", "unsupported_parameter"),
+    ({**GOOD, "presence_penalty": 0.5}, 400, "presence_penalty", "unsupported_parameter"),
+    ({**GOOD, "frequency_penalty": 1}, 400, "frequency_penalty", "unsupported_parameter"),
+    ({**GOOD, "response_format": {"type": "json_object"}}, 400, "response_format", "unsupported_parameter"),
+    ({**GOOD, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "unsupported_parameter"),
+    ({**GOOD, "model": "gpt-4"}, 404, "model", "model_not_found"),
+    ({**GOOD, "messages": [{"role": "user", "content": "word " * 300}]}, 400, "messages",
+     "context_length_exceeded"),
+    ({**GOOD, "max_tokens": 250}, 400, "max_tokens", "context_length_exceeded"),
+])
+def test_bad_chat_requests_get_openai_errors(server, body, status, param, code):
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                   **({"content": body} if isinstance(body, bytes) else {"json": body}))
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert (err["param"], err["code"]) == (param, code), err
+    assert "Traceback" not in r.text and err["message"]
+
+
+def test_error_words_limits_and_routes(server):
+    url = server.url
+    r = httpx.post(url + "/v1/chat/completions", json={**GOOD, "messages": [{"role": "user", "content": "word " * 300}]})
+    assert re.fullmatch(r"prompt of \d+ tokens \+ generation.max_new_tokens=24 = \d+ exceeds cache.max_seq_len=256",
+                        r.json()["error"]["message"])                     # the command line's words
+    big = json.dumps({**GOOD, "messages": [{"role": "user", "content": "a" * (1 << 20)}]})
+    r = httpx.post(url + "/v1/chat/completions", content=big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": ["a", "b"]})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "prompt")
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "a", "echo": True})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "echo")
+    assert httpx.get(url + "/v1/nothing").json()["error"]["code"] == "not_found"
+    assert httpx.get(url + "/v1/chat/completions").status_code == 405
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(server.client(), "Hi", n=3)
+    assert e.value.body["param"] == "n"
+    m = server.metrics()
+    assert metric(m, "mseagle_http_errors_total", status="413") >= 1
+    assert chat(server.client(), "Hi", max_tokens=3).usage.completion_tokens == 3      # still serving
+
+
+# ----------------------------------------------------------------------------------- failures inside a step --
+def test_engine_step_exception_fails_its_requests_and_the_server_goes_on(ms_runtime, tiny_dir):
+    """In-process server (uvicorn in a thread): the decode round raises once; the requests of that step get a 500
+    JSON error (streamed: an error event, then [DONE]), the traceback is logged, and the next request is served."""
+    import uvicorn
+
+    from mindspore_eagle.serving.api_server import Server, build_app, serve_config
+    from mindspore_eagle.serving.pipeline import build_engine
+    from mindspore_eagle.serving.scheduler import BatchScheduler
+
+    cfg = serve_config(load_config(None, tiny_overrides(tiny_dir) + ["serve.max_batch=2", "speculative.M=2",
+                                                                     "speculative.top_k=2"]))
+
+    def build():
+        engine = build_engine(cfg)
+        return engine, BatchScheduler(engine, cfg.generation, 2, single_round=True)
+
+    server = Server(cfg, build, log_line=lambda line: None)
+    uv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=0, log_level="error"))
+    th = threading.Thread(target=uv.run, daemon=True)
+    th.start()
+    wait_for(lambda: uv.started and server.engine.state == "ready", 120, "the in-process server")
+    url = f"http://127.0.0.1:{uv.servers[0].sockets[0].getsockname()[1]}"
+    try:
+        sched = server.engine.sched
+        rounds = [sched.round_one or sched.round, sched.round]
+        real = [r.step for r in rounds]
+        fail = {"n": 1}
+
+        def boom(live, _real=real[0]):
+            if fail["n"]:
+                fail["n"] -= 1
+                raise RuntimeError("injected fault")
+            return _real(live)
+        rounds[0].step = boom
+        r = httpx.post(url + "/v1/chat/completions", json={**GOOD, "max_tokens": 8}, timeout=60)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error", r.text
+        assert "injected" not in r.text and "Traceback" not in r.text
+        r = httpx.post(url + "/v1/chat/completions", json={**GOOD, "max_tokens": 8}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        fail["n"] = 1
+        with httpx.stream("POST", url + "/v1/chat/completions", json={**GOOD, "max_tokens": 8, "stream": True},
+                          timeout=60) as s:
+            events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+        assert json.loads(events[-2])["error"]["code"] == "engine_error" and events[-1] == "[DONE]"
+        assert sched.kv_blocks_used() == 0 and sched.reserved == 0
+        assert metric({(s.name, frozenset(s.labels.items())): s.value for fam in text_string_to_metric_families(
+            httpx.get(url + "/metrics").text) for s in fam.samples}, "mseagle_request_success_total",
+            finish_reason="error") == 2
+    finally:
+        uv.should_exit = True
+        th.join(30)
+
+
+# ------------------------------------------------------------------------------------ auth, queue, SIGTERM --
+def test_api_key_required_on_v1_routes_and_teacher_only_batches(small_server, reference):
+    url = small_server.url
+    r = httpx.post(url + "/v1/chat/completions", json=GOOD)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        small_server.client(api_key="wrong").models.list()
+    assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/metrics").status_code == 200
+    c = small_server.client(api_key="sekret")
+    assert chat(c, "Hi", max_tokens=2).usage.completion_tokens == 2
+    with ThreadPoolExecutor(2) as pool:                 # teacher-only batches: greedy-exact too
+        got = list(pool.map(lambda p: chat(c, p).choices[0].message.content, PROMPTS[:2]))
+    assert got == [reference(p).text for p in PROMPTS[:2]]
+    # teacher-only, a seeded sampled request draws once per token from its own generator: batched or alone, same text
+    alone = chat(c, PROMPTS[2], temperature=1.0, seed=3).choices[0].message.content
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda q: chat(c, q[0], temperature=q[1], seed=3).choices[0].message.content,
+                            [(PROMPTS[2], 1.0), (PROMPTS[3], 0.7)]))
+    assert got[0] == alone
+
+
+def test_full_queue_answers_429(small_server):
+    """2 rows + a queue of 1: of 8 simultaneous long requests, 3 run and the others get 429 at once."""
+    def ask(i):
+        r = httpx.post(small_server.url + "/v1/chat/completions", timeout=120,
+                       headers={"Authorization": "Bearer sekret"}, json={**GOOD, "max_tokens": 200})
+        return r.status_code, r.json()
+
+    with ThreadPoolExecutor(8) as pool:
+        out = list(pool.map(ask, range(8)))
+    codes = sorted(c for c, _ in out)
+    assert codes.count(200) >= 3 and codes.count(429) >= 3, codes
+    assert all(b["error"]["code"] == "queue_full" for c, b in out if c == 429)
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0(small_server):
+    body = {**GOOD, "max_tokens": 200, "stream": True}
+    events = []
+
+    def stream():
+        with httpx.stream("POST", small_server.url + "/v1/chat/completions", json=body, timeout=120,
+                          headers={"Authorization": "Bearer sekret"}) as r:
+            events.extend(line[6:] for line in r.iter_lines() if line.startswith("data: "))
+    th = threading.Thread(target=stream)
+    th.start()
+    wait_for(lambda: len(events) >= 2 or metric(small_server.metrics(), "mseagle_num_requests_running") == 1,
+             what="the stream to start")
+    small_server.proc.send_signal(signal.SIGTERM)
+    th.join(120)
+    assert small_server.proc.wait(60) == 0, small_server.log()
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    with pytest.raises(httpx.TransportError):
+        httpx.get(small_server.url + "/health")
+    assert any("SIGTERM" in line for line in small_server.lines)
+
+
+# ------------------------------------------------------------------------------------------ embedded default --
+@pytest.mark.slow
+def test_embedded_default_server_equals_generate(tmp_path):
+    """configs/default.yaml (SmolLM2-135M-Instruct + its drafter), 2 rows: a chat's greedy text equals the CLI's
+    ``generate`` (speculative, the same config), alone and beside a second client; trees were verified."""
+    sets = ["cache.max_seq_len=512", "generation.max_new_tokens=32"]
+    prompt = "What is the capital of France?"
+    gen = subprocess.run([sys.executable, "-m", "mindspore_eagle", "generate", "--config", "configs/default.yaml",
+                          "--prompt", prompt, *sum((["--set", s] for s in sets), [])], cwd=ROOT, capture_output=True,
+                         text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert gen.returncode == 0, gen.stderr[-2000:]
+    want = gen.stdout[:-1]                       # generate prints the answer and a newline
+    p = ServerProcess(sets, ["--config", "configs/default.yaml", "--max-batch", "2"])
+    name = "SmolLM2-135M-Instruct"
+    try:
+        p.ready(1800)
+        r = chat(p.client(), prompt, name)
+        assert r.choices[0].message.content == want
+        with ThreadPoolExecutor(2) as pool:
+            both = list(pool.map(lambda q: chat_stream(p.client(), q, model=name)[0], [prompt, "Name three colours."]))
+        assert both[0] == want
+        m = p.metrics()
+        assert metric(m, "mseagle_steps_total", kind="tree") > 0 and r.usage.mean_accept_len > 1.0
+        assert not any("compiled graph" in line for line in p.lines)
+    finally:
+        p.stop()
