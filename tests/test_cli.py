@@ -351,6 +351,7 @@ def test_inspect_drafter_and_fit(capsys, tmp_path, tiny, tiny_cfg):
     assert rc == 2 and err.strip() == "error: drafter hidden_size = 32 does not fit the teacher (needs 64)"
 
 
+@pytest.mark.slow
 def test_inspect_embedded_gguf(capsys):
     rc, out, err = run_main(capsys, ["inspect", "embedded"])
     assert rc == 0, err
@@ -378,6 +379,7 @@ def test_missing_delegate_is_an_error(capsys, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------ MindFormers entry --
+@pytest.mark.slow
 def test_run_eagle_answers_paris(tmp_path):
     """The MindFormers-style command of the issue, on the real embedded teacher (+ drafter once shipped)."""
     from mindspore_eagle.serving.pipeline import EMBEDDED_DRAFTER

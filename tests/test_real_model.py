@@ -9,6 +9,7 @@ import pytest
 from mindspore_eagle.config import load_config
 from mindspore_eagle.serving.pipeline import EMBEDDED_DRAFTER, build_engine, load_models
 
+pytestmark = pytest.mark.slow          # the real teacher: minutes per test
 N_PROMPTS = int(os.environ.get("MSEAGLE_TEST_PROMPTS", "12"))
 NEW_TOKENS = 64            # per prompt (the 240-turn benchmark checks 128-token turns; the suite must stay < 30 min)
 DRAFTER = os.environ.get("MSEAGLE_TEST_DRAFTER", "embedded")   # "random" while developing

@@ -35,6 +35,7 @@ STAT_KEYS = ("mean", "p50", "p90", "p99")
 
 
 # ----------------------------------------------------------------------------------------- end to end (real) --
+@pytest.mark.slow
 def test_cli_end_to_end_random_drafter(tmp_path):
     """--turns 2 (MT-Bench writing/81, both turns) --max-new-tokens 8 with an untrained drafter: lossless, report
     keys, markdown and figures; a second call with the same --out resumes with nothing left to run."""
@@ -69,6 +70,7 @@ def test_cli_end_to_end_random_drafter(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ helpers --
+@pytest.mark.slow
 def test_cli_policy_sweep_random_drafter(tmp_path):
     """--sweep policy: the config's budget under fixed and adaptive beside the fixed presets, on one turn; the
     adaptive engine's measured cost table and calibration land in policy.json / report.json; Figure 8."""

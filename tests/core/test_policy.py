@@ -174,6 +174,7 @@ def drafter_dir(tmp_path_factory, tiny):
     return tiny_drafter_dir(tmp_path_factory.mktemp("drafter"), tiny[0])
 
 
+@pytest.mark.slow
 def test_adaptive_random_drafter_rarely_speculates_and_is_lossless(ms_runtime, tiny_dir, drafter_dir):
     eng, cfg = _engine(tiny_dir, drafter_dir, lambda m: 60.0 + 5 * m)
     assert eng.verify_budgets() == [2, 4, 8]
@@ -237,6 +238,7 @@ def test_adaptive_oracle_drafter_speculates_nearly_always(ms_runtime, tiny_dir, 
     assert max(s.n_nodes for s in steps) >= 5
 
 
+@pytest.mark.slow
 def test_adaptive_near_the_end_of_the_cache(ms_runtime, tiny_dir, drafter_dir):
     """prompt + max_new_tokens == max_seq_len: the engine decodes plainly where a tree no longer fits."""
     eng, cfg = _engine(tiny_dir, drafter_dir, lambda m: 1e-3)
@@ -253,6 +255,7 @@ def test_adaptive_near_the_end_of_the_cache(ms_runtime, tiny_dir, drafter_dir):
         assert spec.steps[-1].budget <= 2 and any(s.budget > 2 for s in spec.steps)
 
 
+@pytest.mark.slow
 def test_adaptive_sampling_stays_exact(ms_runtime, tiny_dir, drafter_dir, tiny):
     """Chi-square of the first two sampled tokens against the exact warped teacher distribution, under the
     adaptive policy with a drafter that is sometimes confident (speculates) and sometimes not (decodes)."""

@@ -297,6 +297,7 @@ def smollm():
     return load_teacher(path)
 
 
+@pytest.mark.slow
 def test_smollm2_gguf_loads(smollm):
     cfg, tensors, tok = smollm
     assert (cfg.arch, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == \
@@ -307,6 +308,7 @@ def test_smollm2_gguf_loads(smollm):
     assert sum(a.size for a in tensors.values()) == 134_515_008
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_answer(smollm):
     """End to end through loader (q/k un-permutation), tokenizer, chat template and the numpy reference."""
     cfg, tensors, tok = smollm

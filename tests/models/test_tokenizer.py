@@ -38,6 +38,7 @@ def _bench_texts():
     return texts
 
 
+@pytest.mark.slow
 def test_smollm2_roundtrip_eval_texts(smol_tok):
     for text in _bench_texts() + ODD_TEXTS:
         ids = smol_tok.encode(text)
@@ -46,6 +47,7 @@ def test_smollm2_roundtrip_eval_texts(smol_tok):
     assert [smol_tok.decode([i]) for i in smol_tok.encode("in 2024")] == ["in", " ", "2", "0", "2", "4"]
 
 
+@pytest.mark.slow
 def test_smollm2_chat_template(smol_tok):
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     text = smol_tok.apply_chat_template(msgs)
@@ -101,7 +103,7 @@ def test_tokenizer_json_dir(tmp_path):
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "user: x\n"
 
 
-@pytest.mark.parametrize("which", ["smol", "pangu"])
+@pytest.mark.parametrize("which", [pytest.param("smol", marks=pytest.mark.slow), "pangu"])
 def test_streaming_decode(which, request):
     tok = request.getfixturevalue("smol_tok" if which == "smol" else "pangu_tok")
     text = "Paris 🙂 is 世界 capital.\n  def f(x):\n      return x ** 2"
@@ -162,6 +164,7 @@ def test_message_text_cannot_forge_control_tokens(which, request, tmp_path):
         assert ids2.count(tok.token_to_id(start)) == text2.count(start) - 1
 
 
+@pytest.mark.slow
 def test_encode_chat_unchanged_on_the_eval_turns(smol_tok, pangu_tok):
     """Plain-text contents change nothing for text without marker strings (all 240 evaluation turns)."""
     for tok in (smol_tok, pangu_tok):

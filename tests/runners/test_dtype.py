@@ -47,6 +47,7 @@ def test_float16_teacher_close_to_reference(ms_runtime, tiny, mode):
     assert np.abs(last32 - last).max() > 0        # not silently float32
 
 
+@pytest.mark.slow
 def test_float16_speculative_equals_teacher_only(ms_runtime, tiny_dir, tmp_path, tiny):
     """Greedy speculative float16 == teacher-only float16, token for token (tree verification, commit and
     rollback all in float16 caches)."""
@@ -87,6 +88,7 @@ def test_ascend_presets(size):
     assert cfg.cache.max_seq_len % cfg.cache.block_size == 0
 
 
+@pytest.mark.slow
 def test_float16_decode_rounds_like_verification(ms_runtime, real_loaded):
     """Half precision, embedded teacher: a decode's logits equal, bit for bit, the root row of a tree
     verification from the same context (M = 8), so greedy teacher-only decoding and speculative verification

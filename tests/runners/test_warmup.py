@@ -42,6 +42,7 @@ def test_warmup_shape_list_is_exact(ms_runtime, tiny_dir):
                                                                                "drafter expansion 2 x 520"])
 
 
+@pytest.mark.slow
 def test_full_warmup_then_no_compile_in_any_turn(ms_runtime, tiny_dir):
     from mindspore_eagle.runners.warmup import warmup
     from mindspore_eagle.serving.pipeline import build_engine
@@ -63,6 +64,7 @@ def test_full_warmup_then_no_compile_in_any_turn(ms_runtime, tiny_dir):
     assert base.turn.compile_count == 0
 
 
+@pytest.mark.slow
 def test_batched_warmup_then_scheduler_compiles_nothing(ms_runtime, tiny_dir):
     """max_batch 3 with trees: the warm-up also compiles decode_batch (3 rows) and verify_batch (3 x M rows) at each
     width, after which a continuous-batching run over short and long prompts (both widths, tree and plain steps)
@@ -156,6 +158,7 @@ def _run(tmp_path, tiny_dir):
     return dict(json.loads(res.stdout.strip().splitlines()[-1]), stderr=res.stderr)
 
 
+@pytest.mark.slow
 def test_graph_cache_reused_by_next_process_and_rebuilt_when_damaged(tmp_path, tiny_dir):
     first = _run(tmp_path, tiny_dir)
     cdir = first["warm"]["graph_cache"]

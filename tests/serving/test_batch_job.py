@@ -275,6 +275,7 @@ def _assert_same_records(results: list, ref: list) -> None:
         assert r.get("text") == want.get("text") and r.get("error") == want.get("error"), (r, want)
 
 
+@pytest.mark.slow
 def test_reference_run(reference):
     by = _by_key(reference)
     assert "Paris" in by['id:"capital"']["text"]
@@ -287,6 +288,7 @@ def test_reference_run(reference):
                                        "mean_accept_len", "stop_reason"}
 
 
+@pytest.mark.slow
 def test_sigkill_and_resume_lose_and_duplicate_nothing(real_input, reference, tmp_path):
     out, log = tmp_path / "out.jsonl", tmp_path / "killed.log"
     with open(log, "w") as err:
@@ -326,6 +328,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_msrun_two_processes_match_one_process(real_input, reference, tmp_path):
     """scripts/msrun_batch.sh: 2 CPU workers (RANK_ID 0/1 from msrun), rank 0 merges in input order."""
     out = tmp_path / "out.jsonl"

@@ -42,6 +42,7 @@ def drafter_dir(tmp_path_factory, tiny):
     return tiny_drafter_dir(tmp_path_factory.mktemp("drafter"), tiny[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", [("12", "4", "3"), ("5", "4", "1"), ("32", "6", "4")])
 def test_greedy_lossless_random_drafter(ms_runtime, tiny_dir, drafter_dir, budget):
     M, D, K = budget
@@ -56,6 +57,7 @@ def test_greedy_lossless_random_drafter(ms_runtime, tiny_dir, drafter_dir, budge
         assert sum(spec.accept_lens) >= len(spec.token_ids) - 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["fused", "eager"])
 def test_greedy_lossless_high_acceptance(ms_runtime, tiny_dir, drafter_dir, mode):
     eng, cfg = tiny_engine(tiny_dir, drafter_dir, mode, ["speculative.M=10", "speculative.D_max=5"])
@@ -71,6 +73,7 @@ def test_greedy_lossless_high_acceptance(ms_runtime, tiny_dir, drafter_dir, mode
         assert max(spec.accept_lens) >= 4 and np.mean(spec.accept_lens) > 1.5
 
 
+@pytest.mark.slow
 def test_two_layer_drafter_lossless_and_fused_equals_eager(ms_runtime, tiny_dir, tiny, tmp_path):
     """A 2-layer drafter (its own KV cache per layer, vLLM multi-layer layout) drafts through the same engine:
     greedy output equals teacher-only decoding, fused and eager draft the same trees, and those trees differ from
@@ -100,6 +103,7 @@ def test_two_layer_drafter_lossless_and_fused_equals_eager(ms_runtime, tiny_dir,
     assert trees["two_fused"] != trees["one_fused"]
 
 
+@pytest.mark.slow
 def test_fused_and_eager_identical(ms_runtime, tiny_dir, drafter_dir, tmp_path):
     results = {}
     for mode in ("fused", "eager"):
@@ -111,6 +115,7 @@ def test_fused_and_eager_identical(ms_runtime, tiny_dir, drafter_dir, tmp_path):
     assert results["fused"] == results["eager"]
 
 
+@pytest.mark.slow
 def test_sampling_follows_teacher_distribution(ms_runtime, tiny_dir, drafter_dir, tiny):
     """Joint of the first two sampled tokens (the second goes through the tree rejection rule) matches the exact
     teacher distribution (temperature 0.8, top_k 3), chi-square at significance 0.001, fixed seeds."""
@@ -145,6 +150,7 @@ def test_sampling_follows_teacher_distribution(ms_runtime, tiny_dir, drafter_dir
     assert stats.chisquare(obs, exp).pvalue > 1e-3
 
 
+@pytest.mark.slow
 def test_traces_parse_and_phases_add_up(ms_runtime, tiny_dir, drafter_dir, tmp_path):
     trace = tmp_path / "t.jsonl"
     eng, cfg = tiny_engine(tiny_dir, drafter_dir, "fused", [f"speculative.trace={trace}"])

@@ -138,6 +138,7 @@ def test_max_batch_must_be_positive(ms_runtime, tiny_dir):
         BatchScheduler(eng, cfg.generation, 0)
 
 
+@pytest.mark.slow
 def test_batch_job_with_max_batch_sigkill_and_resume(tiny_dir, tmp_path):
     """The CLI batch job at --max-batch 3 is SIGKILLed after its first result line, then resumed: every id appears
     exactly once and every text equals the uninterrupted one-record-at-a-time run."""
@@ -193,6 +194,7 @@ def test_bench_batch_sizes_rows_and_report(ms_runtime, tiny_dir, tmp_path):
     assert json.loads((tmp_path / "batching.json").read_text())["rows"] == rows
 
 
+@pytest.mark.slow
 def test_speculative_batch_equals_one_at_a_time_greedy(ms_runtime, tiny, tiny_dir, tmp_path):
     """Trees of 3 sequences verified in one forward (verify_batch): with an untrained drafter and with an oracle
     drafter that puts each sequence's true continuation into its tree at a random depth (long accepted paths,

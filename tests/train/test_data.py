@@ -157,6 +157,7 @@ def test_shard_store_appends_adopts_orphans_and_checks_meta(tmp_path):
     np.testing.assert_array_equal(mask, [0, 0, 1, 1])
 
 
+@pytest.mark.slow
 def test_regeneration_shards_resume_and_equal_one_sequence_greedy(tiny, ms_runtime, tmp_path):
     """Two runs over a growing prompt list: the second only answers the new prompts and appends shards; every
     greedy reply equals one-sequence decoding; the shards become loss-masked samples for the features stage."""
@@ -399,6 +400,7 @@ def _records_by_id(d):
     return {r["prompt_id"]: r for r in recs}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
 def test_regeneration_survives_kill_and_resumes_to_the_same_records(tmp_path, sig):
     """A run killed mid-way (SIGKILL: unflushed replies lost; SIGTERM: finished replies flushed) and restarted

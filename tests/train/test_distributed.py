@@ -182,6 +182,7 @@ def one_process(tiny, tiny_features, tmp_path_factory):  # noqa: F811
     return out
 
 
+@pytest.mark.slow
 def test_two_msrun_workers_reproduce_one_process_global_batch_and_resume(tiny_dir, tiny_features,  # noqa: F811
                                                                          one_process, tmp_path):
     """2 workers x 1 row per step (gradients all-reduced, mean), stopped after 2 of 4 steps and resumed under

@@ -405,6 +405,7 @@ def test_teacher_init_takes_head_rows_and_final_norm(tiny):
         initial_tensors(dcfg, 5, used, "zeros", cfg, tensors)
 
 
+@pytest.mark.slow
 def test_init_from_fine_tunes_the_given_drafter(tiny, tiny_features, trained, tmp_path):
     """--init-from starts from the given drafter's weights and keeps its draft vocabulary (a vd mismatch is an
     error); with a vanishing learning rate the export equals the source up to fp16 storage."""
@@ -541,6 +542,7 @@ def test_feature_set_mapped_equals_loaded(tiny_features):
             np.testing.assert_array_equal(mapped[i][c], loaded[i][c])
 
 
+@pytest.mark.slow
 def test_training_loss_falls_and_accuracy_rises(trained):
     out, summary = trained
     log = [json.loads(ln) for ln in open(out / "train_log.jsonl")]
@@ -564,6 +566,7 @@ def test_training_loss_falls_and_accuracy_rises(trained):
     assert evals[-1]["tokens_seen"] == sum(r["tokens"] for r in log)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch_size,pack_len,steps", [(1, 0, 30), (3, 0, 10), (2, 160, 10)])
 def test_resume_reproduces_uninterrupted_losses(tiny, tiny_features, tmp_path, batch_size, pack_len, steps):
     """Stopping half-way and resuming repeats the uninterrupted loss curve, with one sample per step, with B rows
@@ -596,6 +599,7 @@ def test_resume_reproduces_uninterrupted_losses(tiny, tiny_features, tmp_path, b
         train(_tc(tmp_path / "b", tiny_features, **{**kw, "num_layers": 2}), cfg, tensors, resume=True)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_state_and_resume_continues_the_curve(tiny, tiny_features, tmp_path, monkeypatch):
     """SIGTERM during step 4 ends the run after that step with the resume state written (summary stopped_by),
     the handler before the run is restored, and --resume repeats the uninterrupted loss curve."""
@@ -629,6 +633,7 @@ def test_sigterm_saves_state_and_resume_continues_the_curve(tiny, tiny_features,
     assert [json.loads(ln)["step"] for ln in open(tmp_path / "b" / "eval_log.jsonl")] == [0, 10]
 
 
+@pytest.mark.slow
 def test_export_loads_and_inference_cell_matches_training_step0(tiny, tiny_features, trained):
     import mindspore as ms
     from mindspore import Parameter, Tensor
@@ -704,6 +709,7 @@ def test_multi_layer_inference_cell_matches_training_step0(ms_runtime, tmp_path)
     np.testing.assert_array_equal(top_ids.asnumpy(), used[want_idx])
 
 
+@pytest.mark.slow
 def test_init_from_grows_a_one_layer_drafter(tiny, tiny_features, trained, tmp_path):
     """--num-layers 2 --init-from a 1-layer drafter: layer 0 keeps the source's weights, the new layer starts as
     the identity (held-out accuracy at step 0 equals the source's), it trains, and shrinking is refused."""
