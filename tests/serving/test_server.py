@@ -452,6 +452,34 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(small_server):
     assert any("SIGTERM" in line for line in small_server.lines)
 
 
+def test_modelarts_boot_serve_address_and_ranks(monkeypatch, capsys):
+    """``scripts/modelarts_boot.py --serve``: 0.0.0.0:8080 unless MSEAGLE_HOST / MSEAGLE_PORT / PORT or the flags say
+    otherwise; a bad port is one error line (exit 2); ranks other than 0 have nothing to serve (exit 0)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("modelarts_boot", ROOT / "scripts" / "modelarts_boot.py")
+    boot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(boot)
+    for var in ("MSEAGLE_HOST", "MSEAGLE_PORT", "PORT", "RANK_ID", "RANK_SIZE", "MS_ROLE"):
+        monkeypatch.delenv(var, raising=False)
+    assert boot.serve_env(boot.parse_args(["--serve"])) == ("0.0.0.0", 8080)
+    monkeypatch.setenv("PORT", "9000")
+    assert boot.serve_env(boot.parse_args(["--serve"])) == ("0.0.0.0", 9000)
+    monkeypatch.setenv("MSEAGLE_PORT", "9100")
+    monkeypatch.setenv("MSEAGLE_HOST", "127.0.0.1")
+    assert boot.serve_env(boot.parse_args(["--serve"])) == ("127.0.0.1", 9100)
+    assert boot.serve_env(boot.parse_args(["--serve", "--port", "7000", "--host", "::1"])) == ("::1", 7000)
+    monkeypatch.setenv("MSEAGLE_PORT", "http")
+    assert boot.main(["--serve"]) == 2
+    assert capsys.readouterr().err.strip().endswith("error: MSEAGLE_PORT / PORT must be an integer port, got 'http'")
+    monkeypatch.setenv("RANK_ID", "1")
+    monkeypatch.setenv("RANK_SIZE", "2")
+    monkeypatch.setenv("MSEAGLE_PORT", "9100")
+    assert boot.main(["--serve"]) == 0 and "rank 0 only" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        boot.parse_args([])                          # a batch job needs --input and --output
+
+
 # ------------------------------------------------------------------------------------------ embedded default --
 @pytest.mark.slow
 def test_embedded_default_server_equals_generate(tmp_path):
