@@ -1,7 +1,11 @@
-"""CostTable: the measured wall cost of each call a decode step can make, and the budgets it is measured for.
+"""CostTable: the wall cost of each call a decode step can make, and the budgets it is kept for.
 
-Pure numpy; never imports MindSpore. The engine measures the table on this machine (``Engine.measure_costs``) and
-the speculation policy (core/policy.py) turns it into expected tokens per millisecond.
+Pure numpy; never imports MindSpore. The speculation policy (core/policy.py) turns the table into expected tokens per
+millisecond. Where the numbers come from: the table stored for this machine and configuration by an earlier run, else
+:func:`prior_table` (ratios to a decode measured on the 2-core CPU); from then on :class:`RunningCosts` keeps it
+current from the step times the engine records anyway (one running estimate per budget plus a machine-wide speed
+factor), and the engine stores it again after every turn, so it is never measured up front and never stale.
+``Engine.measure_costs`` still times every call on demand (``mindspore-eagle inspect costs``).
 """
 from __future__ import annotations
 
@@ -11,6 +15,14 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+
+# verification cost / decode cost by budget m, measured on the 2-core CPU with the 135M teacher (three stored tables,
+# 2026-12-02, and README's forward timings: k = 8 rows 1.58x, k = 16 1.86x, k = 32 2.67x a decode, forward only);
+# linear in between and beyond
+PRIOR_VERIFY_RATIO = ((1, 1.0), (2, 1.08), (4, 1.22), (8, 1.42), (16, 1.6), (32, 2.5))
+PRIOR_DRAFT_CTX_RATIO = 0.12     # drafter context pass / decode (measured 0.10 - 0.26)
+PRIOR_DRAFT_STEP_RATIO = 0.15    # one drafter expansion / decode (measured 0.11 - 0.33)
+PRIOR_DECODE_MS = 50.0           # a decode of the 135M teacher on 2 idle cores (README); rescaled at the first step
 
 
 def compiled_budgets(M: int) -> list[int]:
@@ -75,17 +87,29 @@ class CostTable:
             pass
 
     @classmethod
-    def load(cls, path: str, max_age_s: float, budgets=()) -> "CostTable | None":
-        """The table saved at ``path`` if it is younger than ``max_age_s`` seconds, readable, and has a cost for
-        every budget in ``budgets``; else None (measure again)."""
+    def load(cls, path: str, max_age_s: float | None = None, budgets=()) -> "CostTable | None":
+        """The table saved at ``path`` if it is readable, younger than ``max_age_s`` seconds (None: any age) and
+        has a cost for every budget in ``budgets``; else None."""
         try:
-            if time.time() - os.path.getmtime(path) > max_age_s:
+            if max_age_s is not None and time.time() - os.path.getmtime(path) > max_age_s:
                 return None
             with open(path, encoding="utf-8") as f:
                 table = cls(**json.load(f))
         except (OSError, ValueError, TypeError):
             return None
         return table if set(budgets) <= set(table.verify_ms) else None
+
+    def with_budgets(self, budgets) -> CostTable:
+        """This table with a cost for every budget in ``budgets``: a missing one is interpolated from the prior
+        ratios, scaled to the nearest budget the table has (or to its decode)."""
+        have = sorted(self.verify_ms)
+        verify = dict(self.verify_ms)
+        for m in budgets:
+            if m not in verify:
+                ref = min(have, key=lambda h: abs(h - m)) if have else None
+                base = verify[ref] / prior_verify_ratio(ref) if ref else self.decode_ms
+                verify[int(m)] = base * prior_verify_ratio(m)
+        return CostTable(self.decode_ms, verify, self.draft_ctx_ms, self.draft_step_ms, self.host_ms)
 
     def describe(self) -> str:
         """One line per call, ms and multiple of a decode."""
@@ -98,4 +122,91 @@ class CostTable:
         return "\n".join(rows)
 
 
-__all__ = ["CostTable", "compiled_budgets"]
+def prior_verify_ratio(m: int) -> float:
+    """Prior cost of verifying m tokens, in decodes (``PRIOR_VERIFY_RATIO``, linear in between and beyond)."""
+    xs, ys = zip(*PRIOR_VERIFY_RATIO)
+    if m <= xs[-1]:
+        return float(np.interp(m, xs, ys))
+    return ys[-1] + (m - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+
+
+def prior_table(budgets, decode_ms: float = PRIOR_DECODE_MS) -> CostTable:
+    """The cost table assumed before anything was measured on this machine: the prior ratios times ``decode_ms``
+    (only ratios matter to the policy until :class:`RunningCosts` has seen a step)."""
+    return CostTable(decode_ms=decode_ms, verify_ms={int(m): decode_ms * prior_verify_ratio(m) for m in budgets},
+                     draft_ctx_ms=decode_ms * PRIOR_DRAFT_CTX_RATIO, draft_step_ms=decode_ms * PRIOR_DRAFT_STEP_RATIO)
+
+
+class RunningCosts:
+    """Keeps a CostTable current, in place, from the steps a turn runs (the policy holding the table sees it).
+
+    Each observation is one step of budget m (1 = plain decode) and its cost without drafting (``total_ms -
+    draft_ms`` of a core.trace.StepTrace: the forward plus the step's host work, which is what ``step_ms(m)``
+    models). Per entry (decode, each budget), in log space:
+
+    - an entry observed in this process is a running estimate of its own steps: the n-th observation moves it by
+      ``max(rate, 1 / n)`` of the residual (clipped to a factor 4 each way), so the first one replaces a prior;
+    - an entry not observed yet is its starting value (stored table or prior) times the machine's speed factor,
+      the count-weighted geometric mean of observed / starting value over the observed entries (other processes,
+      frequency: the whole machine is slower or faster than when the table was stored);
+    - a verification's cost is capped by every larger budget's (as ``Engine.measure_costs`` does).
+
+    The drafter's context pass and expansion step are not separable in a step's ``draft_ms`` (the number of
+    expansions is not traced), so they follow the speed factor.
+
+    Args:
+        table: the CostTable to update (the budgets it holds are the ones tracked). rate: floor of an entry's
+            weight per observation (a memory of ~1 / rate steps).
+    """
+
+    CLIP = float(np.log(4.0))
+
+    def __init__(self, table: CostTable, rate: float = 0.15):
+        self.table, self.rate = table, float(rate)
+        self.start = {1: table.decode_ms, **{m: v + table.host_ms for m, v in table.verify_ms.items()}}
+        self.start_draft = (table.draft_ctx_ms, table.draft_step_ms)
+        self.log_est: dict = {}
+        self.counts: dict = {}
+
+    @property
+    def observed(self) -> int:
+        """Steps observed so far."""
+        return sum(self.counts.values())
+
+    def speed(self) -> float:
+        """The speed factor: count-weighted geometric mean of estimate / starting value over observed entries
+        (each entry's weight capped at 32 steps); 1.0 before any observation."""
+        if not self.counts:
+            return 1.0
+        w = {m: min(n, 32) for m, n in self.counts.items()}
+        return float(np.exp(sum(w[m] * (self.log_est[m] - np.log(self.start[m])) for m in w) / sum(w.values())))
+
+    def observe(self, budget: int, cost_ms: float) -> None:
+        """Fold one step of budget ``budget`` (1 = plain decode) that cost ``cost_ms`` (no drafting) into the
+        table; a budget the table does not hold, or a non-finite or non-positive cost, is ignored."""
+        m = int(budget)
+        if not (np.isfinite(cost_ms) and cost_ms > 0) or m not in self.start:
+            return
+        n = self.counts.get(m, 0) + 1
+        now = self.log_est.get(m, float(np.log(self.start[m] * self.speed())))
+        r = float(np.clip(np.log(cost_ms) - now, -self.CLIP, self.CLIP))
+        self.log_est[m] = now + max(self.rate, 1.0 / n) * r
+        self.counts[m] = n
+        self._write()
+
+    def observe_step(self, step) -> None:
+        """:meth:`observe` a core.trace.StepTrace (its budget, ``total_ms - draft_ms``)."""
+        self.observe(step.budget or 1, step.total_ms - step.draft_ms)
+
+    def _write(self) -> None:
+        t, f = self.table, self.speed()
+        est = {m: float(np.exp(self.log_est[m])) if m in self.log_est else v * f for m, v in self.start.items()}
+        t.decode_ms = est[1]
+        # a verification never costs more than a larger one (a burst of load on one budget's steps)
+        ms_ = sorted(t.verify_ms)
+        capped = np.minimum.accumulate([est[m] for m in ms_][::-1])[::-1]
+        t.verify_ms = {m: max(1e-6, float(v) - t.host_ms) for m, v in zip(ms_, capped)}
+        t.draft_ctx_ms, t.draft_step_ms = self.start_draft[0] * f, self.start_draft[1] * f
+
+
+__all__ = ["CostTable", "RunningCosts", "compiled_budgets", "prior_table", "prior_verify_ratio"]

@@ -58,49 +58,80 @@ def check_mode(mode: str) -> str:
 
 
 _compile_listener = None
+_stats = {"compiles": 0, "loads": 0, "compile_ms": 0.0, "load_ms": 0.0}
 
 
 def set_compile_listener(fn) -> None:
-    """Call ``fn(name: str, signature: tuple, ms: float)`` after every new graph compiles (None = stop).
-
-    The CLI uses it for its stderr progress line, so the seconds spent compiling are never silent.
+    """Call ``fn(event: str, name: str, signature: tuple, ms: float)`` around the first call of every new input
+    signature of a fused :class:`CompiledFn` (None = stop): ``event`` is "compiling" or "loading" (from the graph
+    store, :mod:`~mindspore_eagle.kernels.graph_cache`) just before the call (ms = 0), then "compiled" or "loaded"
+    with the wall ms of that call. The CLI prints progress lines from it, so the seconds spent are never silent.
     """
     global _compile_listener
     _compile_listener = fn
 
 
+def graph_stats() -> dict:
+    """Process-wide counts: {"compiles", "loads", "compile_ms", "load_ms"} of every fused CompiledFn so far."""
+    return dict(_stats)
+
+
+def _notify(event: str, name: str, sig: tuple, ms_: float = 0.0) -> None:
+    if _compile_listener is not None:
+        _compile_listener(event, name, sig, ms_)
+
+
 class CompiledFn:
-    """A Cell method run either jitted (fused) or eagerly, counting distinct compiled input signatures.
+    """A Cell method run either jitted (fused) or eagerly, counting the graphs it compiles and loads.
+
+    The first call of each new (shape, dtype) input signature makes a graph: through the graph store when one is
+    active (``graph_cache.activate``: loaded from disk when stored, else compiled and stored), else compiled.
 
     Attributes:
-        compiles: number of distinct (shape, dtype) input signatures seen in fused mode; each one is one
-            graph compilation (seconds each on a 2-core CPU; docs/design.md, "Static shapes on CPU").
-        compile_ms: wall ms of the calls that compiled a new graph (compilation plus that one execution).
+        compiles: graphs compiled in this process (seconds each on a 2-core CPU; docs/design.md, "Static shapes
+            on CPU"). loads: graphs loaded from the graph store instead (~0.3 s each).
+        compile_ms: wall ms of the calls that compiled or loaded a graph (that work plus the one execution).
     """
 
     def __init__(self, fn, mode: str):
         import mindspore as ms
 
         self.mode = check_mode(mode)
+        self._raw = fn
         self._fn = ms.jit(fn) if mode == "fused" else fn
         self._seen: set = set()
+        self.compiles = self.loads = 0
         self.compile_ms = 0.0
-        self.name = getattr(fn, "__qualname__", "graph")
-
-    @property
-    def compiles(self) -> int:
-        return len(self._seen)
+        self.name = getattr(fn, "__qualname__", None) or f"{type(fn).__name__}.construct"
 
     def __call__(self, *args):
         if self.mode == "fused":
             sig = tuple((tuple(a.shape), str(a.dtype)) for a in args)
             if sig not in self._seen:
-                t0 = time.perf_counter()
-                out = self._fn(*args)
-                self._seen.add(sig)
-                ms_ = (time.perf_counter() - t0) * 1e3
-                self.compile_ms += ms_
-                if _compile_listener is not None:
-                    _compile_listener(self.name, sig, ms_)
-                return out
+                return self._first_call(sig, args)
         return self._fn(*args)
+
+    def _first_call(self, sig: tuple, args: tuple):
+        from mindspore_eagle.kernels import graph_cache
+
+        store = graph_cache.active()
+        t0 = time.perf_counter()
+        if store is None:
+            _notify("compiling", self.name, sig)
+            out, kind = self._fn(*args), "compiled"
+        else:
+            out, kind = store.compile(self._raw, sig, lambda: self._fn(*args),
+                                      lambda loading: _notify("loading" if loading else "compiling", self.name, sig))
+        self._seen.add(sig)
+        ms_ = (time.perf_counter() - t0) * 1e3
+        self.compile_ms += ms_
+        if kind == "loaded":
+            self.loads += 1
+            _stats["loads"] += 1
+            _stats["load_ms"] += ms_
+        else:
+            self.compiles += 1
+            _stats["compiles"] += 1
+            _stats["compile_ms"] += ms_
+        _notify(kind, self.name, sig, ms_)
+        return out

@@ -11,8 +11,12 @@ configuration:
   in one graph) x each width; tree expansion (top_k rows) at each width.
 
 :func:`warmup` visits them directly (synthetic ids on scratch sequences; the K/V written there is garbage and is
-released), always in the same order, which is also what lets MindSpore's on-disk compile cache
-(``runtime.enable_graph_cache``) be reused safely: that cache numbers graphs by compile order within a process.
+released), always in the same order. With the graph store active (``kernels/graph_cache.py``,
+``serving.pipeline.prepare``) each of them is loaded from disk when an earlier process compiled it (~0.3 s against
+seconds), whatever order either process compiled in. A teacher-only engine visits no verification or drafter shape.
+
+Progress: :func:`report_compiles` prints one line per graph compiled or loaded and, while one takes longer,
+a line every few seconds; :func:`slow` does the same for any other slow step (loading weights).
 
 Letters: M = tree budget, D = D_max, K = top_k, S = cache.max_seq_len, w = attention width bucket.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+import threading
 import time
 
 import numpy as np
@@ -201,51 +206,94 @@ def _expand(drafter, p0: int, M: int, D: int, width: int) -> None:
 
 
 def warmup(engine, gen, mode: str = "full", log=None, drafters=None, budgets=None, max_batch: int = 1) -> dict:
-    """Compile the graphs of ``engine`` before use (fused mode; eager mode has nothing to compile).
+    """Compile (or load from the graph store) the graphs of ``engine`` before use (fused mode; eager mode has
+    nothing to compile).
 
     Args:
         engine: Engine (its teacher, drafter, spec and ``verify_budgets()``).
         gen: GenerationConfig (``short`` mode generates min(8, max_new_tokens) tokens with it).
-        mode: ``full``: every shape a chat or job can reach (module docstring), in a fixed order, so no graph
-            compiles after it; ``short``: one short speculative (or teacher-only) generation, i.e. the shapes of a
-            short prompt; ``none``: nothing.
+        mode: ``full``: every shape a chat or job of this engine can reach (module docstring), in a fixed order,
+            so no graph compiles after it; an engine without a drafter visits no verification or drafter shape;
+            ``short``: one short speculative (or teacher-only) generation, i.e. the shapes of a short prompt;
+            ``none``: nothing.
         log: callable taking one progress line (str), e.g. a stderr printer; None = silent.
         drafters: extra DrafterRunners sharing the engine's teacher (bench's other top_k), warmed like its own.
-        budgets: tree budgets to verify (default ``engine.verify_budgets()``).
+        budgets: tree budgets to verify (default ``engine.verify_budgets()``; none without a drafter).
         max_batch: > 1 also compiles the batched graphs of that many rows (:func:`batch_shapes`; trees too when
             the engine has a drafter), ``full`` mode only.
     Returns:
-        {"mode": str, "seconds": float wall s, "compiles": int graphs compiled (0 when all were cached in-process)}.
+        {"mode": str, "seconds": float wall s, "compiles": int graphs compiled, "loads": int graphs loaded from
+        the graph store (both 0 when every graph was already made in this process)}.
     Raises:
         ValueError: mode is not one of full, short, none.
     """
+    from mindspore_eagle.kernels.runtime import graph_stats
+
     if mode not in MODES:
         raise ValueError(f"warmup mode must be one of {', '.join(MODES)}, got {mode!r}")
     log = log or (lambda line: None)
     runners = [engine.teacher] + ([engine.drafter] if engine.drafter is not None else []) + list(drafters or [])
     count = lambda: sum(r.compiles for r in runners)   # noqa: E731
-    t0, c0 = time.perf_counter(), count()
+    t0, c0, l0 = time.perf_counter(), count(), graph_stats()["loads"]
     if mode == "full" and engine.teacher.mode == "fused":
-        spec = engine.spec
-        calls = list(teacher_shapes(engine.teacher, budgets or engine.verify_budgets(), spec.D_max))
-        for dr in runners[1:]:
-            calls += list(drafter_shapes(dr, spec.M, spec.D_max, engine.teacher.S))
-        calls += list(batch_shapes(engine.teacher, max_batch, spec.M, spec.D_max, engine.drafter is not None))
-        if engine.drafter is not None:
-            calls += list(drafter_batch_shapes(engine.drafter, max_batch, spec.M, spec.D_max, engine.teacher.S))
-        for i, (what, fn) in enumerate(calls):
-            before = count()
+        calls = full_shapes(engine, drafters, budgets, max_batch)
+        log(f"warm-up: {len(calls)} shapes")
+        for what, fn in calls:
             fn()
-            if count() > before:
-                log(f"warm-up: compiled {what} ({i + 1}/{len(calls)}, {time.perf_counter() - t0:.1f} s)")
     elif mode == "short":
         short = dataclasses.replace(gen, max_new_tokens=min(8, gen.max_new_tokens), stop=[])
         engine.generate_ids(engine.encode_chat("Say hello in one short sentence."), short,
                             speculative=engine.drafter is not None, turn_id="warmup")
-    out = {"mode": mode, "seconds": time.perf_counter() - t0, "compiles": count() - c0}
+    out = {"mode": mode, "seconds": time.perf_counter() - t0, "compiles": count() - c0,
+           "loads": graph_stats()["loads"] - l0}
     if mode != "none":
-        log(f"warm-up ({mode}): {out['compiles']} graphs compiled in {out['seconds']:.1f} s")
+        log(f"warm-up ({mode}): {out['compiles']} graphs compiled, {out['loads']} loaded from the graph cache in "
+            f"{out['seconds']:.1f} s")
     return out
+
+
+def full_shapes(engine, drafters=None, budgets=None, max_batch: int = 1) -> list:
+    """(what, fn) of every shape a full warm-up visits, in its fixed order: the teacher's, then (with a drafter)
+    every drafter's, then the batched ones. A teacher-only engine gets no verification, tree or drafter shape."""
+    spec, tree = engine.spec, engine.drafter is not None
+    budgets = (budgets or engine.verify_budgets()) if tree else []
+    calls = list(teacher_shapes(engine.teacher, budgets, spec.D_max))
+    for dr in ([engine.drafter] if tree else []) + list(drafters or []):
+        calls += list(drafter_shapes(dr, spec.M, spec.D_max, engine.teacher.S))
+    calls += list(batch_shapes(engine.teacher, max_batch, spec.M, spec.D_max, tree))
+    if tree:
+        calls += list(drafter_batch_shapes(engine.drafter, max_batch, spec.M, spec.D_max, engine.teacher.S))
+    return calls
+
+
+def verify_signature(teacher, m: int, width: int) -> tuple:
+    """The input signature (as ``runtime.CompiledFn`` records it) of ``teacher.verify`` at budget ``m`` over
+    ``width`` attention slots: tokens, positions, slots [m], block table [width / B], mask [m, width], rows [m]."""
+    i32 = "Int32"
+    return (((m,), i32), ((m,), i32), ((m,), i32), ((width // teacher.B,), i32), ((m, width), "Float32"), ((m,), i32))
+
+
+def budgets_at_hand(teacher, budgets, length: int, prefer: int = 4) -> list:
+    """The verification budgets a step at sequence ``length`` can use without compiling or loading a graph (made
+    in this process at this attention width); when there is none, one budget: a stored one (graph store,
+    ``kernels/graph_cache.py``) nearest to ``prefer`` if any, else the one nearest to ``prefer``. So a process that
+    makes graphs on first use (a one-shot answer) makes one verification graph, not one per budget."""
+    from mindspore_eagle.kernels import graph_cache
+
+    def near(ms_):
+        return min(ms_, key=lambda m: (abs(np.log2(m) - np.log2(prefer)), m))
+
+    fwd, out = teacher._fwd, []
+    for m in budgets:
+        if length + m <= teacher.S and verify_signature(teacher, m, teacher.width(length + m)) in fwd._seen:
+            out.append(m)
+    if out:
+        return out
+    fits = [m for m in budgets if length + m <= teacher.S] or list(budgets)
+    store = graph_cache.active()
+    stored = [m for m in fits if store is not None and length + m <= teacher.S
+              and store.contains(fwd._raw, verify_signature(teacher, m, teacher.width(length + m)))]
+    return [near(stored or fits)]
 
 
 def stderr_log(line: str) -> None:
@@ -253,28 +301,106 @@ def stderr_log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def report_compiles(log=stderr_log) -> None:
-    """Report every graph compiled on first use (outside a warm-up) as one ``log`` line, with a note first.
+class Heartbeat:
+    """While a slow step runs, call ``say(seconds so far)`` first after ``after_s`` and then every ``every_s``
+    seconds, from a daemon thread (MindSpore releases the GIL while it compiles, so the thread gets to run).
+
+    Use as a context manager, or :meth:`start` / :meth:`stop`; ``spoke`` tells whether it said anything.
+    """
+
+    def __init__(self, say, after_s: float = 4.0, every_s: float = 4.0):
+        self.say, self.after_s, self.every_s = say, after_s, every_s
+        self.spoke = False
+        self._done = threading.Event()
+        self._thread = None
+
+    def start(self) -> Heartbeat:
+        self.t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="mseagle-heartbeat")
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        wait = self.after_s
+        while not self._done.wait(wait):
+            self.say(time.perf_counter() - self.t0)
+            self.spoke = True
+            wait = self.every_s
+
+    def stop(self) -> float:
+        """Stop; returns the seconds since :meth:`start`."""
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+        return time.perf_counter() - self.t0
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+@contextlib.contextmanager
+def slow(what: str, log=stderr_log, after_s: float = 2.0, every_s: float = 3.0):
+    """Report a step that may be slow: nothing when it ends within ``after_s``; else "``what`` ..." then a line
+    every ``every_s`` seconds, and "``what``: done in S s" at the end."""
+    beat = Heartbeat(lambda s: log(f"{what} ... {s:.0f} s" if beat.spoke else f"{what} ..."), after_s, every_s)
+    with beat:
+        yield
+    if beat.spoke:
+        log(f"{what}: done in {beat.stop():.1f} s")
+
+
+def _shape_text(sig) -> str:
+    """"rows x width" of a call signature: the first argument's rows and the attention mask's width (the last
+    2-D argument whose rows match), or just the rows."""
+    rows = sig[0][0][0] if sig and sig[0][0] else 1
+    width = next((s[0][1] for s in reversed(sig[1:]) if len(s[0]) == 2 and s[0][0] == rows), None)
+    return f"{rows} x {width}" if width else str(rows)
+
+
+def report_compiles(log=stderr_log, every_s: float = 3.0) -> None:
+    """Report every graph made on first use as one ``log`` line (compiled, or loaded from the graph cache), a note
+    before the first compile, and a line every ``every_s`` seconds while a graph takes longer.
 
     Installs a :func:`mindspore_eagle.kernels.runtime.set_compile_listener`; the line names the Cell method, the query
     rows x attention width of the call and the seconds it took.
     """
     from mindspore_eagle.kernels import runtime
 
-    state = {"n": 0}
+    state = {"n": 0, "noted": False, "beat": None}
 
-    def listener(name, sig, ms_):
-        if state["n"] == 0:
-            log("compiling graphs on first use (each new prompt bucket or attention width; --warmup full compiles "
-                "all of them once and reuses them from disk in later runs)")
-        state["n"] += 1
-        rows = sig[0][0][0] if sig and sig[0][0] else 1
-        # the attention mask [rows, width] is the last 2-D argument of a forward (a one-argument call: no width)
-        width = next((s[0][1] for s in reversed(sig[1:]) if len(s[0]) == 2 and s[0][0] == rows), None)
-        shape = f"{rows} x {width}" if width else str(rows)
-        log(f"compiled graph {state['n']}: {name} {shape} in {ms_ / 1e3:.1f} s")
+    def listener(event, name, sig, ms_):
+        shape = _shape_text(sig)
+        if event in ("compiling", "loading"):
+            state["n"] += 1
+            if event == "compiling" and not state["noted"]:
+                state["noted"] = True
+                log("compiling graphs on first use (each new prompt bucket, attention width or tree budget; each is "
+                    "kept in $MSEAGLE_CACHE/graphs and loaded by later runs in well under a second)")
+            n, verb = state["n"], event
+            state["beat"] = Heartbeat(lambda s: log(f"{verb} graph {n}: {name} {shape} ... {s:.0f} s"),
+                                      every_s, every_s).start()
+            return
+        if state["beat"] is not None:
+            state["beat"].stop()
+            state["beat"] = None
+        log(f"{event} graph {state['n']}: {name} {shape} in {ms_ / 1e3:.1f} s")
 
     runtime.set_compile_listener(listener)
 
 
-__all__ = ["warmup", "report_compiles", "teacher_shapes", "drafter_shapes", "stderr_log", "MODES"]
+__all__ = [
+    "MODES",
+    "Heartbeat",
+    "budgets_at_hand",
+    "drafter_shapes",
+    "full_shapes",
+    "report_compiles",
+    "slow",
+    "stderr_log",
+    "teacher_shapes",
+    "verify_signature",
+    "warmup",
+]

@@ -13,7 +13,6 @@ follows the teacher's (warped) distribution exactly (core/accept.py).
 """
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -21,13 +20,21 @@ import numpy as np
 
 from mindspore_eagle.config import GenerationConfig, SpeculativeConfig
 from mindspore_eagle.core.accept import accept_greedy, sample_token
-from mindspore_eagle.core.costs import CostTable, compiled_budgets
+from mindspore_eagle.core.costs import (
+    CostTable,
+    RunningCosts,
+    compiled_budgets,
+    prior_table,
+)
 from mindspore_eagle.core.emit import Emitter
 from mindspore_eagle.core.policy import AdaptivePolicy, FixedPolicy
 from mindspore_eagle.core.trace import TraceWriter, TurnTrace
 from mindspore_eagle.core.tree import DraftTree, tensorize
 from mindspore_eagle.errors import MsEagleError
+from mindspore_eagle.kernels import graph_cache
 from mindspore_eagle.kernels.kv import CacheExhaustedError
+from mindspore_eagle.kernels.runtime import graph_stats
+from mindspore_eagle.runners.warmup import budgets_at_hand
 from mindspore_eagle.serving.round import DecodeRound, Sequence
 
 
@@ -65,12 +72,20 @@ class Engine:
         target: TeacherRunner of the teacher. tokenizer: Tokenizer (chat template, decode).
         eos_ids: token ids that end a turn. drafter: DrafterRunner, or None for teacher-only only.
         spec: SpeculativeConfig (M, D_max, top_k, policy, validate_tree). trace: TraceWriter or None.
-        costs: CostTable for the adaptive policy (measured on first use when None; tests inject one).
-        cost_file: optional JSON path: a CostTable measured there less than ``COST_MAX_AGE_S`` ago is reused, and a
-            fresh measurement is written there (``pipeline.build_engine`` keys it by machine, software and budget).
+        costs: a fixed CostTable for the adaptive policy (tests inject one; it is then never updated). When None,
+            the policy starts from the table stored in ``cost_file`` (or the prior, ``core.costs.prior_table``),
+            keeps it current from the turn's step times (``core.costs.RunningCosts``) and stores it there again
+            after every turn: nothing is measured before the first token.
+        cost_file: optional JSON path of that table (``pipeline.build_engine`` keys it by machine, software and
+            budget).
+
+    With the graph store active (``serving.pipeline.prepare``) the adaptive policy of a process that has decoded
+    fewer than ``AT_HAND_TOKENS`` tokens verifies only with budgets whose graph it already made (or, until there is
+    one, a single budget: ``runners.warmup.budgets_at_hand``), since a graph costs seconds to compile against
+    milliseconds saved per step; after a full warm-up every budget is at hand.
     """
 
-    COST_MAX_AGE_S = 24 * 3600
+    AT_HAND_TOKENS = 512
 
     def __init__(self, target, tokenizer, eos_ids, drafter=None, spec: SpeculativeConfig | None = None,
                  trace: TraceWriter | None = None, costs: CostTable | None = None, cost_file: str | None = None):
@@ -80,6 +95,8 @@ class Engine:
         self.trace = trace or TraceWriter(None)
         self.validate = self.spec.validate_tree or target.mode == "eager"
         self.costs, self.cost_file = costs, cost_file
+        self.running_costs = None       # core.costs.RunningCosts once the policy owns its table
+        self.decoded = 0                # tokens decoded by speculative turns of this engine
         self._policy = None
 
     def verify_budgets(self) -> list[int]:
@@ -90,21 +107,19 @@ class Engine:
 
     @property
     def policy(self):
-        """The speculation policy (policy.py), built on first use; the adaptive one measures its CostTable then
-        (``measure_costs``) unless one was given. It lives as long as the engine, so its calibration carries over
+        """The speculation policy (policy.py), built on first use. The adaptive one takes the CostTable given to
+        the engine, else the one stored in ``cost_file`` for this machine and configuration, else the prior
+        (``core.costs.prior_table``), and then keeps its own table current from the steps it runs (``Engine``
+        docstring); nothing is measured up front. It lives as long as the engine, so its calibration carries over
         from turn to turn."""
         if self._policy is None:
             if self.spec.policy == "adaptive":
-                if self.costs is None and self.cost_file:
-                    self.costs = CostTable.load(self.cost_file, self.COST_MAX_AGE_S, self.verify_budgets())
+                budgets = self.verify_budgets()
                 if self.costs is None:
-                    t0 = time.perf_counter()
-                    self.costs = self.measure_costs()
-                    print(f"speculation cost table measured in {time.perf_counter() - t0:.1f} s "
-                          f"(decode {self.costs.decode_ms:.1f} ms)", file=sys.stderr, flush=True)
-                    if self.cost_file:
-                        self.costs.save(self.cost_file)
-                self._policy = AdaptivePolicy(self.costs, self.verify_budgets())
+                    stored = CostTable.load(self.cost_file) if self.cost_file else None
+                    self.costs = stored.with_budgets(budgets) if stored else prior_table(budgets)
+                    self.running_costs = RunningCosts(self.costs)
+                self._policy = AdaptivePolicy(self.costs, budgets)
             else:
                 self._policy = FixedPolicy(self.spec.M, self.spec.D_max)
         return self._policy
@@ -240,7 +255,20 @@ class Engine:
             if not emitter.push(seq.next):
                 rnd.start(seq, ids, aux)
                 while not emitter.reason:
-                    rnd.step([seq])
+                    # with the graph store, a young process verifies with the budgets it has at hand (one graph
+                    # for a one-shot answer, not one per budget); after AT_HAND_TOKENS tokens, with all of them
+                    if speculative and isinstance(self._policy, AdaptivePolicy) and graph_cache.active():
+                        self._policy.budgets = (budgets_at_hand(self.teacher, self.verify_budgets(),
+                                                                self.teacher.length(seq.sid))
+                                                if self.decoded < self.AT_HAND_TOKENS else self.verify_budgets())
+                    made = graph_stats()
+                    self.decoded += len(rnd.step([seq])[0])
+                    # the policy's running cost table: steps that compiled or loaded a graph say nothing of cost
+                    if speculative and self.running_costs is not None:
+                        if graph_stats() == made:
+                            self.running_costs.observe_step(seq.steps[-1])
+                        if emitter.reason and self.cost_file and self.running_costs.observed:
+                            self.costs.save(self.cost_file)
             decode_ms = (time.perf_counter() - t1) * 1e3
         finally:
             rnd.finish(seq)

@@ -66,9 +66,9 @@ class Loaded:
 
 def load_models(cfg: Config) -> Loaded:
     """Read teacher and drafter weights (numpy) named by ``cfg.model``; errors are one line, naming the file."""
-    from mindspore_eagle.models.checkpoints import load_teacher
+    from mindspore_eagle.serving.weights_cache import load_teacher_cached
 
-    tcfg, tensors, tok = load_teacher(resolve_teacher(cfg.model.teacher))
+    tcfg, tensors, tok = load_teacher_cached(resolve_teacher(cfg.model.teacher))   # a GGUF is read once per machine
     spec = cfg.model.drafter
     if spec == "none":
         return Loaded(tcfg, tensors, tok, None, None)
@@ -88,8 +88,9 @@ def load_models(cfg: Config) -> Loaded:
     return Loaded(tcfg, tensors, tok, dcfg, dt)
 
 
-def build_engine(cfg: Config, loaded: Loaded | None = None, trace=None):
-    """Construct Cells, runners and the Engine for ``cfg`` (weights from ``loaded`` or read now)."""
+def build_engine(cfg: Config, loaded: Loaded | None = None, trace=None, log=None):
+    """Construct Cells, runners and the Engine for ``cfg`` (weights from ``loaded`` or read now; reading them
+    reports progress to ``log``, default stderr, when it takes more than a second)."""
     from mindspore_eagle.kernels import runtime
 
     runtime.configure(cfg.context.threads or None, cfg.context.device_target, cfg.context.device_id)
@@ -98,9 +99,13 @@ def build_engine(cfg: Config, loaded: Loaded | None = None, trace=None):
     from mindspore_eagle.models.llama import COMPUTE_DTYPES, LlamaModel
     from mindspore_eagle.runners.drafter import DrafterRunner
     from mindspore_eagle.runners.teacher import TeacherRunner
+    from mindspore_eagle.runners.warmup import slow, stderr_log
     from mindspore_eagle.serving.engine import Engine
 
-    loaded = loaded or load_models(cfg)
+    if loaded is None:
+        with slow(f"loading weights ({cfg.model.teacher} teacher, {cfg.model.drafter} drafter)", log or stderr_log,
+                  after_s=1.0):
+            loaded = load_models(cfg)
     c, sp, mode = cfg.cache, cfg.speculative, cfg.exec_mode
     teacher = LlamaModel(loaded.teacher_cfg, c.num_blocks, c.block_size, c.max_seq_len,
                            COMPUTE_DTYPES[cfg.model.dtype])
@@ -123,50 +128,42 @@ def build_engine(cfg: Config, loaded: Loaded | None = None, trace=None):
 
 def prepare(engine, cfg, gen, mode: str = "full", log=None, drafters=None, graph_cache: bool = True,
             budgets=None) -> dict:
-    """Warm ``engine`` up (:func:`~mindspore_eagle.runners.warmup.warmup`), reusing compiled graphs from disk when
-    possible (:mod:`~mindspore_eagle.kernels.graph_cache`).
+    """Make ``engine``'s graphs come from the graph store and warm it up (:func:`~mindspore_eagle.runners.warmup.warmup`).
+
+    With ``graph_cache`` (``context.graph_cache``) in fused mode on CPU, every graph this process makes while the
+    engine lives (the warm-up's and those made on first use later) is loaded from ``$MSEAGLE_CACHE/graphs`` when
+    any earlier process compiled it, and stored there when compiled here (:mod:`~mindspore_eagle.kernels.graph_cache`). With
+    ``log``, each graph compiled or loaded is reported (``warmup.report_compiles``), with a line every few seconds
+    while one takes long.
 
     Args:
         engine / gen / log / drafters / budgets: as ``runners.warmup.warmup``. cfg: the Config the engine was built from.
         mode: full | short | none, as ``warmup``; ``cfg.batch.max_batch`` > 1 adds the batched graphs.
-        graph_cache: use the on-disk cache (``context.graph_cache``); only a ``full`` warm-up reads or writes it.
+        graph_cache: use the on-disk graph store.
     Returns:
-        ``warmup``'s dict plus "graph_cache": the directory used, or None.
+        ``warmup``'s dict plus "graph_cache": the store's directory, or None.
     Raises:
         ValueError: unknown mode.
     """
     from mindspore_eagle.kernels import graph_cache as gcache
-    from mindspore_eagle.runners.warmup import MODES, warmup
+    from mindspore_eagle.runners.warmup import MODES, report_compiles, warmup
 
     if mode not in MODES:
         raise ValueError(f"warmup mode must be one of {', '.join(MODES)}, got {mode!r}")
-    max_batch = cfg.batch.max_batch
-    cache = None
-    if graph_cache and mode == "full" and engine.teacher.mode == "fused":
-        d = cfg.model.drafter
-        key = gcache.cache_key(cfg, budgets or engine.verify_budgets(), resolve_teacher(cfg.model.teacher),
-                               EMBEDDED_DRAFTER if d == "embedded" else d)
-        cache = gcache.GraphCache(gcache.default_root(), key)
-    if mode != "full" or cache is None or not cache.open():
-        return dict(warmup(engine, gen, mode, log, drafters, budgets, max_batch), graph_cache=None)
-    hit = cache.work == cache.dir
+    store = None
+    if graph_cache and engine.teacher.mode == "fused":
+        store = gcache.activate(device=cfg.context.device_target, holder=engine)
     if log:
-        log(f"warm-up: {'loading' if hit else 'compiling and saving'} all graphs ({cache.dir})")
-    try:
-        out = warmup(engine, gen, mode, log, drafters, budgets, max_batch)
-    except Exception as e:   # a stale or damaged cache file: drop the cache, compile afresh
-        cache.discard()
-        if log:
-            log(f"warm-up: graph cache {cache.dir} unusable ({type(e).__name__}); removed, compiling")
-        return dict(warmup(engine, gen, mode, log, drafters, budgets, max_batch), graph_cache=None)
-    cache.close(True, out["compiles"])
-    return dict(out, graph_cache=str(cache.dir))
+        report_compiles(log)
+    out = warmup(engine, gen, mode, log, drafters, budgets, cfg.batch.max_batch)
+    return dict(out, graph_cache=str(store.dir) if store else None)
 
 
 def cost_file(cfg: Config) -> str:
-    """Where the adaptive policy's measured CostTable of this machine and config is kept for a day:
-    $MSEAGLE_CACHE/costs/<key>.json, keyed by CPU, core count, MindSpore version, teacher, drafter, dtype, mode,
-    threads, cache geometry and M / D_max / top_k (anything that changes a call's cost)."""
+    """Where the adaptive policy's CostTable of this machine and config is kept (read at the first speculative
+    step, written after every turn with what the turn measured, ``Engine.policy``): $MSEAGLE_CACHE/costs/<key>.json,
+    keyed by CPU, core count, MindSpore version, teacher, drafter, dtype, mode, threads, cache geometry and
+    M / D_max / top_k (anything that changes a call's cost)."""
     import hashlib
     import platform
 

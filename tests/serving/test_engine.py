@@ -210,3 +210,61 @@ def test_seeded_sampling_gives_the_same_text_on_every_path(ms_runtime, tiny_dir,
     assert sched.token_ids[1] == sched.token_ids[3] == [alone.token_ids]
     gen.seed = 12
     assert eng.generate(p, gen).token_ids != alone.token_ids
+
+
+# ------------------------------------------------------------------ the cost table: stored, prior, running
+def test_running_costs_follow_the_steps_and_scale_what_was_not_seen():
+    """core.costs.RunningCosts: the first step of an entry replaces its prior value; entries not observed follow
+    the machine's speed factor; one outlier step moves an entry by at most a factor 4 ** rate."""
+    from types import SimpleNamespace
+
+    from mindspore_eagle.core.costs import RunningCosts, prior_table, prior_verify_ratio
+
+    t = prior_table([2, 4, 8])
+    assert t.decode_ms == 50.0 and t.verify_ms[8] == 50.0 * prior_verify_ratio(8)
+    run = RunningCosts(t)
+    run.observe_step(SimpleNamespace(budget=1, total_ms=190.0, draft_ms=10.0))   # a plain step, drafter ran
+    assert np.isclose(t.decode_ms, 180.0) and np.isclose(run.speed(), 180.0 / 50.0)
+    assert np.isclose(t.verify_ms[4], 180.0 * prior_verify_ratio(4)) and np.isclose(t.draft_ctx_ms, 180 * 0.12)
+    for _ in range(40):
+        run.observe(8, 300.0)
+    assert np.isclose(t.verify_ms[8], 300.0) and np.isclose(t.decode_ms, 180.0)
+    assert t.verify_ms[8] / t.decode_ms > prior_verify_ratio(8)
+    before = t.verify_ms[8]
+    run.observe(8, 1e6)                                                   # a burst of load: clipped
+    assert before < t.verify_ms[8] < before * 4 ** run.rate * 1.001
+    run.observe(16, 100.0), run.observe(2, float("nan")), run.observe(2, -1.0)   # not tracked / not a cost
+    assert run.counts == {1: 1, 8: 41}
+
+
+def test_adaptive_engine_measures_nothing_up_front_and_keeps_its_table(ms_runtime, tiny_dir, drafter_dir, tmp_path,
+                                                                        capsys):
+    """No cost table is measured before the first token: the policy starts from the prior, the turn's steps update
+    it (steps that made a graph are left out) and it is stored; a second engine starts from the stored table,
+    which holds every budget. A table given to the engine stays as given."""
+    from mindspore_eagle.core.costs import CostTable
+
+    eng, cfg = tiny_engine(tiny_dir, drafter_dir, "fused", ["speculative.policy=adaptive", "speculative.M=8",
+                                                            "speculative.D_max=3"])
+    eng.cost_file = str(tmp_path / "costs.json")
+    gen = cfg.generation
+    gen.max_new_tokens = 16
+    calls = []
+    eng.measure_costs = lambda *a, **k: calls.append(1)
+    g = eng.generate(PROMPTS[0], gen)
+    assert calls == [] and "measured" not in capsys.readouterr().err
+    assert g.token_ids == eng.generate(PROMPTS[0], gen, speculative=False).token_ids
+    run = eng.running_costs
+    assert 0 < run.observed <= len(g.steps)
+    saved = CostTable.load(eng.cost_file, budgets=[2, 4, 8])
+    assert saved is not None and saved.to_dict() == eng.policy.costs.to_dict()
+    assert saved.decode_ms != 50.0                                      # the prior's decode was replaced
+    eng2, _ = tiny_engine(tiny_dir, drafter_dir, "fused", ["speculative.policy=adaptive", "speculative.M=8",
+                                                           "speculative.D_max=3"])
+    eng2.cost_file = eng.cost_file
+    assert eng2.policy.costs.to_dict() == saved.to_dict() and eng2.running_costs.observed == 0
+    fixed = CostTable(decode_ms=50.0, verify_ms={2: 55.0, 4: 60.0, 8: 70.0}, draft_ctx_ms=5.0, draft_step_ms=5.0)
+    eng3, _ = tiny_engine(tiny_dir, drafter_dir, "fused", ["speculative.policy=adaptive", "speculative.M=8",
+                                                           "speculative.D_max=3"])
+    eng3.costs = fixed
+    assert eng3.policy.costs is fixed and eng3.running_costs is None
