@@ -219,6 +219,7 @@ def _oracle(eng, ref, prompt_len, rng, wrong_conf=0.3):
     return build
 
 
+@pytest.mark.slow
 def test_adaptive_oracle_drafter_speculates_nearly_always(ms_runtime, tiny_dir, drafter_dir):
     eng, cfg = _engine(tiny_dir, drafter_dir, lambda m: 55.0 + 2 * m)
     gen = cfg.generation

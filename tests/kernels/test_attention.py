@@ -160,6 +160,7 @@ def test_kernels_refuse_out_of_range_indices(ms_runtime):
     kern.paged_attention(q, kc, vc, ms.Tensor(np.array([[0, 2]], np.int32)), one, None, None, mask, one)
 
 
+@pytest.mark.slow
 def test_speculative_engine_on_fused_path_is_lossless(ms_runtime, tiny_dir, tiny, tmp_path, monkeypatch):
     """float16, teacher and drafter both on the fused path (reference kernels with MindSpore's inference check),
     eager: greedy speculative output equals teacher-only greedy on the same path and on the portable path."""

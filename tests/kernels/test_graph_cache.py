@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 
 def _mindir(name, inputs, params):
@@ -140,6 +141,7 @@ def _run(tmp_path, tiny_dir, order):
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_graphs_compiled_in_one_order_load_in_another_and_bad_files_are_rebuilt(tmp_path, tiny_dir):
     """Process 1 compiles prefill 16 x 256, decode 1 x 256, prefill 16 x 512, decode 1 x 512; process 2 makes the
     same graphs in another order and loads all four (logits bit-identical); then one stored file gets a flipped

@@ -40,6 +40,7 @@ def test_drafter_window_truncation_masks_old_context(ms_runtime, tiny_dir, draft
     assert np.flatnonzero(first_mask[row] > -1).tolist() == list(range(first_pos[row] - 7, first_pos[row] + 1))
 
 
+@pytest.mark.slow
 def test_draft_batch_equals_per_sequence_drafting(ms_runtime, tiny, tiny_dir, tmp_path):
     """DrafterRunner.draft_batch (context passes and expansion steps batched across sequences, each group over its
     own block table, one pad group) gives every sequence the tree that extend + build_tree give it alone: same

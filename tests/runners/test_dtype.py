@@ -20,7 +20,7 @@ def fp16_target(cfg, tensors, mode):
     return TeacherRunner(net, 32, 8, 128, mode, 16)
 
 
-@pytest.mark.parametrize("mode", ["eager", "fused"])
+@pytest.mark.parametrize("mode", ["eager", pytest.param("fused", marks=pytest.mark.slow)])
 def test_float16_teacher_close_to_reference(ms_runtime, tiny, mode):
     """Weights, caches and matmuls in float16, outputs float32; logits within half-precision error of the float64
     reference (and clearly not bit-equal to the float32 path: the dtype really changed)."""

@@ -80,6 +80,7 @@ def test_weight_shape_mismatch_names_tensor(ms_runtime, tiny):
         net.load_hf_weights(bad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grouped", [True, False])
 def test_batched_calls_match_one_sequence_calls(ms_runtime, tiny, grouped):
     """decode_batch / verify_batch give every sequence the logits its own decode / verify gives (to float32

@@ -181,6 +181,7 @@ def test_bad_generation_inputs(ms_runtime, tiny_dir, drafter_dir):
         eng.generate_ids(list(range(5, 205)), cfg.generation)      # 200 + 128 new + M > 256
 
 
+@pytest.mark.slow
 def test_seeded_sampling_gives_the_same_text_on_every_path(ms_runtime, tiny_dir, drafter_dir):
     """Temperature 0.8, one (prompt, seed): the same tokens alone, after other turns have moved the policy's
     state, teacher-only (--baseline), and inside a speculative batch of 4 next to other prompts; another seed
@@ -237,6 +238,7 @@ def test_running_costs_follow_the_steps_and_scale_what_was_not_seen():
     assert run.counts == {1: 1, 8: 41}
 
 
+@pytest.mark.slow
 def test_adaptive_engine_measures_nothing_up_front_and_keeps_its_table(ms_runtime, tiny_dir, drafter_dir, tmp_path,
                                                                         capsys):
     """No cost table is measured before the first token: the policy starts from the prior, the turn's steps update

@@ -67,6 +67,7 @@ def same_answers(got: dict, want: dict) -> None:
             assert got[k][f] == w[f], (k, f, got[k][f], w[f])
 
 
+@pytest.mark.slow
 def test_batched_greedy_equals_one_at_a_time_with_eos_at_different_steps(ms_runtime, tiny_dir):
     eng, cfg = tiny_engine(tiny_dir)
     gen = cfg.generation
@@ -108,6 +109,7 @@ def test_multi_turn_and_messages_records_in_a_batch(ms_runtime, tiny_dir):
     assert isinstance(got["a"]["text"], list) and len(got["a"]["text"]) == 3
 
 
+@pytest.mark.slow
 def test_pool_too_small_for_the_batch_waits_and_finishes_every_record(ms_runtime, tiny_dir):
     # the smallest pool allowed (32 blocks of 8 slots = one sequence of max_seq_len): each turn reserves
     # ceil((prompt + 24) / 8) >= 5 blocks, so at most 6 of the 8 rows can run at once
@@ -122,6 +124,7 @@ def test_pool_too_small_for_the_batch_waits_and_finishes_every_record(ms_runtime
     assert 1 < sched.peak_live < 8 and sched.reserved == 0
 
 
+@pytest.mark.slow
 def test_records_that_cannot_run_get_an_error_and_the_rest_go_on(ms_runtime, tiny_dir):
     eng, cfg = tiny_engine(tiny_dir)
     gen = cfg.generation

@@ -181,6 +181,7 @@ def chat_stream(client, prompt, **kw) -> tuple[str, str, dict | None]:
 
 
 # ------------------------------------------------------------------------------------------------- answers --
+@pytest.mark.slow
 def test_health_models_and_metrics(server):
     assert 503 in server.warming                 # /health answered 503 while the warm-up ran
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
@@ -193,6 +194,7 @@ def test_health_models_and_metrics(server):
     assert not any("compiled graph" in line for line in server.lines)    # nothing compiled on first use
 
 
+@pytest.mark.slow
 def test_chat_greedy_equals_generate_streamed_or_not(server, reference):
     c = server.client()
     for prompt in PROMPTS[:3]:
@@ -206,6 +208,7 @@ def test_chat_greedy_equals_generate_streamed_or_not(server, reference):
         assert use.completion_tokens == len(want.token_ids) and use.prompt_tokens == want.prompt_tokens
 
 
+@pytest.mark.slow
 def test_completions_raw_prompt_streamed_or_not(server, reference):
     c = server.client()
     want = reference("Once upon a time", 12, raw=True)
@@ -218,6 +221,7 @@ def test_completions_raw_prompt_streamed_or_not(server, reference):
     assert c.completions.create(model=MODEL, prompt=ids, max_tokens=12).choices[0].text == want.text
 
 
+@pytest.mark.slow
 def test_16_concurrent_clients_get_their_own_answers(server, reference):
     want = {p: reference(p).text for p in PROMPTS}
 
@@ -234,6 +238,7 @@ def test_16_concurrent_clients_get_their_own_answers(server, reference):
     assert metric(m, "mseagle_kv_blocks_used") == 0 and metric(m, "mseagle_generation_tokens_total") >= 16 * 10
 
 
+@pytest.mark.slow
 def test_per_request_sampling_parameters(server, reference):
     c = server.client()
     p = PROMPTS[0]
@@ -264,6 +269,7 @@ def test_per_request_sampling_parameters(server, reference):
     assert [got[i] for i in range(1, 8, 2)] == [ask(i) for i in range(1, 8, 2)]
 
 
+@pytest.mark.slow
 def test_disconnect_mid_stream_cancels_and_frees_kv_blocks(server):
     before = metric(server.metrics(), "mseagle_request_success_total", finish_reason="cancelled")
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 220, "stream": True}
@@ -284,6 +290,7 @@ def test_disconnect_mid_stream_cancels_and_frees_kv_blocks(server):
 GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("body, status, param, code", [
     (b'{"model": "tiny", "messages": [', 400, None, "invalid_json"),
     (b'[1, 2]', 400, None, "invalid_type"),
@@ -320,6 +327,7 @@ def test_bad_chat_requests_get_openai_errors(server, body, status, param, code):
     assert "Traceback" not in r.text and err["message"]
 
 
+@pytest.mark.slow
 def test_error_words_limits_and_routes(server):
     url = server.url
     r = httpx.post(url + "/v1/chat/completions", json={**GOOD, "messages": [{"role": "user", "content": "word " * 300}]})
@@ -397,6 +405,7 @@ def test_engine_step_exception_fails_its_requests_and_the_server_goes_on(ms_runt
 
 
 # ------------------------------------------------------------------------------------ auth, queue, SIGTERM --
+@pytest.mark.slow
 def test_api_key_required_on_v1_routes_and_teacher_only_batches(small_server, reference):
     url = small_server.url
     r = httpx.post(url + "/v1/chat/completions", json=GOOD)
@@ -417,6 +426,7 @@ def test_api_key_required_on_v1_routes_and_teacher_only_batches(small_server, re
     assert got[0] == alone
 
 
+@pytest.mark.slow
 def test_full_queue_answers_429(small_server):
     """2 rows + a queue of 1: of 8 simultaneous long requests, 3 run and the others get 429 at once."""
     def ask(i):
@@ -431,6 +441,7 @@ def test_full_queue_answers_429(small_server):
     assert all(b["error"]["code"] == "queue_full" for c, b in out if c == 429)
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests_and_exits_0(small_server):
     body = {**GOOD, "max_tokens": 200, "stream": True}
     events = []

@@ -70,6 +70,7 @@ def test_excluder_ngram_rule_by_hand():
     assert defined_names("def f(x):\n  `g(1)` and h(2)") == {"f", "g"}
 
 
+@pytest.mark.slow
 def test_real_registry_holds_no_evaluation_prompt():
     """Checked with the older, independent rule of train.data (normalised equality / containment over all
     MT-Bench turns and HumanEval prompts) plus the HumanEval entry-point names."""
@@ -225,6 +226,7 @@ def test_regeneration_shards_resume_and_equal_one_sequence_greedy(tiny, ms_runti
         np.testing.assert_array_equal(fs[k]["loss_mask"], mask)
 
 
+@pytest.mark.slow
 def test_regeneration_writes_the_features_a_separate_pass_would(tiny, ms_runtime, tmp_path):
     """Regeneration with a feature writer: the same replies as without it; every kept sample gets the columns the
     separate feature pass (one-sequence prefill) computes, up to float16 storage, with a zero last row (never fed);
@@ -308,6 +310,7 @@ def test_regeneration_writes_the_features_a_separate_pass_would(tiny, ms_runtime
     np.testing.assert_array_equal(both[len(fs)]["input_ids"], fs[0]["input_ids"])
 
 
+@pytest.mark.slow
 def test_regen_cli_on_tiny_teacher(tiny_dir, ms_runtime, tmp_path, capsys):
     """`python -m mindspore_eagle.train regen` end to end on the first 3 registry prompts of one source; a rerun
     finds them finished and answers nothing."""

@@ -316,6 +316,7 @@ def trained(tiny, tiny_features, tmp_path_factory):
     return out, train(_tc(out, tiny_features), cfg, tensors)
 
 
+@pytest.mark.slow
 def test_batched_and_packed_steps_equal_mean_of_single_sample_steps(tiny, tiny_features):
     """One optimiser step on 3 samples (3 rows; and the same 3 packed into 2 rows) has the mean of the 3
     single-sample gradients, and its AdamW update is the one of that mean gradient (numpy AdamW, eps = 1 so the
@@ -439,6 +440,7 @@ def test_regenerate_reply_uses_teacher_greedy_decode(tiny, ms_runtime):
     assert st.regenerated == 1 and len(samples) == 2
 
 
+@pytest.mark.slow
 def test_batched_regeneration_equals_one_sequence_greedy(tiny, ms_runtime):
     """Continuous batching over decode_batch (block-diagonal mask, concatenated block tables) gives each prompt
     the same greedy reply as decoding it alone; every block goes back to the pool."""
