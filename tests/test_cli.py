@@ -227,13 +227,21 @@ def test_error_is_one_line_in_a_real_process(tmp_path):
 
 
 def test_every_documented_row_is_tested():
-    """Each row of docs/errors.md is named by a check_row call in the tests (test_cli, serving/test_batch_job)."""
-    rows = [c.strip() for line in ERRORS_MD.read_text(encoding="utf-8").splitlines()
+    """Each row of docs/errors.md's command-line table is named by a check_row call in the tests (test_cli,
+    serving/test_batch_job), and each error code of its server table is asserted in serving/test_server.py."""
+    text = ERRORS_MD.read_text(encoding="utf-8")
+    cli_part, _, server_part = text.partition("## The server")
+    rows = [c.strip() for line in cli_part.splitlines()
             if line.startswith("| ") and not line.startswith("| Bad input")
             for c in [line.strip().strip("|").split(" | ")[0]]]
     sources = "".join(p.read_text(encoding="utf-8") for p in sorted(Path(__file__).parent.rglob("test_*.py")))
     missing = [r for r in rows if f'"{r}"' not in sources]
     assert rows and not missing, missing
+    codes = [c for line in server_part.splitlines() if line.startswith("| ") and not line.startswith("| Status")
+             for c in re.findall(r"`([a-z_]+)`", line.split(" | ")[1])]
+    server_tests = (Path(__file__).parent / "serving" / "test_server.py").read_text(encoding="utf-8")
+    untested = [c for c in codes if f'"{c}"' not in server_tests]
+    assert len(codes) >= 12 and not untested, untested
 
 
 # ------------------------------------------------------------------------------------------------ generate --

@@ -517,3 +517,18 @@ def test_embedded_default_server_equals_generate(tmp_path):
         assert not any("compiled graph" in line for line in p.lines)
     finally:
         p.stop()
+
+
+def test_requests_while_warming_up_or_shutting_down_get_503():
+    """The readiness check behind every /v1 route: 503 ``warming_up`` while the engine thread still builds and warms
+    the engine, 503 ``shutting_down`` once it stopped (the window between SIGTERM and the socket closing)."""
+    from types import SimpleNamespace
+
+    from mindspore_eagle.serving.api_server import Server
+    from mindspore_eagle.serving.protocol import APIError
+
+    for state, ready, code in (("starting", False, "warming_up"), ("stopped", False, "shutting_down")):
+        with pytest.raises(APIError) as e:
+            Server.check_ready(SimpleNamespace(engine=SimpleNamespace(state=state, ready=ready)))
+        assert (e.value.status, e.value.code) == (503, code)
+    assert Server.check_ready(SimpleNamespace(engine=SimpleNamespace(state="ready", ready=True))) is None
