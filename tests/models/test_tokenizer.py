@@ -133,7 +133,7 @@ def _json_tok(tmp_path):
     return Tokenizer.from_hf_dir(tmp_path)
 
 
-@pytest.mark.parametrize("which", ["smol", "pangu", "json"])
+@pytest.mark.parametrize("which", [pytest.param("smol", marks=pytest.mark.slow), "pangu", "json"])
 def test_message_text_cannot_forge_control_tokens(which, request, tmp_path):
     """Issue 15 finding 6: a user typing the end-of-turn marker gets its characters, not the control id; the
     template's own markers stay control ids, and text without markers encodes as before."""
