@@ -157,7 +157,7 @@ def test_non_mapping_file(tmp_path):
 @pytest.mark.parametrize("text, value", [("1e-6", 1e-6), ("5E-1", 0.5), ("2e1", 20.0), ("+1e-3", 1e-3),
                                          (".5e1", 5.0), ("1.5e-2", 0.015)])
 def test_exponent_floats_without_a_dot_are_numbers(tmp_path, text, value):
-    """Issue 15 finding 4: PyYAML reads '1e-6' as a string; both --set and YAML files must give the number."""
+    """PyYAML reads '1e-6' as a string; both --set and YAML files must give the number."""
     assert load_config(None, [f"generation.temperature={text}"]).generation.temperature == value
     path = tmp_path / "c.yaml"
     path.write_text(f"generation:\n  temperature: {text}\n  top_p: {text if value <= 1 else 1}\n")

@@ -27,7 +27,7 @@ def test_fetch_wheel_file_unreachable_index(tmp_path, monkeypatch, capsys):
         fetch.fetch_wheel_file("fake-pkg", "1.0", "fake_pkg/x.txt")
     msg = str(ei.value)
     assert "\n" not in msg and "fake-pkg==1.0" in msg and "pip download --no-deps" in msg
-    # issue 15 finding 1: the first-use download says what it waits for, before it starts
+    # the first-use download says what it waits for, before it starts
     assert capsys.readouterr().err == (f"downloading fake-pkg==1.0 from the package index into "
                                        f"{tmp_path / 'cache' / 'wheels'} (once; gives up after 600 s) ...\n")
 

@@ -135,7 +135,7 @@ def _json_tok(tmp_path):
 
 @pytest.mark.parametrize("which", [pytest.param("smol", marks=pytest.mark.slow), "pangu", "json"])
 def test_message_text_cannot_forge_control_tokens(which, request, tmp_path):
-    """Issue 15 finding 6: a user typing the end-of-turn marker gets its characters, not the control id; the
+    """A user typing the end-of-turn marker gets its characters, not the control id; the
     template's own markers stay control ids, and text without markers encodes as before."""
     if which == "json":
         tok, marker, start = _json_tok(tmp_path), "<|end|>", None
@@ -174,7 +174,7 @@ def test_encode_chat_unchanged_on_the_eval_turns(smol_tok, pangu_tok):
 
 
 def test_tokenizer_and_checkpoint_loader_do_not_import_each_other():
-    """Issue 15 finding 7: models.checkpoints imports tokenizer; tokenizer never imports models.checkpoints."""
+    """models.checkpoints imports tokenizer; tokenizer never imports models.checkpoints."""
     import ast
     from pathlib import Path
 
@@ -185,8 +185,7 @@ def test_tokenizer_and_checkpoint_loader_do_not_import_each_other():
         return {("." * n.level) + (n.module or "") for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
             a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
 
-    root = Path(mindspore_eagle.__file__).parent
-    assert ".models.checkpoints" not in imported(root / "tokenizer.py")
+    root = Path(mindspore_eagle.__file__).parent / "models"
     assert not any("checkpoints" in m for m in imported(root / "tokenizer.py"))
-    assert "..tokenizer" in imported(root / "models" / "checkpoints.py")
-    assert not any("checkpoints" in m or "tokenizer" in m for m in imported(root / "models" / "gguf_meta.py"))
+    assert "mindspore_eagle.models.tokenizer" in imported(root / "checkpoints.py")
+    assert not any("checkpoints" in m or "tokenizer" in m for m in imported(root / "gguf_meta.py"))

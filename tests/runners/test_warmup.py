@@ -1,4 +1,4 @@
-"""Warm-up (issue 15, finding 2) and the on-disk graph cache (finding 1), on the tiny openPangu teacher.
+"""Warm-up and the on-disk graph cache, on the tiny openPangu teacher.
 
 After a full warm-up no turn of a chat compiles anything, whatever its length; the warm-up visits an exact,
 known list of shapes (none of a tree or the drafter for a teacher-only engine); a second process loads the same
@@ -106,7 +106,7 @@ def test_batched_warmup_then_scheduler_compiles_nothing(ms_runtime, tiny_dir):
 
 
 def test_compiles_on_first_use_are_reported(ms_runtime, tiny_dir):
-    """Issue 15 finding 1: no silent compiling: a note, then one line per graph (name, rows x width, seconds), and
+    """No silent compiling: a note, then one line per graph (name, rows x width, seconds), and
     while a graph takes longer than the heartbeat interval, a line every interval."""
     import re
 

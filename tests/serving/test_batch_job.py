@@ -348,7 +348,7 @@ def test_msrun_two_processes_match_one_process(real_input, reference, tmp_path):
 @pytest.mark.parametrize("text, reason", [('{"id": 3, "prompt": "unterminated', "Unterminated string starting at column 21"),
                                           ('{"id": 3 "prompt": 1}', "Expecting ',' delimiter at column 10")])
 def test_invalid_json_reason_reads_once(text, reason):
-    """Issue 15 finding 7: json's own "starting at" reason never becomes "at at column"."""
+    """json's own "starting at" reason never becomes "at at column"."""
     from mindspore_eagle.serving.batch_job import parse_record
 
     assert parse_record(4, 0, text).error == f"line 4: invalid JSON ({reason})"
