@@ -362,7 +362,8 @@ def cmd_inspect(args) -> int:
 
     if args.path == "costs":
         return _inspect_costs(args)
-    path = {"embedded": resolve_teacher("embedded"), "embedded-drafter": EMBEDDED_DRAFTER}.get(args.path, args.path)
+    path = (resolve_teacher("embedded") if args.path == "embedded"             # fetch only when asked for
+            else EMBEDDED_DRAFTER if args.path == "embedded-drafter" else args.path)
     cfg_json = Path(path) / "config.json"
     if Path(path).is_dir() and cfg_json.is_file():
         from mindspore_eagle.models.checkpoints import _read_json

@@ -5,7 +5,7 @@ decoding through llama-cpp-python with the same thread count, on the same prompt
   (F32, no quantisation), re-permuting q/k rows into llama.cpp's interleaved-RoPE order with :func:`permute_qk`,
   the inverse of ``models.checkpoints.unpermute_qk`` (llama.cpp ``convert_hf_to_gguf.py`` ``LlamaModel.permute``).
   Tokenizer metadata (``tokenizer.*`` keys) is copied from a source GGUF (the embedded teacher's file).
-  ``models.checkpoints.load_teacher`` reads the file back to the same tensors (tests/test_bench.py).
+  ``models.checkpoints.load_teacher`` reads the file back to the same tensors (tests/bench/test_bench.py).
 * :class:`LlamaCppPeer` runs greedy decoding (top_k 1, temperature 0, no repeat penalty) and reports tok/s
   (new tokens / wall seconds of prompt evaluation + decoding, the same definition as ours) and how much of our
   baseline output it reproduces (``match_prefix``: fraction of our tokens before the first difference; F32
