@@ -143,3 +143,25 @@ def test_speculative_fused_equals_eager(loaded, prompts):
         eng = engine(loaded, f"speculative.mode={mode}", *BUDGETS["tree"])
         out[mode] = [(g.token_ids, g.accept_lens) for g in (eng.generate(p, gen) for p in prompts[:2])]
     assert out["fused"] == out["eager"]
+
+
+def test_seeded_sampling_same_text_on_every_path(loaded):
+    """The embedded default at temperature 0.8 with a seed: the same text alone, after other turns, teacher-only,
+    and inside a speculative batch of 4 (serving/round.py draws position t with the seed's u_t)."""
+    from mindspore_eagle.serving import batch_job
+    from mindspore_eagle.serving.scheduler import BatchScheduler
+
+    eng = engine(loaded, "speculative.M=8", "speculative.D_max=3", "speculative.top_k=4", "cache.num_blocks=512")
+    gen = load_config(None).generation
+    gen.temperature, gen.max_new_tokens, gen.seed = 0.8, 32, 5
+    p = "Name a random fruit and say why you like it."
+    alone = eng.generate(p, gen).token_ids
+    eng.generate("Write a haiku about the sea.", gen)
+    assert eng.generate(p, gen).token_ids == alone == eng.generate(p, gen, speculative=False).token_ids
+    recs = [batch_job.parse_record(i + 1, i, f'{{"id": {i}, "prompt": "{q}"}}')
+            for i, q in enumerate(["What is 2+2?", p, "Hello!", p])]
+    sched = BatchScheduler(eng, gen, 4, speculative=True, keep_ids=True)
+    sched.run(recs, lambda res: None)
+    assert sched.token_ids[1] == sched.token_ids[3] == [alone]
+    gen.seed = 6
+    assert eng.generate(p, gen).token_ids != alone
