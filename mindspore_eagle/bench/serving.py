@@ -21,6 +21,9 @@ on the client (the official ``openai`` client's async streaming):
     ITL        gap between two content chunks of a request (ms, p50 / p99 over all gaps; a tree step sends its
                L_k tokens in one chunk)
     TPOT       (last chunk - first chunk) / (completion tokens - 1) per request (ms, p50 / p99)
+    same text  requests whose streamed text equals the first run's (greedy: teacher-only at the first client
+               count, i.e. one request at a time with ``--clients 1,...``)
+    graphs     ``mseagle_graphs_made_after_warmup`` of the server after the run (0: no request paid for a graph)
 
 Writes ``serve_bench.json`` and ``serve_bench.md`` into ``--out``.
 """
@@ -76,7 +79,7 @@ async def _drive(url: str, model: str, prompts: list, clients: int, max_tokens: 
 
     async def one(prompt: str) -> dict:
         t0 = time.perf_counter()
-        times, tokens = [], None
+        times, tokens, text = [], None, []
         try:
             stream = await client.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
@@ -84,20 +87,21 @@ async def _drive(url: str, model: str, prompts: list, clients: int, max_tokens: 
             async for ch in stream:
                 if ch.choices and ch.choices[0].delta.content:
                     times.append(time.perf_counter())
+                    text.append(ch.choices[0].delta.content)
                 if getattr(ch, "usage", None) is not None:
                     tokens = ch.usage.completion_tokens
         except openai.APIError as e:
             return {"ok": False, "error": f"{type(e).__name__}: {e}"}
         tokens = len(times) if tokens is None else tokens
-        out = {"ok": True, "tokens": tokens, "ttft": times[0] - t0 if times else None,
+        out = {"ok": True, "tokens": tokens, "text": "".join(text), "ttft": times[0] - t0 if times else None,
                "gaps": list(np.diff(times)) if len(times) > 1 else []}
         out["tpot"] = (times[-1] - times[0]) / (tokens - 1) if len(times) > 1 and tokens > 1 else None
         return out
 
     async def worker():
         while todo:
-            _, prompt = todo.pop(0)
-            results.append(await one(prompt))
+            i, prompt = todo.pop(0)
+            results.append({"index": i, **await one(prompt)})
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(clients)))
@@ -111,6 +115,7 @@ async def _drive(url: str, model: str, prompts: list, clients: int, max_tokens: 
     return {"clients": clients, "requests": len(results), "ok": len(ok),
             "errors": sorted({r["error"] for r in results if not r["ok"]})[:3], "tokens": tokens,
             "wall_s": round(wall, 2), "tok_s": round(tokens / wall, 2) if wall > 0 else None,
+            "texts": {r["index"]: r["text"] for r in ok},
             "ttft_p50_ms": _pct(ttft, 50), "ttft_p99_ms": _pct(ttft, 99), "itl_p50_ms": _pct(gaps, 50),
             "itl_p99_ms": _pct(gaps, 99), "tpot_p50_ms": _pct(tpot, 50), "tpot_p99_ms": _pct(tpot, 99)}
 
@@ -213,12 +218,14 @@ def write_report(result: dict, out: str) -> None:
     head = (f"{result['prompts']} chat prompts ({result['prompt_source']}), up to {result['max_tokens']} new tokens, "
             f"greedy, streamed; clients measured with the openai client. {result['note']}")
     lines = [f"# Serving benchmark ({result['when']})", "", head, "",
-             "| server | clients | ok / requests | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 / p99 ms |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "| server | clients | ok / requests | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 / p99 ms "
+             "| same text as the first run | graphs made after warm-up |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         lines.append(f"| {r['server']} | {r['clients']} | {r['ok']} / {r['requests']} | {r['tok_s']} | "
                      f"{r['ttft_p50_ms']} / {r['ttft_p99_ms']} | {r['itl_p50_ms']} / {r['itl_p99_ms']} | "
-                     f"{r['tpot_p50_ms']} / {r['tpot_p99_ms']} |")
+                     f"{r['tpot_p50_ms']} / {r['tpot_p99_ms']} | {r.get('identical', '-')} | "
+                     f"{r.get('graphs_after_warmup', '-')} |")
     with open(os.path.join(out, "serve_bench.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -241,6 +248,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout", type=float, default=1800.0, help="seconds a server may take to warm up")
     p.add_argument("--out", default="runs/serve_bench", help="report folder (default runs/serve_bench)")
     return p
+
+
+def _graphs_after_warmup(url: str):
+    """``mseagle_graphs_made_after_warmup`` of a mindspore-eagle server's /metrics (None when absent)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url.rstrip("/") + "/metrics", timeout=30).text
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "mseagle_graphs_made_after_warmup":
+                return int(s.value)
+    return None
 
 
 def _model_of(url: str, api_key: str) -> str:
@@ -274,6 +294,10 @@ def main(argv=None) -> int:
         for n in clients:
             _log(f"{label}: {n} client(s), {len(prompts)} requests")
             row = {"server": label, **run_load(url, model, prompts, n, args.max_tokens, api_key)}
+            ref = rows[0]["texts"] if rows else row["texts"]     # greedy: every run must give the first run's texts
+            row["identical"] = f"{sum(ref.get(i) == t for i, t in row['texts'].items())} / {len(ref)}"
+            if label.startswith("mindspore-eagle"):
+                row["graphs_after_warmup"] = _graphs_after_warmup(url)
             rows.append(row)
             _log(f"{label} x{n}: {row['tok_s']} tok/s, TTFT p50 {row['ttft_p50_ms']} ms, ITL p50 "
                  f"{row['itl_p50_ms']} ms ({row['ok']}/{row['requests']} ok)")

@@ -69,6 +69,8 @@ class ServerMetrics:
                                  "token at this depth", ["depth"], registry=r)
         self.steps = Counter(p + "steps", "Engine steps by kind", ["kind"], registry=r)
         self.spec_share = Gauge(p + "spec_step_share", "Tree steps / all engine steps", registry=r)
+        self.graphs_after_warmup = Gauge(p + "graphs_made_after_warmup", "Graphs compiled or loaded after the "
+                                         "start-up warm-up (0: no request paid for one)", registry=r)
         self.finished = Counter(p + "request_success", "Finished requests by finish reason", ["finish_reason"],
                                 registry=r)
         self.http_errors = Counter(p + "http_errors", "Error responses by HTTP status", ["status"], registry=r)
@@ -99,8 +101,10 @@ class ServerMetrics:
                 for d in range(1, self.max_depth + 1):
                     self.accept_rate.labels(str(d)).set(n["depth"][d] / n["verifications"])
 
-    def set_load(self, running: int, waiting: int, kv_used: int, kv_reserved: int, kv_total: int) -> None:
+    def set_load(self, running: int, waiting: int, kv_used: int, kv_reserved: int, kv_total: int,
+                 graphs_after_warmup: int = 0) -> None:
         """The scheduler's state after a step (gauges)."""
+        self.graphs_after_warmup.set(graphs_after_warmup)
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_used.set(kv_used)

@@ -190,8 +190,9 @@ def test_health_models_and_metrics(server):
     m = server.metrics()
     assert metric(m, "mseagle_kv_blocks_total") == 16 * 256 // 8
     assert metric(m, "mseagle_num_requests_running") == 0
-    assert any(line.startswith("ready in ") for line in server.lines)
-    assert not any("compiled graph" in line for line in server.lines)    # nothing compiled on first use
+    ready = next(i for i, line in enumerate(server.lines) if line.startswith("ready in "))
+    assert not any("compiled graph" in line for line in server.lines[ready:])   # nothing compiled on first use
+    assert m[("mseagle_graphs_made_after_warmup", frozenset())] == 0
 
 
 @pytest.mark.slow
@@ -236,6 +237,7 @@ def test_16_concurrent_clients_get_their_own_answers(server, reference):
     m = server.metrics()
     assert metric(m, "mseagle_steps_total", kind="tree") > 0 and metric(m, "mseagle_spec_tree_verifications_total") > 0
     assert metric(m, "mseagle_kv_blocks_used") == 0 and metric(m, "mseagle_generation_tokens_total") >= 16 * 10
+    assert m[("mseagle_graphs_made_after_warmup", frozenset())] == 0       # no request paid for a graph
 
 
 @pytest.mark.slow
@@ -514,7 +516,9 @@ def test_embedded_default_server_equals_generate(tmp_path):
         assert both[0] == want
         m = p.metrics()
         assert metric(m, "mseagle_steps_total", kind="tree") > 0 and r.usage.mean_accept_len > 1.0
-        assert not any("compiled graph" in line for line in p.lines)
+        ready = next(i for i, line in enumerate(p.lines) if line.startswith("ready in "))
+        assert not any("compiled graph" in line for line in p.lines[ready:])      # nothing after the warm-up
+        assert m[("mseagle_graphs_made_after_warmup", frozenset())] == 0
     finally:
         p.stop()
 
