@@ -12,7 +12,7 @@ runs one iteration, :meth:`BatchScheduler.cancel` drops a request wherever it is
              and reserve its blocks (in order; a request that cannot run at all ends at once with an error)
     prefill  every admitted sequence still filling runs ONE prefill chunk (``cache.prefill_chunk`` tokens), so
              a long prompt never stalls the others for more than a chunk; after its last chunk it samples its
-             first token with its own settings and generator and joins the decode round
+             first token with its own settings (seeded draws by position) and joins the decode round
     step     ``DecodeRound.step(ready)`` (serving/round.py): one forward for every ready sequence, plain or a
              tree per sequence; each sequence's Emitter applies its own EOS / stop strings / max_new_tokens
     emit     ``request.on_tokens(request, tokens)`` per sequence with the tokens it committed this step
