@@ -8,6 +8,17 @@ os.environ.setdefault("MSEAGLE_THREADS", "2")
 
 
 @pytest.fixture(autouse=True)
+def no_compile_listener_left():
+    """A test that runs the CLI, a bench or a warm-up in-process installs the process-wide compile listener
+    (``warmup.report_compiles``); remove it after the test, so later tests' compiles print nothing into their
+    captured stderr."""
+    yield
+    runtime = sys.modules.get("mindspore_eagle.kernels.runtime")
+    if runtime is not None:
+        runtime.set_compile_listener(None)
+
+
+@pytest.fixture(autouse=True)
 def release_graphs():
     """Free what a test's engines leave in MindSpore after it (only when graphs were compiled).
 

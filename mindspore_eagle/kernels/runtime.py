@@ -65,7 +65,9 @@ def set_compile_listener(fn) -> None:
     """Call ``fn(event: str, name: str, signature: tuple, ms: float)`` around the first call of every new input
     signature of a fused :class:`CompiledFn` (None = stop): ``event`` is "compiling" or "loading" (from the graph
     store, :mod:`~mindspore_eagle.kernels.graph_cache`) just before the call (ms = 0), then "compiled" or "loaded"
-    with the wall ms of that call. The CLI prints progress lines from it, so the seconds spent are never silent.
+    with the wall ms of that call, or "failed" when the call raised. The CLI prints progress lines from it, so the
+    seconds spent are never silent. Several threads may compile at once (a server's warm-up and a request), so a
+    listener pairs the events of one compile by (name, signature).
     """
     global _compile_listener
     _compile_listener = fn
@@ -116,12 +118,16 @@ class CompiledFn:
 
         store = graph_cache.active()
         t0 = time.perf_counter()
-        if store is None:
-            _notify("compiling", self.name, sig)
-            out, kind = self._fn(*args), "compiled"
-        else:
-            out, kind = store.compile(self._raw, sig, lambda: self._fn(*args),
-                                      lambda loading: _notify("loading" if loading else "compiling", self.name, sig))
+        try:
+            if store is None:
+                _notify("compiling", self.name, sig)
+                out, kind = self._fn(*args), "compiled"
+            else:
+                out, kind = store.compile(self._raw, sig, lambda: self._fn(*args),
+                                          lambda loading: _notify("loading" if loading else "compiling", self.name, sig))
+        except BaseException:
+            _notify("failed", self.name, sig, (time.perf_counter() - t0) * 1e3)
+            raise
         self._seen.add(sig)
         ms_ = (time.perf_counter() - t0) * 1e3
         self.compile_ms += ms_

@@ -364,29 +364,39 @@ def report_compiles(log=stderr_log, every_s: float = 3.0) -> None:
     """Report every graph made on first use as one ``log`` line (compiled, or loaded from the graph cache), a note
     before the first compile, and a line every ``every_s`` seconds while a graph takes longer.
 
-    Installs a :func:`mindspore_eagle.kernels.runtime.set_compile_listener`; the line names the Cell method, the query
-    rows x attention width of the call and the seconds it took.
+    Installs a :func:`mindspore_eagle.kernels.runtime.set_compile_listener` (process-wide, until replaced or
+    ``set_compile_listener(None)``); the line names the Cell method, the query rows x attention width of the call
+    and the seconds it took ("failed graph N: ..." when the compile raised; its heartbeat stops either way).
     """
     from mindspore_eagle.kernels import runtime
 
-    state = {"n": 0, "noted": False, "beat": None}
+    state = {"n": 0, "noted": False}
+    beats: dict = {}    # (name, signature) -> (graph number, Heartbeat) of each compile under way
+    lock = threading.Lock()
 
     def listener(event, name, sig, ms_):
         shape = _shape_text(sig)
         if event in ("compiling", "loading"):
-            state["n"] += 1
-            if event == "compiling" and not state["noted"]:
-                state["noted"] = True
+            with lock:
+                state["n"] += 1
+                n, first = state["n"], event == "compiling" and not state["noted"]
+                state["noted"] |= first
+            if first:
                 log("compiling graphs on first use (each new prompt bucket, attention width or tree budget; each is "
                     "kept in $MSEAGLE_CACHE/graphs and loaded by later runs in well under a second)")
-            n, verb = state["n"], event
-            state["beat"] = Heartbeat(lambda s: log(f"{verb} graph {n}: {name} {shape} ... {s:.0f} s"),
-                                      every_s, every_s).start()
+            beat = Heartbeat(lambda s: log(f"{event} graph {n}: {name} {shape} ... {s:.0f} s"), every_s, every_s)
+            with lock:
+                old = beats.pop((name, sig), None)
+                beats[(name, sig)] = (n, beat)
+            if old is not None:     # a store that notified twice (loading, then compiling after a bad file)
+                old[1].stop()
+            beat.start()
             return
-        if state["beat"] is not None:
-            state["beat"].stop()
-            state["beat"] = None
-        log(f"{event} graph {state['n']}: {name} {shape} in {ms_ / 1e3:.1f} s")
+        with lock:
+            n, beat = beats.pop((name, sig), (state["n"], None))
+        if beat is not None:
+            beat.stop()
+        log(f"{event} graph {n}: {name} {shape} in {ms_ / 1e3:.1f} s")
 
     runtime.set_compile_listener(listener)
 

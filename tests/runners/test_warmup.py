@@ -133,6 +133,58 @@ def test_compiles_on_first_use_are_reported(ms_runtime, tiny_dir):
     assert eng.teacher.compiles == 2
 
 
+def test_overlapping_and_failed_compiles_stop_their_heartbeats():
+    """Two threads compiling at once (a server's warm-up and a request) and a compile that raises: every
+    heartbeat stops, each end line carries its own graph number, and nothing prints afterwards (a leaked heartbeat
+    printed "compiling graph 44 ... 2739 s" into later tests' output)."""
+    import threading
+    import time
+
+    from mindspore_eagle.kernels import runtime
+    from mindspore_eagle.runners.warmup import report_compiles
+
+    lines = []
+    report_compiles(lines.append, every_s=0.05)
+    try:
+        a, b = (((1, 8), "Float32"),), (((4, 8), "Float32"),)
+        runtime._notify("compiling", "A.construct", a)
+        runtime._notify("compiling", "B.construct", b)
+        time.sleep(0.2)
+        runtime._notify("compiled", "A.construct", a, 200.0)
+        runtime._notify("failed", "B.construct", b, 210.0)
+    finally:
+        runtime.set_compile_listener(None)
+    ends = [ln for ln in lines[1:] if " ... " not in ln]
+    assert ends == ["compiled graph 1: A.construct 1 in 0.2 s", "failed graph 2: B.construct 4 in 0.2 s"]
+    assert any(ln.startswith("compiling graph 2: B.construct 4 ... ") for ln in lines)
+    seen = len(lines)
+    time.sleep(0.2)
+    assert len(lines) == seen
+    assert not [t for t in threading.enumerate() if t.name == "mseagle-heartbeat"]
+
+
+def test_a_compile_that_raises_is_reported_as_failed(ms_runtime):
+    """CompiledFn tells the listener when its first call raises, so the listener can end what it started."""
+    from mindspore_eagle.kernels import runtime
+
+    def broken(x):
+        raise RuntimeError("no graph")
+
+    events = []
+    fn = runtime.CompiledFn(broken, "fused")
+    fn._fn = broken                     # raise where a compile would run
+    runtime.set_compile_listener(lambda ev, name, sig, ms_: events.append(ev))
+    try:
+        import mindspore as ms
+        import numpy as np
+
+        with pytest.raises(RuntimeError, match="no graph"):
+            fn(ms.Tensor(np.zeros((2, 3), np.float32)))
+    finally:
+        runtime.set_compile_listener(None)
+    assert events[0] in ("compiling", "loading") and events[-1] == "failed"
+
+
 def test_slow_steps_report_only_when_slow():
     import time
 
