@@ -218,7 +218,7 @@ def cmd_generate(args) -> int:
     live = {"streamer": None}
     log = line_breaking_log(lambda: live["streamer"], sys.stdout.isatty() and sys.stderr.isatty())
     engine = _engine(cfg, ("full" if multi else "none") if args.warmup == "auto" else args.warmup, log)
-    speculative = engine.drafter is not None
+    speculative = engine.speculates
     gen, steps, turns = cfg.generation, [], []
     turns_in = args.prompt if args.prompt else _stdin_turns(sys.stdin.isatty())
     labelled = args.chat or len(args.prompt) > 1

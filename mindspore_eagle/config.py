@@ -97,6 +97,9 @@ class ModelSection:
             raise ConfigError(f"model.dtype = {self.dtype!r}: must be float32, float16 or bfloat16")
 
 
+METHODS = ("eagle3", "suffix", "hybrid")     # speculative.method
+
+
 @dataclass
 class SpeculativeConfig:
     """Tree budget and execution. M: tokens verified per step, root included; D_max: max draft depth
@@ -104,7 +107,10 @@ class SpeculativeConfig:
     last W context tokens (0 = all); mode: fused (jit) | eager (PyNative + invariant checks each step);
     policy: adaptive (the default: M, D_max are ceilings; each step picks plain decoding or a compiled budget
     2, 4, ..., M by expected tokens per ms, policy.py) | fixed (every step drafts D_max deep and verifies M tokens,
-    the paper's behaviour)."""
+    the paper's behaviour); method: where draft tokens come from: eagle3 (the drafter's tree) | suffix (copies of
+    earlier text only: the sequence's prompt and output and the process's earlier outputs, core/suffix.py; no
+    drafter needed) | hybrid (both merged into one tree); suffix_tokens: the most tokens of earlier outputs the
+    process keeps for suffix candidates (oldest outputs dropped first)."""
     M: int = 16
     D_max: int = 5
     top_k: int = 4
@@ -113,6 +119,8 @@ class SpeculativeConfig:
     policy: str = "adaptive"
     validate_tree: bool = False
     trace: str = ""
+    method: str = "eagle3"
+    suffix_tokens: int = 65536
 
     def validate(self):
         _check_int("speculative.M", self.M, 2, 512)
@@ -125,6 +133,9 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative.mode = {self.mode!r}: must be 'fused' or 'eager'")
         if self.policy not in ("fixed", "adaptive"):
             raise ConfigError(f"speculative.policy = {self.policy!r}: must be 'fixed' or 'adaptive'")
+        if self.method not in METHODS:
+            raise ConfigError(f"speculative.method = {self.method!r}: must be one of {', '.join(METHODS)}")
+        _check_int("speculative.suffix_tokens", self.suffix_tokens, 1, 1 << 26)
         if not isinstance(self.validate_tree, bool):
             raise ConfigError("speculative.validate_tree must be true or false")
 

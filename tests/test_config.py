@@ -77,7 +77,13 @@ def test_unknown_key_lists_allowed(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(_yaml(tmp_path, "speculative:\n  budget: 8\n"))
     assert str(e.value) == ("unknown key speculative.budget; allowed keys: M, D_max, top_k, window, mode, policy, "
-                            "validate_tree, trace")
+                            "validate_tree, trace, method, suffix_tokens")
+
+
+def test_method_is_checked():
+    with pytest.raises(ConfigError, match=r"speculative.method = 'ngram': must be one of eagle3, suffix, hybrid"):
+        load_config(None, ["speculative.method=ngram"])
+    assert load_config(None, ["speculative.method=hybrid"]).speculative.method == "hybrid"
 
 
 def test_unknown_section(tmp_path):

@@ -79,7 +79,7 @@ def run_batch_sizes(engine, prompts: list, sizes: list, gen, log, speculative: b
     from mindspore_eagle.serving.batch_job import parse_record
     from mindspore_eagle.serving.scheduler import BatchScheduler
 
-    speculative = speculative and engine.drafter is not None
+    speculative = speculative and engine.speculates
     if speculative:
         engine.policy           # the adaptive policy measures its cost table now, not inside a timed row
     recs = [parse_record(i + 1, i, json.dumps({"id": i, "prompt": p})) for i, p in enumerate(prompts)]

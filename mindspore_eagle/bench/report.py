@@ -86,6 +86,17 @@ def calibration_of_lengths(records, name="main") -> list:
     return out
 
 
+def accepted_shares(records) -> dict:
+    """Accepted drafted tokens of the main setting over ``records`` by source (drafter, suffix, both), as counts
+    and as shares of their sum (NaN when nothing was accepted); records without the field count nothing."""
+    tot = {"drafter": 0, "suffix": 0, "both": 0}
+    for r in records:
+        for k, v in r["settings"]["main"].get("accepted_from", {}).items():
+            tot[k] += int(v)
+    n = sum(tot.values())
+    return {**tot, **{f"{k}_share": v / n if n else float("nan") for k, v in list(tot.items())}}
+
+
 def build_report(records, meta: dict) -> dict:
     """Assemble report.json from the turn records and run metadata.
 
@@ -134,7 +145,9 @@ def build_report(records, meta: dict) -> dict:
             "turns": len(sub), "baseline_tok_s": stats([r["baseline"]["tok_s"] for r in sub])["mean"],
             "ea_tok_s": stats([r["settings"]["main"]["tok_s"] for r in sub])["mean"],
             "speedup": stats([r["settings"]["main"]["speedup"] for r in sub]),
-            "accept_len": stats([x for r in sub for x in r["settings"]["main"]["accept_lens"]])}
+            "accept_len": stats([x for r in sub for x in r["settings"]["main"]["accept_lens"]]),
+            "accepted_from": accepted_shares(sub)}
+    rep["accepted_from"] = accepted_shares(ok)
     peers = [r["peer_llamacpp"] for r in records if isinstance(r.get("peer_llamacpp"), dict)
              and "tok_s" in r["peer_llamacpp"]]
     if peers:
@@ -251,11 +264,17 @@ def markdown(rep: dict) -> str:
           "the identical-output check and the shape of the distributions are the comparable parts.", ""]
     if rep["by_source"]:
         L += ["### By source", "", "| source | turns | baseline tok/s | EAGLE-3 tok/s | speedup mean | speedup p90 | "
-              "L_k mean |", "|---|---|---|---|---|---|---|"]
+              "L_k mean | accepted from suffix | from both |", "|---|---|---|---|---|---|---|---|---|"]
         for src, s in rep["by_source"].items():
+            a = s.get("accepted_from", {})
             L.append(f"| {src} | {s['turns']} | {_f(s['baseline_tok_s'])} | {_f(s['ea_tok_s'])} | "
-                     f"{_f(s['speedup']['mean'])}x | {_f(s['speedup']['p90'])}x | {_f(s['accept_len']['mean'])} |")
-        L.append("")
+                     f"{_f(s['speedup']['mean'])}x | {_f(s['speedup']['p90'])}x | {_f(s['accept_len']['mean'])} | "
+                     f"{_f(a.get('suffix_share'), 3)} | {_f(a.get('both_share'), 3)} |")
+        a = rep.get("accepted_from", {})
+        L += ["", f"Accepted draft tokens by who proposed them (speculative.method "
+              f"{rep['run'].get('config', {}).get('speculative', {}).get('method', 'eagle3')}"
+              f"): drafter {a.get('drafter', 0)}, suffix candidates {a.get('suffix', 0)}, both {a.get('both', 0)}.",
+              ""]
     L += policy_markdown(rep)
     f3 = rep["figures"]["fig3_accept_by_depth"]
     L += ["## Figure 3: acceptance by tree position", "",

@@ -282,6 +282,14 @@ def accept_by_depth(accept_lens, D: int) -> dict:
     return {"depth": list(range(1, D + 1)), "reach": reach, "conditional": cond, "n_steps": n}
 
 
+def accepted_from(steps) -> dict:
+    """Accepted drafted tokens of ``steps`` (core.trace.StepTrace) by who proposed them: {"drafter", "suffix",
+    "both"} (ints; the bonus tokens are nobody's)."""
+    suffix = sum(st.accepted_suffix for st in steps)
+    both = sum(st.accepted_both for st in steps)
+    return {"drafter": sum(st.accept_len - 1 for st in steps) - suffix - both, "suffix": suffix, "both": both}
+
+
 def phase_totals(steps) -> dict:
     """Sum over steps of each phase's ms (PHASES), of total_ms, plus the step count and mean tree size."""
     out = {f"{p}_ms": float(sum(getattr(s, f"{p}_ms") for s in steps)) for p in PHASES}
@@ -371,6 +379,7 @@ def run_turn(pool, ts: TurnSpec, history: list, gen, settings, attn_samples: int
              "predicted_lens": [round(float(st.predicted_len), 3) for st in tree_steps],
              "budgets": [int(st.budget) for st in tree_steps], "plain_steps": len(g.steps) - len(tree_steps),
              "drafted_plain_steps": sum(1 for st in g.steps if st.budget == 1 and st.drafted),
+             "accepted_from": accepted_from(tree_steps),
              "spec_share": g.turn.spec_share, "phases": phase_totals(g.steps)}
         rec["settings"][s.name] = r
         if not same:
@@ -445,5 +454,5 @@ def _append(path: str, rec: dict) -> None:
 
 
 __all__ = ["Setting", "TurnSpec", "EnginePool", "AttnProbe", "OutputMismatchError", "turn_specs", "run_turn",
-           "run_turns", "read_records", "stats", "accept_by_depth", "attention_buckets", "phase_totals",
+           "run_turns", "read_records", "stats", "accept_by_depth", "accepted_from", "attention_buckets", "phase_totals",
            "ATTN_BUCKETS"]

@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from mindspore_eagle.core.tree import DraftTree
+from mindspore_eagle.core.tree import SOURCES, DraftTree
 
 PROB_EDGES = np.array([0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0 + 1e-6])
 
 
 class AcceptanceModel:
-    """P(draft node accepted | its depth, whether it is its parent's likeliest child, its drafter path
+    """P(draft node accepted | who proposed it, its depth, whether it is its parent's likeliest child, its path
     probability), calibrated online.
 
-    Bins: depth groups 1, 2, >= 3 x {likeliest child, other child} x the probability bins ``PROB_EDGES``. The rank
+    Bins: source (drafter, suffix, both: ``core.tree.SOURCES``) x depth groups 1, 2, >= 3 x {likeliest child, other
+    child} x the probability bins ``PROB_EDGES``. Each source has its own table because their probabilities mean
+    different things: the drafter's is a softmax, a suffix node's is the share of earlier occurrences that went on
+    that way (core/suffix.py), over-confident after a single occurrence. The rank
     matters: on 3,672 replayed positions the embedded drafter's likeliest depth-1 child at path probability
     0.1-0.2 was accepted 27 % of the time, while a less likely sibling of the same probability is accepted far less
     (docs/results.md, "2026-11-30, evening"). Each bin keeps decayed counts of verified nodes and of accepted ones; the
@@ -28,48 +31,52 @@ class AcceptanceModel:
 
     def __init__(self, prior_weight: float = 4.0, decay: float = 0.999, depth_groups: int = 3):
         self.w, self.decay, self.G = float(prior_weight), float(decay), int(depth_groups)
-        shape = (self.G, 2, len(PROB_EDGES) - 1)
+        shape = (len(SOURCES), self.G, 2, len(PROB_EDGES) - 1)
         self.n, self.hits, self.psum = np.zeros(shape), np.zeros(shape), np.zeros(shape)
 
-    def _index(self, scores, depth, best):
+    def _index(self, scores, depth, best, source=None):
         prob = np.exp(np.minimum(np.asarray(scores, np.float64), 0.0))
         g = np.clip(np.asarray(depth, np.int64), 1, self.G) - 1
         r = 1 - np.asarray(best, np.int64)
         b = np.clip(np.searchsorted(PROB_EDGES, prob, side="right") - 1, 0, len(PROB_EDGES) - 2)
-        return (g, r, b), prob
+        src = np.zeros_like(g) if source is None else np.asarray(source, np.int64)
+        return (src, g, r, b), prob
 
     def table(self) -> np.ndarray:
-        """float64 [G, 2, bins]: calibrated acceptance probability per (depth group, likeliest/other, prob bin)."""
+        """float64 [sources, G, 2, bins]: calibrated acceptance probability per (source, depth group,
+        likeliest/other, prob bin)."""
         centers = (PROB_EDGES[:-1] + np.minimum(PROB_EDGES[1:], 1.0)) / 2
         prior = np.where(self.n > 0, self.psum / np.maximum(self.n, 1e-12), centers)
         return (self.hits + self.w * prior) / (self.n + self.w)
 
-    def predict(self, scores, depth, best) -> np.ndarray:
+    def predict(self, scores, depth, best, source=None) -> np.ndarray:
         """Calibrated acceptance probability float64 [n] of nodes with cumulative log-prob ``scores`` [n] at
-        ``depth`` [n] (>= 1); ``best`` bool [n]: the node is its parent's likeliest child."""
-        idx, _ = self._index(scores, depth, best)
+        ``depth`` [n] (>= 1); ``best`` bool [n]: the node is its parent's likeliest child; ``source`` int [n]
+        (``core.tree.SOURCE_*``, None = all drafter)."""
+        idx, _ = self._index(scores, depth, best, source)
         return self.table()[idx]
 
-    def observe(self, scores, depth, best, accepted) -> None:
+    def observe(self, scores, depth, best, accepted, source=None) -> None:
         """Add one step's verified drafted nodes (arrays as ``predict``, plus ``accepted`` bool [n])."""
         for a in (self.n, self.hits, self.psum):
             a *= self.decay
-        idx, prob = self._index(scores, depth, best)
+        idx, prob = self._index(scores, depth, best, source)
         np.add.at(self.n, idx, 1.0)
         np.add.at(self.hits, idx, np.asarray(accepted, np.float64))
         np.add.at(self.psum, idx, prob)
 
     def to_dict(self) -> dict:
-        """Calibration table for reports: per (depth group, likeliest/other child, probability bin) the observed
-        nodes, their mean drafter probability, the observed acceptance rate and the model's estimate."""
+        """Calibration table for reports: per (source, depth group, likeliest/other child, probability bin) the
+        observed nodes, their mean proposed probability, the observed acceptance rate and the model's estimate."""
         est = self.table()
         rows = []
-        for g, r, b in zip(*np.nonzero(self.n >= 0.5)):
-            rows.append({"depth": int(g) + 1 if g + 1 < self.G else f">={self.G}",
+        for s, g, r, b in zip(*np.nonzero(self.n >= 0.5)):
+            i = (s, g, r, b)
+            rows.append({"source": SOURCES[s], "depth": int(g) + 1 if g + 1 < self.G else f">={self.G}",
                          "child": "likeliest" if r == 0 else "other",
                          "prob_lo": float(PROB_EDGES[b]), "prob_hi": float(min(PROB_EDGES[b + 1], 1.0)),
-                         "nodes": float(self.n[g, r, b]), "drafter_prob": float(self.psum[g, r, b] / self.n[g, r, b]),
-                         "accepted": float(self.hits[g, r, b] / self.n[g, r, b]), "estimate": float(est[g, r, b])})
+                         "nodes": float(self.n[i]), "drafter_prob": float(self.psum[i] / self.n[i]),
+                         "accepted": float(self.hits[i] / self.n[i]), "estimate": float(est[i])})
         return {"bins": rows}
 
 
@@ -98,7 +105,7 @@ def node_values(tree: DraftTree, model: AcceptanceModel) -> np.ndarray:
     depth, _ = tree_depth(tree)
     val = np.ones(n)
     if n > 1:
-        val[1:] = model.predict(tree.scores[1:], depth[1:], likeliest_child(tree)[1:])
+        val[1:] = model.predict(tree.scores[1:], depth[1:], likeliest_child(tree)[1:], tree.sources()[1:])
         kids: dict = {}
         for i in range(1, n):
             kids.setdefault(int(tree.parents[i]), []).append(i)
@@ -111,16 +118,22 @@ def node_values(tree: DraftTree, model: AcceptanceModel) -> np.ndarray:
     return val
 
 
-def top_nodes(tree: DraftTree, m: int) -> DraftTree:
-    """The root plus the best ``m - 1`` drafted nodes by score (ties: lower index first), parents relinked.
+def top_nodes(tree: DraftTree, m: int, values: np.ndarray | None = None) -> DraftTree:
+    """The root plus the best ``m - 1`` drafted nodes by ``values`` (float [n], e.g. :func:`node_values`; default
+    the scores), ties to the lower index, parents relinked.
 
-    A child's cumulative score never exceeds its parent's and ties favour the lower index (the parent), so the kept
-    set is closed under parents (docs/design.md, "Tree expansion"). Returns ``tree`` itself when it has <= m nodes.
+    A child's cumulative score, and its capped calibrated value, never exceeds its parent's, and ties favour the
+    lower index (the parent), so the kept set is closed under parents (docs/design.md, "Tree expansion"). Returns
+    ``tree`` itself when it has <= m nodes.
+
+    Raises:
+        AssertionError: a kept node's parent was not kept (``values`` grew from a parent to its child).
     """
     n = len(tree)
     if n <= m:
         return tree
-    order = np.lexsort((np.arange(n - 1), -tree.scores[1:]))[: m - 1] + 1
+    rank = tree.scores if values is None else np.asarray(values)
+    order = np.lexsort((np.arange(n - 1), -rank[1:]))[: m - 1] + 1
     keep = np.concatenate([[0], np.sort(order)])
     new_index = np.full(n, -1, np.int64)
     new_index[keep] = np.arange(keep.size)
@@ -128,7 +141,8 @@ def top_nodes(tree: DraftTree, m: int) -> DraftTree:
     parents[0] = 0
     if (parents < 0).any():
         raise AssertionError("top_nodes kept a node without its parent")
-    return DraftTree(tree.tokens[keep], parents, tree.scores[keep])
+    return DraftTree(tree.tokens[keep], parents, tree.scores[keep],
+                     None if tree.source is None else tree.source[keep])
 
 
 def tree_depth(tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
@@ -147,7 +161,7 @@ def observe_tree(model: AcceptanceModel, tree: DraftTree, accepted_path) -> np.n
     depth, has_child = tree_depth(tree)
     acc = np.zeros(len(tree), bool)
     acc[np.asarray(accepted_path, np.int64)] = True
-    model.observe(tree.scores[1:], depth[1:], likeliest_child(tree)[1:], acc[1:])
+    model.observe(tree.scores[1:], depth[1:], likeliest_child(tree)[1:], acc[1:], tree.sources()[1:])
     return has_child
 
 

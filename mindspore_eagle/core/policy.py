@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mindspore_eagle.core.calibration import AcceptanceModel, node_values, observe_tree
+from mindspore_eagle.core.calibration import AcceptanceModel, node_values, observe_tree, top_nodes
 from mindspore_eagle.core.costs import CostTable
 from mindspore_eagle.core.tree import DraftTree
 
@@ -62,15 +62,22 @@ class FixedPolicy:
         self.budgets = [self.M]
         self.costs = None
 
-    def want_draft(self, max_m: int) -> bool:
+    def want_draft(self, max_m: int, fallback: DraftTree | None = None, left: int = 1 << 30) -> bool:
         return max_m >= self.M
 
     def want_expand(self, tree: DraftTree, frontier_scores, depth: int, max_m: int, left: int) -> bool:
         return True
 
     def choose(self, tree: DraftTree, max_m: int, left: int) -> Choice:
+        if max_m < self.M:                        # no room for the budget: decode plainly
+            return Choice(1, 1.0, 0.0)
         predicted = float(node_values(tree, self.model).sum()) if tree.scores is not None else 0.0
         return Choice(self.M, predicted, 0.0)
+
+    def select(self, tree: DraftTree, m: int) -> DraftTree:
+        """The root and the ``m - 1`` nodes of ``tree`` with the highest calibrated values (what ``choose``
+        counted on)."""
+        return top_nodes(tree, m, node_values(tree, self.model) if tree.source is not None else None)
 
     def after_draft(self, chosen: Choice) -> None:
         pass
@@ -127,8 +134,11 @@ class AdaptivePolicy:
         return float((self.cont[d] + 4 * 0.4) / (self.reach[d] + 4))
 
     # ---------------------------------------------------------------------- the three questions
-    def want_draft(self, max_m: int) -> bool:
-        """Run the drafter this step? ``max_m``: the largest budget the cache has room for (< 2: no tree fits).
+    def want_draft(self, max_m: int, fallback: DraftTree | None = None, left: int = 1 << 30) -> bool:
+        """Run the drafter this step? ``max_m``: the largest budget the cache has room for (< 2: no tree fits);
+        ``fallback``: the tree the step can verify without the drafter (suffix candidates, core/suffix.py), whose
+        own advantage over plain decoding is subtracted from what drafting is expected to add (so a long, well
+        calibrated copy skips the drafter); ``left``: tokens still to generate.
 
         Value of information: after the context pass the policy can still decode plainly, so drafting is worth its
         cost when the expected advantage it enables, E[max(profit of the best tree - profit of plain decoding, 0)]
@@ -137,7 +147,10 @@ class AdaptivePolicy:
         per-step feature here; a drafter that stops paying is probed every ``probe_every`` steps."""
         if max_m < 2:
             return False
-        if self.drafted < self.explore or self.gain > self.rho * self.costs.draft_ctx_ms:
+        have = 0.0
+        if fallback is not None and len(fallback) > 1:
+            have = max(0.0, self.choose(fallback, max_m, left).profit - (1.0 - self.rho * self.costs.decode_ms))
+        if self.drafted < self.explore or self.gain - have > self.rho * self.costs.draft_ctx_ms:
             return True
         self.skips += 1
         return self.skips % self.probe_every == 0
@@ -170,12 +183,20 @@ class AdaptivePolicy:
         return best
 
     # ---------------------------------------------------------------------- bookkeeping
+    def select(self, tree: DraftTree, m: int) -> DraftTree:
+        """The root and the ``m - 1`` nodes that ``choose`` valued (:meth:`_ranked`'s order)."""
+        return top_nodes(tree, m, node_values(tree, self.model) if tree.source is not None else None)
+
     def _ranked(self, tree: DraftTree) -> np.ndarray:
-        """Calibrated node values in score order (the order top_nodes keeps them)."""
+        """Calibrated node values in the order :meth:`select` keeps them: by score for a drafter's tree (its
+        cumulative log-probs), by value for a tree with suffix nodes (core/suffix.py), whose frequency scores
+        are not on the drafter's scale."""
         if len(tree) < 2:
             return np.zeros(0)
-        order = np.lexsort((np.arange(len(tree) - 1), -tree.scores[1:])) + 1
-        return node_values(tree, self.model)[order]
+        values = node_values(tree, self.model)
+        rank = tree.scores if tree.source is None else values
+        order = np.lexsort((np.arange(len(tree) - 1), -rank[1:])) + 1
+        return values[order]
 
     def _profit(self, ranked: np.ndarray, m: int, left: int) -> float:
         L = min(1.0 + float(np.sum(ranked[: m - 1])), float(max(left, 1)))

@@ -59,6 +59,8 @@ class StepTrace(_Record):
     n_nodes: int = 0  # real nodes in the verified tree (<= budget; 1 for a plain decode step)
     budget: int = 0  # tokens verified this step (the compiled budget m; 1 = plain decode; 0 = not recorded)
     drafted: bool = True  # the drafter ran this step
+    accepted_suffix: int = 0  # accepted drafted nodes proposed by suffix candidates only (core/suffix.py)
+    accepted_both: int = 0  # accepted drafted nodes proposed by both the drafter and suffix candidates
     predicted_len: float = 0.0  # the policy's expected L_k for the chosen budget (1.0 for plain decode)
     draft_ms: float = 0.0  # drafter context pass + tree expansion
     tensorize_ms: float = 0.0  # tree.tensorize

@@ -21,6 +21,9 @@ import numpy as np
 NEG_BIAS = np.float32(-1e9)  # additive attention bias of a masked column; finite so no row softmax sees NaN
 INT32_MAX = np.iinfo(np.int32).max
 
+SOURCE_DRAFTER, SOURCE_SUFFIX, SOURCE_BOTH = 0, 1, 2   # who proposed a node (DraftTree.source)
+SOURCES = ("drafter", "suffix", "both")
+
 INVARIANTS = (
     "shapes",
     "index_range",
@@ -57,13 +60,17 @@ class DraftTree:
         tokens: int64 [n], teacher-vocabulary token ids, tokens[0] = root.
         parents: int64 [n], parents[0] = 0 (root), parents[i] < i for i >= 1.
         scores: float32 [n] or None, cumulative draft log-probs (informational only).
+        source: int8 [n] or None (= all SOURCE_DRAFTER): who proposed each node, SOURCE_DRAFTER (the EAGLE-3
+            drafter), SOURCE_SUFFIX (core/suffix.py) or SOURCE_BOTH (:func:`merge_trees`); the root's entry is
+            meaningless.
     Raises:
-        ValueError: tokens / parents / scores are not 1-D arrays of one common length.
+        ValueError: tokens / parents / scores / source are not 1-D arrays of one common length.
     """
 
     tokens: np.ndarray  # int64 [n]
     parents: np.ndarray  # int64 [n]
     scores: np.ndarray | None = None  # float32 [n] or None
+    source: np.ndarray | None = None  # int8 [n] or None
 
     def __post_init__(self):
         self.tokens = np.asarray(self.tokens, dtype=np.int64).reshape(-1)
@@ -76,6 +83,15 @@ class DraftTree:
             if self.scores.shape != self.tokens.shape:
                 raise ValueError(f"tree.scores has length {self.scores.size}, must equal len(tree.tokens) = "
                                  f"{self.tokens.size}")
+        if self.source is not None:
+            self.source = np.asarray(self.source, dtype=np.int8).reshape(-1)
+            if self.source.shape != self.tokens.shape:
+                raise ValueError(f"tree.source has length {self.source.size}, must equal len(tree.tokens) = "
+                                 f"{self.tokens.size}")
+
+    def sources(self) -> np.ndarray:
+        """int8 [n]: ``source``, or all SOURCE_DRAFTER when it is None."""
+        return self.source if self.source is not None else np.zeros(len(self), np.int8)
 
     def __len__(self) -> int:
         return int(self.tokens.size)
@@ -123,6 +139,55 @@ def chain_tree(tokens) -> DraftTree:
         raise ValueError("chain_tree tokens must hold at least the root (length >= 1), got length 0")
     parents = np.maximum(np.arange(tokens.size, dtype=np.int64) - 1, 0)
     return DraftTree(tokens, parents)
+
+
+def merge_trees(drafted: DraftTree, suffix: DraftTree | None) -> DraftTree:
+    """One tree from two sources (docs/design.md, "Suffix candidates"): the drafter's tree with the suffix tree's
+    nodes added, a node both propose kept once (SOURCE_BOTH, the larger of its two scores).
+
+    Both trees must share the root token and list parents before children, with cumulative scores that never grow
+    from a parent to its child; the merged tree keeps all three properties (a suffix node's merged parent is a
+    suffix or shared node, whose score is at least the suffix parent's), so :func:`top_nodes` on it keeps a
+    parent-closed set. Nodes of ``drafted`` keep their indices; new suffix nodes follow, parents first.
+
+    Args:
+        drafted: DraftTree with scores (its ``source`` as given, default SOURCE_DRAFTER).
+        suffix: DraftTree with scores (every node counted as SOURCE_SUFFIX), or None (returns ``drafted`` with
+            its source filled in).
+    Returns:
+        DraftTree with tokens, parents, scores float32 and source int8, of at most len(drafted) + len(suffix) - 1
+        nodes; may exceed the budget M: the policy's selection (top_nodes) cuts it.
+    Raises:
+        ValueError: the roots differ or a tree has no scores.
+    """
+    if drafted.scores is None or (suffix is not None and suffix.scores is None):
+        raise ValueError("merge_trees: both trees need scores (cumulative log-probs)")
+    src = drafted.sources().copy()
+    if suffix is None or len(suffix) < 2:
+        return DraftTree(drafted.tokens, drafted.parents, drafted.scores, src)
+    if int(suffix.tokens[0]) != int(drafted.tokens[0]):
+        raise ValueError(f"merge_trees: roots differ (drafter {int(drafted.tokens[0])}, suffix "
+                         f"{int(suffix.tokens[0])})")
+    tokens, parents = list(drafted.tokens), list(drafted.parents)
+    scores = list(drafted.scores)
+    src = list(src)
+    child = {(int(p), int(t)): i for i, (p, t) in enumerate(zip(drafted.parents[1:], drafted.tokens[1:]), start=1)}
+    where = np.zeros(len(suffix), np.int64)             # suffix node -> merged node (root -> root)
+    for j in range(1, len(suffix)):
+        par, tok, sc = int(where[suffix.parents[j]]), int(suffix.tokens[j]), float(suffix.scores[j])
+        i = child.get((par, tok))
+        if i is None:
+            i = len(tokens)
+            child[(par, tok)] = i
+            tokens.append(tok)
+            parents.append(par)
+            scores.append(sc)
+            src.append(SOURCE_SUFFIX)
+        elif src[i] != SOURCE_SUFFIX:
+            src[i] = SOURCE_BOTH
+            scores[i] = max(scores[i], sc)
+        where[j] = i
+    return DraftTree(np.asarray(tokens), np.asarray(parents), np.asarray(scores, np.float32), np.asarray(src))
 
 
 def _check_budget(M: int, D: int) -> None:

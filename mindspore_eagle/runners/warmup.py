@@ -243,7 +243,7 @@ def warmup(engine, gen, mode: str = "full", log=None, drafters=None, budgets=Non
     elif mode == "short":
         short = dataclasses.replace(gen, max_new_tokens=min(8, gen.max_new_tokens), stop=[])
         engine.generate_ids(engine.encode_chat("Say hello in one short sentence."), short,
-                            speculative=engine.drafter is not None, turn_id="warmup")
+                            speculative=engine.speculates, turn_id="warmup")
     out = {"mode": mode, "seconds": time.perf_counter() - t0, "compiles": count() - c0,
            "loads": graph_stats()["loads"] - l0}
     if mode != "none":
@@ -254,14 +254,15 @@ def warmup(engine, gen, mode: str = "full", log=None, drafters=None, budgets=Non
 
 def full_shapes(engine, drafters=None, budgets=None, max_batch: int = 1) -> list:
     """(what, fn) of every shape a full warm-up visits, in its fixed order: the teacher's, then (with a drafter)
-    every drafter's, then the batched ones. A teacher-only engine gets no verification, tree or drafter shape."""
-    spec, tree = engine.spec, engine.drafter is not None
+    every drafter's, then the batched ones. A teacher-only engine gets no verification, tree or drafter shape; one
+    that drafts from suffix candidates alone (``speculative.method: suffix``) gets the trees and no drafter."""
+    spec, tree, drafter = engine.spec, engine.speculates, engine.drafter is not None
     budgets = (budgets or engine.verify_budgets()) if tree else []
     calls = list(teacher_shapes(engine.teacher, budgets, spec.D_max))
-    for dr in ([engine.drafter] if tree else []) + list(drafters or []):
+    for dr in ([engine.drafter] if drafter else []) + list(drafters or []):
         calls += list(drafter_shapes(dr, spec.M, spec.D_max, engine.teacher.S))
     calls += list(batch_shapes(engine.teacher, max_batch, spec.M, spec.D_max, tree))
-    if tree:
+    if drafter:
         calls += list(drafter_batch_shapes(engine.drafter, max_batch, spec.M, spec.D_max, engine.teacher.S))
     return calls
 

@@ -205,7 +205,7 @@ def build_scheduler(cfg, log_line, warmup: str = "full"):
     sched = BatchScheduler(engine, cfg.generation, cfg.batch.max_batch, speculative=cfg.batch.speculative,
                            single_round=True)
     report_compiles(log_line)
-    how = "speculative (trees gated per batch size)" if engine.drafter is not None else "teacher-only"
+    how = "speculative (trees gated per batch size)" if engine.speculates else "teacher-only"
     log_line(f"ready in {time.perf_counter() - t0:.1f} s: up to {cfg.batch.max_batch} sequences per step, {how}, "
              f"KV pool {sched.NB} blocks of {sched.B} tokens")
     return engine, sched

@@ -373,7 +373,7 @@ def _run_batched(engine, records: list, gen, max_batch: int, speculative: bool, 
     """``run_batch`` with ``max_batch`` > 1: continuous batching (scheduler.py), tokens/s on the progress bar."""
     from mindspore_eagle.serving.scheduler import BatchScheduler
 
-    sched = BatchScheduler(engine, gen, max_batch, speculative=speculative and engine.drafter is not None)
+    sched = BatchScheduler(engine, gen, max_batch, speculative=speculative and engine.speculates)
     t0 = time.perf_counter()
 
     def on_result(result):

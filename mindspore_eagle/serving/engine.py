@@ -28,12 +28,12 @@ from mindspore_eagle.core.costs import (
 )
 from mindspore_eagle.core.emit import Emitter
 from mindspore_eagle.core.policy import AdaptivePolicy, FixedPolicy
+from mindspore_eagle.core.suffix import SuffixIndex
 from mindspore_eagle.core.trace import TraceWriter, TurnTrace
 from mindspore_eagle.core.tree import DraftTree, tensorize
 from mindspore_eagle.errors import MsEagleError
 from mindspore_eagle.kernels import graph_cache
 from mindspore_eagle.kernels.kv import CacheExhaustedError
-from mindspore_eagle.kernels.runtime import graph_stats
 from mindspore_eagle.runners.warmup import budgets_at_hand
 from mindspore_eagle.serving.round import DecodeRound, Sequence
 
@@ -89,9 +89,12 @@ class Engine:
 
     def __init__(self, target, tokenizer, eos_ids, drafter=None, spec: SpeculativeConfig | None = None,
                  trace: TraceWriter | None = None, costs: CostTable | None = None, cost_file: str | None = None):
-        self.teacher, self.tokenizer, self.drafter = target, tokenizer, drafter
-        self.eos = set(int(e) for e in eos_ids)
         self.spec = spec or SpeculativeConfig()
+        self.teacher, self.tokenizer = target, tokenizer
+        self.drafter = drafter if self.spec.method != "suffix" else None
+        # the process's earlier outputs, for suffix candidates (core/suffix.py); outlives every turn
+        self.suffix = SuffixIndex(max_tokens=self.spec.suffix_tokens) if self.spec.method != "eagle3" else None
+        self.eos = set(int(e) for e in eos_ids)
         self.trace = trace or TraceWriter(None)
         self.validate = self.spec.validate_tree or target.mode == "eager"
         self.costs, self.cost_file = costs, cost_file
@@ -237,7 +240,7 @@ class Engine:
         ids = [int(i) for i in prompt_ids]
         if not ids:
             raise GenerationError("prompt is empty (0 tokens)")
-        speculative = speculative and self.drafter is not None
+        speculative = speculative and self.speculates
         room = len(ids) + gen.max_new_tokens
         if room > self.teacher.S:
             raise GenerationError(f"prompt of {len(ids)} tokens + generation.max_new_tokens={gen.max_new_tokens}"
@@ -261,15 +264,10 @@ class Engine:
                         self._policy.budgets = (budgets_at_hand(self.teacher, self.verify_budgets(),
                                                                 self.teacher.length(seq.sid))
                                                 if self.decoded < self.AT_HAND_TOKENS else self.verify_budgets())
-                    made = graph_stats()
                     self.decoded += len(rnd.step([seq])[0])
-                    # the policy's running cost table: steps that compiled or loaded a graph say nothing of cost
-                    if speculative and self.running_costs is not None:
-                        if graph_stats() == made:
-                            self.running_costs.observe_step(seq.steps[-1])
-                        if emitter.reason and self.cost_file and self.running_costs.observed:
-                            self.costs.save(self.cost_file)
             decode_ms = (time.perf_counter() - t1) * 1e3
+            if speculative:
+                self.save_costs()
         finally:
             rnd.finish(seq)
             self.teacher.free(seq.sid)
@@ -282,13 +280,29 @@ class Engine:
         self.trace.write(turn)
         return Generation(emitter.ids, emitter.text(), emitter.reason, len(ids), steps, turn)
 
+    def save_costs(self) -> None:
+        """Store the policy's cost table (kept current by the single-sequence round, core.costs.RunningCosts) in
+        ``cost_file``, where the next process of this machine and configuration starts from it; nothing when no
+        step was observed or there is no file."""
+        if self.running_costs is not None and self.cost_file and self.running_costs.observed:
+            self.costs.save(self.cost_file)
+
+    @property
+    def speculates(self) -> bool:
+        """Whether speculative turns draft anything: a drafter (method eagle3 or hybrid) or suffix candidates
+        (method suffix or hybrid)."""
+        return self.drafter is not None or self.suffix is not None
+
     def decode_round(self, speculative: bool = True, rows: int = 1, features: bool = False) -> DecodeRound:
-        """The shared decode round over this engine's runners: with the drafter and the speculation policy when
-        ``speculative`` (and a drafter exists), teacher-only otherwise; ``rows`` > 1 for batched calls."""
-        spec = speculative and self.drafter is not None
-        return DecodeRound(self.teacher, self.drafter if spec else None, self.spec, rows=rows,
-                           policy=self.policy if spec and rows == 1 else None, validate=self.validate,
-                           trace=self.trace if spec and rows == 1 else None, features=features)
+        """The shared decode round over this engine's runners: with the drafter, suffix candidates and the
+        speculation policy when ``speculative`` (and the engine :attr:`speculates`), teacher-only otherwise;
+        ``rows`` > 1 for batched calls."""
+        spec = speculative and self.speculates
+        policy = self.policy if spec and rows == 1 else None          # builds the running cost table on first use
+        return DecodeRound(self.teacher, self.drafter if spec else None, self.spec, rows=rows, policy=policy,
+                           validate=self.validate, trace=self.trace if spec and rows == 1 else None,
+                           features=features, suffix=self.suffix if spec else None,
+                           costs=self.running_costs if policy is not None else None)
 
 
 def mean_accept_len(steps) -> float:

@@ -112,7 +112,7 @@ def build_engine(cfg: Config, loaded: Loaded | None = None, trace=None, log=None
     teacher.load_hf_weights(loaded.teacher_tensors)
     target = TeacherRunner(teacher, c.num_blocks, c.block_size, c.max_seq_len, mode, c.prefill_chunk)
     drafter = None
-    if loaded.drafter_cfg is not None:
+    if loaded.drafter_cfg is not None and sp.method != "suffix":
         scratch = sp.top_k * max(0, sp.D_max - 1)
         d_len = -(-(c.max_seq_len + scratch) // c.block_size) * c.block_size
         seqs = max(1, c.num_blocks // (c.max_seq_len // c.block_size))     # full sequences the teacher pool holds
@@ -123,7 +123,8 @@ def build_engine(cfg: Config, loaded: Loaded | None = None, trace=None, log=None
     if trace is None:
         trace = TraceWriter(sp.trace or None)
     return Engine(target, loaded.tokenizer, loaded.teacher_cfg.eos_token_ids, drafter, sp, trace,
-                  cost_file=cost_file(cfg) if sp.policy == "adaptive" and drafter is not None else None)
+                  cost_file=cost_file(cfg) if sp.policy == "adaptive" and (drafter is not None or sp.method != "eagle3")
+                  else None)
 
 
 def prepare(engine, cfg, gen, mode: str = "full", log=None, drafters=None, graph_cache: bool = True,

@@ -8,7 +8,10 @@ One round (docs/architecture.md, "The decode round"):
 
     plan       N = 1: the speculation policy (core/policy.py) answers "draft?", "one more level?", "budget m?"
                N > 1: a RateGate picks a tree of the fixed budget M for every sequence, or a plain step for all
-    draft      drafter context pass on the pairs the drafter has not seen, then the EAGLE-2 tree
+    draft      drafter context pass on the pairs the drafter has not seen, then the EAGLE-2 tree; with suffix
+               candidates (core/suffix.py) the continuations of the longest earlier match in the sequence's own
+               text and in the process's earlier outputs are merged into it (core.tree.merge_trees), or verified
+               alone when the drafter does not run or there is none
     tensorize  core.tree.tensorize at the step's budget [+ validate_tree in eager mode / when asked]
     forward    a plain step: one teacher decode (N = 1) or one batched decode of n rows;
                a tree step: one teacher verification of m rows (N = 1) or of n x M rows (``BatchLayout``)
@@ -33,6 +36,11 @@ A live sequence is a :class:`Sequence` (or any object with its attributes):
 (GenerationConfig; sampling draws with ``gen.seed``), ``emitter`` (core.emit.Emitter), ``accept_lens`` (list; L_k of
 every tree step is appended), ``steps`` (list; one core.trace.StepTrace per step is appended), ``state`` (the
 round's, set by :meth:`DecodeRound.start`) and, with ``features=True``, ``features`` (list).
+
+Suffix candidates and benchmarks: the process's index of earlier outputs (``suffix``) receives a sequence's output
+only when the sequence finishes, keyed by its prompt, and a sequence never reads outputs of its own prompt; a
+teacher-only round (no drafter, no ``suffix``) adds nothing. So a bench that decodes a turn teacher-only and then
+speculatively drafts only from other turns' outputs, as a server that has answered other users would.
 """
 from __future__ import annotations
 
@@ -48,11 +56,13 @@ from mindspore_eagle.core.accept import (
     sample_token,
     warp_probs,
 )
-from mindspore_eagle.core.calibration import top_nodes
+from mindspore_eagle.core.calibration import AcceptanceModel, node_values, observe_tree, top_nodes
 from mindspore_eagle.core.gate import RateGate
 from mindspore_eagle.core.policy import Choice
+from mindspore_eagle.core.suffix import SuffixIndex, propose
 from mindspore_eagle.core.trace import StepTrace, Timer
-from mindspore_eagle.core.tree import DraftTree, tensorize, validate_tree
+from mindspore_eagle.kernels.runtime import graph_stats
+from mindspore_eagle.core.tree import SOURCE_BOTH, SOURCE_SUFFIX, DraftTree, merge_trees, tensorize, validate_tree
 from mindspore_eagle.runners.protocols import DrafterRunnerLike, TeacherRunnerLike
 
 
@@ -101,10 +111,13 @@ class Sequence:
 
 @dataclass
 class _DraftState:
-    """The round's per-sequence drafter state: its drafter cache sequence and the (feature, token) pairs the
-    drafter has not seen yet (aux float32 [k, 3H], next tokens int64 [k])."""
-    dsid: int
+    """The round's per-sequence drafting state: its drafter cache sequence (None without a drafter), the
+    (feature, token) pairs the drafter has not seen yet (aux float32 [k, 3H], next tokens int64 [k]) and, with
+    suffix candidates, an index over its own prompt and output and its prompt's key."""
+    dsid: int | None
     pending: list
+    text: SuffixIndex | None = None
+    key: int | None = None
 
 
 class DecodeRound:
@@ -119,6 +132,10 @@ class DecodeRound:
         gate: N > 1 with a drafter: the step-kind chooser (default ``RateGate(("tree", "plain"))``).
         validate: check every tensorized tree against its invariants before verifying it (eager mode).
         trace: core.trace.TraceWriter receiving each StepTrace, or None.
+        suffix: the process's core.suffix.SuffixIndex of earlier outputs: draft trees also hold suffix candidates
+            (core/suffix.py; with ``drafter`` None they are the only drafts). None: the drafter's trees alone.
+        costs: N = 1: the core.costs.RunningCosts that keeps the policy's cost table current; every step that
+            made no graph (compiled or loaded) is observed. None: the table stays as it is.
         features: also keep the teacher's final-normed hidden state and captured features of every token fed
             (``s.features`` gets (hidden float32 [1, H], aux float32 [1, 3H]) per step; teacher-only, training data).
         width_step: batched calls on a non-grouped attention backend pad the concatenated KV width to a multiple
@@ -129,19 +146,23 @@ class DecodeRound:
 
     def __init__(self, teacher: TeacherRunnerLike, drafter: DrafterRunnerLike | None = None,
                  spec: SpeculativeConfig | None = None, rows: int = 1, policy=None,
-                 gate=None, validate: bool = False, trace=None, features: bool = False, width_step: int = 512):
-        if drafter is not None and rows == 1 and policy is None:
-            raise ValueError("DecodeRound: a drafter at rows = 1 needs a speculation policy")
-        if features and drafter is not None:
+                 gate=None, validate: bool = False, trace=None, features: bool = False, width_step: int = 512,
+                 suffix: SuffixIndex | None = None, costs=None):
+        drafts = drafter is not None or suffix is not None
+        if drafts and rows == 1 and policy is None:
+            raise ValueError("DecodeRound: drafting at rows = 1 needs a speculation policy")
+        if features and drafts:
             raise ValueError("DecodeRound: features are collected on teacher-only rounds")
-        self.teacher, self.drafter = teacher, drafter
+        self.teacher, self.drafter, self.suffix, self.costs = teacher, drafter, suffix, costs
         self.spec = spec or SpeculativeConfig()
         self.M, self.D = self.spec.M, self.spec.D_max
         self.rows, self.policy, self.validate, self.trace, self.features = rows, policy, validate, trace, features
         self.width_step = width_step
         self.single = rows == 1 and not features
-        self.gate = gate or (RateGate(("tree", "plain")) if drafter is not None and not self.single else None)
-        self.extra_slots = 0 if drafter is None else self.M   # KV slots a sequence needs beyond its tokens
+        self.gate = gate or (RateGate(("tree", "plain")) if drafts and not self.single else None)
+        self.extra_slots = self.M if drafts else 0   # KV slots a sequence needs beyond its tokens
+        # batched rounds rank merged trees by calibrated value (a single sequence's policy keeps its own model)
+        self.model = AcceptanceModel() if suffix is not None and not self.single else None
 
     # ------------------------------------------------------------------ sequences
     def start(self, s, prompt_ids, aux: np.ndarray) -> None:
@@ -156,6 +177,13 @@ class DecodeRound:
             nxt = np.asarray(list(prompt_ids[1:]) + [s.next], np.int64)
             s.state = _DraftState(self.drafter.new_seq(), [(aux, nxt)])
             self._check_positions(s, len(prompt_ids))
+        if self.suffix is not None:
+            ids = [int(t) for t in prompt_ids]
+            text = SuffixIndex(self.suffix.max_match, self.suffix.min_match)
+            text.add(ids + [int(s.next)])
+            if s.state is None:
+                s.state = _DraftState(None, [])
+            s.state.text, s.state.key = text, hash(tuple(ids))
 
     def _check_positions(self, s, prompt_len: int) -> None:
         """A turn that can reach past the drafter's trained positions: a note on the sequence (``s.notes``, the
@@ -173,10 +201,24 @@ class DecodeRound:
             print(f"warning: {note}", file=sys.stderr, flush=True)
 
     def finish(self, s) -> None:
-        """``s`` left (ended or cancelled): free its drafter sequence (its teacher sequence is the caller's)."""
-        if getattr(s, "state", None) is not None:
-            self.drafter.free(s.state.dsid)
-            s.state = None
+        """``s`` left (ended or cancelled): free its drafter sequence (its teacher sequence is the caller's) and
+        add its output to the process's index of earlier outputs (suffix candidates)."""
+        st = getattr(s, "state", None)
+        if st is None:
+            return
+        if st.dsid is not None:
+            self.drafter.free(st.dsid)
+        if st.text is not None and s.emitter.ids:
+            self.suffix.add(s.emitter.ids, key=st.key)
+        s.state = None
+
+    def _suffix_tree(self, s) -> DraftTree | None:
+        """The suffix candidates of ``s`` rooted at its pending token (None: no earlier match, or no suffix)."""
+        st = s.state
+        if st is None or st.text is None:
+            return None
+        ctx = st.text.docs[0]
+        return propose(s.next, [(st.text, ctx, None), (self.suffix, ctx, st.key)], self.D, self.M).tree
 
     # ------------------------------------------------------------------ one step
     def step(self, live: list) -> list:
@@ -189,71 +231,98 @@ class DecodeRound:
             CacheExhaustedError: a sequence's tokens do not fit its cache (callers reserve room first).
         """
         timer = Timer()
+        made = graph_stats()
         with timer:
-            trees, choices, expansions = self._draft(live, timer)
+            trees, choices, expansions, ran = self._draft(live, timer)
             if any(t is not None for t in trees):
                 results = self._verify(live, trees, [c.m if t is not None else 1 for t, c in zip(trees, choices)],
                                        timer)
             else:
                 results = self._decode(live, timer)
             out = []
-            for s, (path, tokens, aux), tree, choice, grown in zip(live, results, trees, choices, expansions):
+            for s, (path, tokens, aux), tree, choice, grown, drafted in zip(live, results, trees, choices, expansions,
+                                                                             ran):
                 if s.state is not None:
-                    s.state.pending.append((aux, tokens))
+                    if s.state.dsid is not None:
+                        s.state.pending.append((aux, tokens))
+                    if s.state.text is not None:
+                        s.state.text.extend(0, tokens)
                 if tree is not None:
                     s.accept_lens.append(len(tokens))
+                    if self.model is not None:
+                        observe_tree(self.model, tree, path)
                 if self.single and self.policy is not None:
-                    self.policy.observe(tree, path, len(tokens), self._model_ms(choice, grown))
+                    self.policy.observe(tree, path, len(tokens), self._model_ms(choice, grown, drafted))
                 s.next = int(tokens[-1])
                 out.append(s.emitter.push_all(tokens))
         if self.gate is not None:
-            self.gate.observe("tree" if trees[0] is not None else "plain", sum(len(t) for t in out), timer.total_ms)
-        for s, (path, tokens, _), tree, choice in zip(live, results, trees, choices):
+            kind = "tree" if any(t is not None for t in trees) else "plain"
+            self.gate.observe(kind, sum(len(t) for t in out), timer.total_ms)
+        for s, (path, tokens, _), tree, choice, drafted in zip(live, results, trees, choices, ran):
+            src = tree.source[path[1:]] if tree is not None and tree.source is not None else np.zeros(0, np.int8)
             st = StepTrace(step=len(s.steps), accept_len=len(tokens), accepted=path.tolist(),
                            n_nodes=len(tree) if tree is not None else 1, budget=choice.m if choice else 1,
-                           drafted=choice is not None, predicted_len=choice.predicted_len if choice else 1.0,
+                           drafted=drafted, predicted_len=choice.predicted_len if choice else 1.0,
+                           accepted_suffix=int((src == SOURCE_SUFFIX).sum()),
+                           accepted_both=int((src == SOURCE_BOTH).sum()),
                            total_ms=timer.total_ms, **timer.phase_kwargs())
             s.steps.append(st)
             if self.trace is not None:
                 self.trace.write(st)
+        # a step that compiled or loaded a graph says nothing of what a step costs
+        if self.single and self.costs is not None and graph_stats() == made:
+            self.costs.observe_step(live[0].steps[-1])
         return out
 
     # ------------------------------------------------------------------ plan + draft
     def _draft(self, live: list, timer: Timer):
-        """Per sequence: the DraftTree to verify (None: a plain step), the policy's Choice (None: the drafter did
-        not run) and the expansion steps drafted."""
+        """Per sequence: the DraftTree to verify (None: a plain step), the policy's Choice (None: nothing was
+        drafted), the drafter expansion steps run and whether the drafter ran."""
         n = len(live)
-        trees, choices, grown = [None] * n, [None] * n, [0] * n
-        if self.drafter is None:
-            return trees, choices, grown
+        trees, choices, grown, ran = [None] * n, [None] * n, [0] * n, [False] * n
+        if self.drafter is None and self.suffix is None:
+            return trees, choices, grown, ran
         dr = self.drafter
         if self.single:
             (s,) = live
             max_m = self.teacher.S - self.teacher.length(s.sid)           # tree tokens the cache has room for
             left = s.emitter.left
-            if not self.policy.want_draft(max_m):
-                return trees, choices, grown
-
-            def grow(tree, frontier, depth):
-                ok = self.policy.want_expand(tree, frontier, depth, max_m, left)
-                grown[0] += ok
-                return ok
             with timer.phase("draft"):
-                first = dr.extend(s.state.dsid, *_take_pending(s.state))
-                tree = dr.build_tree(s.state.dsid, s.next, first, self.M, self.D, grow=grow)
-                choice = self.policy.choose(tree, max_m, left)
+                tree = self._suffix_tree(s) if max_m >= 2 else None
+            if dr is not None and self.policy.want_draft(max_m, tree, left):
+                def grow(tree, frontier, depth):
+                    ok = self.policy.want_expand(tree, frontier, depth, max_m, left)
+                    grown[0] += ok
+                    return ok
+                with timer.phase("draft"):
+                    first = dr.extend(s.state.dsid, *_take_pending(s.state))
+                    drafted = dr.build_tree(s.state.dsid, s.next, first, self.M, self.D, grow=grow)
+                    tree = drafted if self.suffix is None else merge_trees(drafted, tree)
+                ran[0] = True
+            if tree is None:
+                return trees, choices, grown, ran
+            choice = self.policy.choose(tree, max_m, left)
+            if ran[0]:
                 self.policy.after_draft(choice)
             choices[0] = choice
             if choice.m > 1:
-                trees[0] = top_nodes(tree, choice.m)
-            return trees, choices, grown
+                trees[0] = self.policy.select(tree, choice.m)
+            return trees, choices, grown, ran
         if self.gate.choose() != "tree":
-            return trees, choices, grown
+            return trees, choices, grown, ran
         with timer.phase("draft"):
-            pending = [_take_pending(s.state) for s in live]
-            drafted = dr.draft_batch([s.state.dsid for s in live], pending, [s.next for s in live], self.M, self.D,
-                                     self.rows)
-        return drafted, [Choice(self.M, 0.0, 0.0)] * n, [max(0, self.D - 1)] * n
+            if dr is not None:
+                pending = [_take_pending(s.state) for s in live]
+                trees = dr.draft_batch([s.state.dsid for s in live], pending, [s.next for s in live], self.M,
+                                       self.D, self.rows)
+                ran = [True] * n
+            if self.suffix is not None:
+                for i, s in enumerate(live):
+                    sfx = self._suffix_tree(s)
+                    t = sfx if trees[i] is None else merge_trees(trees[i], sfx)
+                    trees[i] = None if t is None else top_nodes(t, self.M, node_values(t, self.model))
+        choices = [Choice(self.M, 0.0, 0.0) if t is not None else None for t in trees]
+        return trees, choices, [max(0, self.D - 1) if dr is not None else 0] * n, ran
 
     # ------------------------------------------------------------------ forwards
     def _decode(self, live: list, timer: Timer) -> list:
@@ -323,15 +392,14 @@ class DecodeRound:
             out.append((res.path, res.tokens, aux[r][res.path]))
         return out
 
-    def _model_ms(self, choice, expansions: int) -> float:
-        """The step's cost by the policy's table (0 without one): the drafter calls made (``choice`` None: the
-        drafter did not run) plus the forward of the chosen budget (1 = a plain decode)."""
+    def _model_ms(self, choice, expansions: int, drafted: bool) -> float:
+        """The step's cost by the policy's table (0 without one): the drafter calls made (when ``drafted``) plus
+        the forward of the chosen budget (``choice`` None or m = 1: a plain decode)."""
         c = self.policy.costs
         if c is None:
             return 0.0
-        if choice is None:
-            return c.step_ms(1)
-        return c.step_ms(choice.m) + c.draft_ctx_ms + expansions * c.draft_step_ms
+        forward = c.step_ms(choice.m if choice is not None else 1)
+        return forward + (c.draft_ctx_ms + expansions * c.draft_step_ms if drafted else 0.0)
 
 
 _POSITION_WARNED: set = set()          # ids of drafter runners whose position warning was printed

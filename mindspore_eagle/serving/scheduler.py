@@ -177,7 +177,7 @@ class BatchScheduler:
                  decode_round=None, single_round: bool = False, keep_ids: bool = False, on_step=None):
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
             raise ValueError(f"batch.max_batch must be an integer >= 1, got {max_batch!r}")
-        speculative = speculative and engine.drafter is not None
+        speculative = speculative and engine.speculates
         self.engine, self.gen, self.N = engine, gen, max_batch
         self.teacher = engine.teacher
         if decode_round is None:
@@ -398,6 +398,8 @@ class BatchScheduler:
         stop reason: "cancelled" / "error")."""
         self._release(s)
         self.live.remove(s)
+        if self.round_one is not None and self.round_one.costs is not None:
+            self.engine.save_costs()
         res = TurnResult(s.emitter.text(), list(s.emitter.ids), len(s.prompt), reason or s.emitter.reason,
                          list(s.accept_lens), error, internal, s.t_admitted)
         self._done(s.req, res)

@@ -23,17 +23,23 @@ def truth(token: int, pos: int) -> int:
     return 1 + (token * 7 + pos * 3) % (V - 1)
 
 
-def logits_for(token: int, pos: int) -> np.ndarray:
+def cyclic(token: int, pos: int) -> int:
+    """A teacher that repeats itself: a cycle of six tokens (1 6 3 2 4 7), whose step shifts for 16 positions out
+    of every 48, so text copied from earlier is right most of the time, not always."""
+    return 1 + (token * 5 + ((pos // 16) % 3 == 2)) % 7
+
+
+def logits_for(token: int, pos: int, rule=truth) -> np.ndarray:
     z = np.linspace(0.0, 0.1, V).astype(np.float32)          # distinct values: a unique argmax
-    z[truth(token, pos)] = 5.0
+    z[rule(token, pos)] = 5.0
     return z
 
 
 class FakeTeacher:
     """TeacherRunnerLike in numpy: a sequence is its committed token list; a tree verified is kept until commit."""
 
-    def __init__(self, S: int = 512):
-        self.S, self.seqs, self.trees, self.n = S, {}, {}, 0
+    def __init__(self, S: int = 512, rule=truth):
+        self.S, self.seqs, self.trees, self.n, self.rule = S, {}, {}, 0, rule
 
     def new_seq(self):
         self.n += 1
@@ -48,11 +54,11 @@ class FakeTeacher:
 
     def prefill(self, sid, ids):
         self.seqs[sid] += [int(i) for i in ids]
-        return logits_for(self.seqs[sid][-1], len(self.seqs[sid]) - 1), np.zeros((len(ids), 3), np.float32)
+        return logits_for(self.seqs[sid][-1], len(self.seqs[sid]) - 1, self.rule), np.zeros((len(ids), 3), np.float32)
 
     def decode(self, sid, token):
         self.seqs[sid].append(int(token))
-        return logits_for(int(token), len(self.seqs[sid]) - 1), np.zeros((1, 3), np.float32)
+        return logits_for(int(token), len(self.seqs[sid]) - 1, self.rule), np.zeros((1, 3), np.float32)
 
     def decode_batch(self, sids, tokens, rows, width_step=512, with_aux=False, with_hidden=False):
         assert len(sids) <= rows
@@ -66,7 +72,7 @@ class FakeTeacher:
     def verify(self, sid, tt, mask=None):
         n = len(self.seqs[sid])
         self.trees[sid] = tt
-        logits = np.stack([logits_for(int(t), n + int(d)) for t, d in zip(tt.tokens, tt.depth)])
+        logits = np.stack([logits_for(int(t), n + int(d), self.rule) for t, d in zip(tt.tokens, tt.depth)])
         return logits, np.arange(tt.budget, dtype=np.float32)[:, None].repeat(3, 1)
 
     def verify_batch(self, sids, trees, rows, width_step=512):
@@ -84,8 +90,8 @@ class FakeDrafter:
     """DrafterRunnerLike in numpy: ``extend`` counts context pairs (= the teacher's committed length), trees are
     the true chain from the root plus one wrong sibling per level (``oracle``) or random tokens."""
 
-    def __init__(self, oracle: bool = True, seed: int = 0):
-        self.oracle, self.rng, self.count, self.n = oracle, np.random.default_rng(seed), {}, 0
+    def __init__(self, oracle: bool = True, seed: int = 0, rule=truth):
+        self.oracle, self.rng, self.count, self.n, self.rule = oracle, np.random.default_rng(seed), {}, 0, rule
 
     def new_seq(self):
         self.n += 1
@@ -106,7 +112,7 @@ class FakeDrafter:
             if depth > 1 and grow is not None and not grow(DraftTree(tokens, parents, np.asarray(scores)),
                                                           np.asarray(scores[-2:]), depth - 1):
                 break
-            nxt = truth(tok, first + depth - 1) if self.oracle else int(self.rng.integers(1, V))
+            nxt = self.rule(tok, first + depth - 1) if self.oracle else int(self.rng.integers(1, V))
             if len(tokens) >= M:
                 break
             tokens.append(nxt)                                  # the chain token, then a wrong sibling
@@ -130,11 +136,11 @@ class Tok:
         return " ".join(map(str, ids))
 
 
-def reference(prompt: list, n_new: int) -> list:
+def reference(prompt: list, n_new: int, rule=truth) -> list:
     """Teacher-only greedy output of the stand-in teacher, in closed form."""
     seq, out = list(prompt), []
     for _ in range(n_new):
-        out.append(truth(seq[-1], len(seq) - 1))
+        out.append(rule(seq[-1], len(seq) - 1))
         seq.append(out[-1])
     return out
 
@@ -272,3 +278,74 @@ def test_a_turn_past_the_drafters_trained_positions_is_noted_once(capsys):
     dr.max_positions = 64
     (s,) = run(DecodeRound(tg, dr, spec, rows=1, policy=FixedPolicy(8, 3)), tg, PROMPTS[:1], gen)
     assert s.notes == []
+
+
+# ---------------------------------------------------------------------------------------------- suffix candidates
+def _suffix_round(tg, drafter, rows, suffix=None):
+    from mindspore_eagle.core.suffix import SuffixIndex
+
+    spec = SpeculativeConfig(M=8, D_max=5, top_k=2, policy="fixed", method="hybrid")
+    return DecodeRound(tg, drafter, spec, rows=rows, policy=FixedPolicy(8, 5) if rows == 1 else None,
+                       suffix=suffix if suffix is not None else SuffixIndex())
+
+
+@pytest.mark.parametrize("drafter", [None, "oracle", "random"])
+def test_suffix_candidates_are_lossless_and_copy_repeated_text(drafter):
+    """Suffix candidates alone or merged with either drafter: output identical to teacher-only greedy on a
+    teacher that repeats itself, with the copied stretches accepted whole: under 1/2.8 of the teacher forwards of
+    teacher-only decoding, even beside a drafter that is always wrong."""
+    gen = GenerationConfig(max_new_tokens=90)
+    tg = FakeTeacher(rule=cyclic)
+    dr = None if drafter is None else FakeDrafter(drafter == "oracle", seed=3, rule=cyclic)
+    (s,) = run(_suffix_round(tg, dr, 1), tg, [[3, 9, 4]], gen)
+    assert s.emitter.ids == reference([3, 9, 4], 90, cyclic)
+    assert_cache_true_rule(tg, s, [3, 9, 4], cyclic)
+    assert 90 / len(s.steps) > 2.8                  # tokens per teacher forward (plain steps included; 1 alone)
+    copied = sum(st.accepted_suffix + st.accepted_both for st in s.steps)
+    assert copied > 40 and all(st.accepted_suffix + st.accepted_both <= st.accept_len - 1 for st in s.steps)
+    if drafter is None:
+        assert not any(st.drafted for st in s.steps) and all(st.accepted_both == 0 for st in s.steps)
+
+
+def test_batched_suffix_candidates_are_lossless():
+    """N = 3 with suffix candidates merged into the drafter's trees (cut to M by calibrated value) or alone: every
+    sequence equals teacher-only greedy."""
+    gen = GenerationConfig(max_new_tokens=70)
+    prompts = [[3, 9, 4], [7], [11, 12, 13, 14, 15, 16]]
+    for dr in (None, FakeDrafter(False, seed=5)):
+        tg = FakeTeacher(rule=cyclic)
+        seqs = run(_suffix_round(tg, dr, 3), tg, prompts, gen)
+        for s, p in zip(seqs, prompts):
+            assert s.emitter.ids == reference(p, 70, cyclic)
+            assert_cache_true_rule(tg, s, p, cyclic)
+        assert sum(st.accepted_suffix for s in seqs for st in s.steps) > 20    # copies accepted in batches too
+
+
+def test_earlier_outputs_are_shared_but_never_a_turns_own():
+    """The process index gets a sequence's output when it finishes, keyed by its prompt: a later turn of another
+    prompt drafts from it, a later turn of the same prompt does not (a bench's teacher-only run of a turn never
+    feeds its speculative run), and a teacher-only round adds nothing."""
+    from mindspore_eagle.core.suffix import SuffixIndex
+
+    gen = GenerationConfig(max_new_tokens=40)
+    pool = SuffixIndex()
+    tg = FakeTeacher(rule=cyclic)
+    run(DecodeRound(tg, rows=1), tg, [[3, 9, 4]], gen)                       # teacher-only: not indexed
+    assert len(pool) == 0
+    (first,) = run(_suffix_round(tg, None, 1, pool), tg, [[3, 9, 4]], gen)
+    assert len(pool) == 1 and pool.docs[0] == first.emitter.ids and pool.keys[0] == hash((3, 9, 4))
+    rnd = _suffix_round(tg, None, 1, pool)
+    for prompt, reads in (([3, 9, 4], False), ([2, 9, 4], True)):
+        s = Sequence(tg.new_seq(), -1, gen, Emitter(Tok(), {EOS}, gen))
+        logits, aux = tg.prefill(s.sid, prompt)
+        s.next = int(np.argmax(logits))
+        rnd.start(s, prompt, aux)
+        own, _ = s.state.text.match(s.state.text.docs[0])
+        k, occ = pool.match(s.state.text.docs[0], s.state.key)
+        assert (k > 0) == reads and own == 0
+        rnd.finish(s)
+
+
+def assert_cache_true_rule(tg: FakeTeacher, s, prompt: list, rule) -> None:
+    cache = tg.seqs[s.sid]
+    assert cache == (prompt + reference(prompt, 200, rule))[: len(cache)]
