@@ -107,10 +107,11 @@ class SpeculativeConfig:
     last W context tokens (0 = all); mode: fused (jit) | eager (PyNative + invariant checks each step);
     policy: adaptive (the default: M, D_max are ceilings; each step picks plain decoding or a compiled budget
     2, 4, ..., M by expected tokens per ms, policy.py) | fixed (every step drafts D_max deep and verifies M tokens,
-    the paper's behaviour); method: where draft tokens come from: eagle3 (the drafter's tree) | suffix (copies of
-    earlier text only: the sequence's prompt and output and the process's earlier outputs, core/suffix.py; no
-    drafter needed) | hybrid (both merged into one tree); suffix_tokens: the most tokens of earlier outputs the
-    process keeps for suffix candidates (oldest outputs dropped first)."""
+    the paper's behaviour); method: where draft tokens come from: hybrid (the default: the drafter's tree and
+    suffix candidates merged into one tree) | eagle3 (the drafter's tree alone) | suffix (copies of earlier text
+    only: the sequence's prompt and output and the process's earlier outputs, core/suffix.py; no drafter needed); suffix_tokens: the most tokens of earlier outputs the
+    process keeps for suffix candidates (oldest outputs dropped first). hybrid needs a drafter: with
+    ``model.drafter: none`` it decodes teacher-only, as eagle3 does; suffix drafts copies with or without one."""
     M: int = 16
     D_max: int = 5
     top_k: int = 4
@@ -119,7 +120,7 @@ class SpeculativeConfig:
     policy: str = "adaptive"
     validate_tree: bool = False
     trace: str = ""
-    method: str = "eagle3"
+    method: str = "hybrid"
     suffix_tokens: int = 65536
 
     def validate(self):

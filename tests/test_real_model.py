@@ -123,6 +123,25 @@ def test_speculative_lossless_on_eval_prompts(loaded, prompts, baseline, budget)
         assert np.mean(lens) > MIN_ACCEPT[budget]          # the trained drafter is actually accepted
 
 
+def test_hybrid_is_lossless_and_copies_repeated_text(loaded, prompts, baseline):
+    """speculative.method hybrid (suffix candidates merged into the drafter's trees): identical to teacher-only on
+    eval prompts, and a prompt whose answer repeats its own text accepts the copies whole (L_k > 3)."""
+    eng = engine(loaded, *BUDGETS["tree"], "speculative.method=hybrid")
+    gen = load_config(None).generation
+    gen.max_new_tokens = NEW_TOKENS
+    for p, ref in list(zip(prompts, baseline))[:4]:
+        assert eng.generate(p, gen).token_ids == ref, p[:60]
+    line = "The quick brown fox jumps over the lazy dog near the old river bank at dawn."
+    prompt = f"Repeat this sentence three times, one per line, and nothing else: {line}"
+    ref = eng.generate(prompt, gen, speculative=False)
+    g = eng.generate(prompt, gen)
+    assert g.token_ids == ref.token_ids and line in ref.text
+    copied = sum(st.accepted_suffix + st.accepted_both for st in g.steps)
+    print(f"hybrid, repeated text: L_k = {np.mean(g.accept_lens):.2f} over {len(g.accept_lens)} steps, "
+          f"{copied} of {len(g.token_ids)} tokens from suffix candidates")
+    assert np.mean(g.accept_lens) > 3 and copied > len(g.token_ids) / 2
+
+
 def test_random_drafter_still_lossless(loaded, prompts, baseline):
     from mindspore_eagle.serving.pipeline import Loaded, random_drafter
 

@@ -106,8 +106,9 @@ class EnginePool:
         from mindspore_eagle.serving.engine import Engine
         from mindspore_eagle.serving.pipeline import build_engine
 
-        if loaded.drafter_cfg is None:
-            raise ValueError("bench needs a drafter: model.drafter is 'none' (use 'embedded', 'random' or a path)")
+        if loaded.drafter_cfg is None and cfg.speculative.method != "suffix":
+            raise ValueError("bench needs a drafter: model.drafter is 'none' (use 'embedded', 'random' or a path, "
+                             "or speculative.method=suffix)")
         self.cfg, self.loaded = cfg, loaded
         self.d_max = max(s.D_max for s in settings)
         k0 = settings[0].top_k
@@ -146,7 +147,8 @@ class EnginePool:
     def engine(self, name: str):
         """The Engine of setting ``name`` with its drafter window applied."""
         eng = self.engines[name]
-        eng.drafter.window = self.settings[name].window
+        if eng.drafter is not None:                 # speculative.method suffix has none
+            eng.drafter.window = self.settings[name].window
         return eng
 
     @property

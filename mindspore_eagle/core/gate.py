@@ -11,26 +11,41 @@ class RateGate:
     batched decode of N rows).
 
     Each kind's rate is an exponential moving average (weight ``alpha``) of tokens / ms over its steps. The first
-    ``warm`` steps of each kind are taken in turn; then the faster kind runs and the other is probed once every
-    ``probe_every`` steps, so a change in the batch (size, context lengths, what the drafter gets right) moves the
-    choice. The batch analogue of ``AdaptivePolicy``'s speculate-or-not gate: where verification stops being cheap
+    ``warm`` steps of each kind are taken in turn; then the faster kind runs and the other is probed, so a change
+    in the batch (size, context lengths, what the drafter gets right) moves the choice. A probe comes after at
+    least ``probe_every`` steps and once the time spent since the other kind last ran is at least its last step's
+    time / ``probe_share``, so probing a slow kind costs at most about ``probe_share`` of the time (a batched tree
+    step of N x M rows can cost ten plain steps on a CPU: probing it every 16 steps cost 40 % of the serving rate). The batch analogue of ``AdaptivePolicy``'s speculate-or-not gate: where verification stops being cheap
     as the batch grows, speculation steps aside (TensorRT-LLM turns speculation off past a batch size; here it is
     measured, not configured).
 
     Args:
         kinds: the two step kinds (first = preferred on a tie). alpha in (0, 1]. probe_every >= 2. warm >= 1.
+        probe_share in (0, 1]: the share of time probing may take (1.0: probe every ``probe_every`` steps).
     Raises:
         ValueError: a parameter out of range (names it).
     """
 
-    def __init__(self, kinds=("tree", "plain"), alpha: float = 0.3, probe_every: int = 16, warm: int = 2):
-        if len(kinds) != 2 or not 0 < alpha <= 1 or probe_every < 2 or warm < 1:
-            raise ValueError(f"RateGate: need 2 kinds, alpha in (0, 1], probe_every >= 2, warm >= 1; got {kinds}, "
-                             f"{alpha}, {probe_every}, {warm}")
+    def __init__(self, kinds=("tree", "plain"), alpha: float = 0.3, probe_every: int = 16, warm: int = 2,
+                 probe_share: float = 0.05):
+        if len(kinds) != 2 or not 0 < alpha <= 1 or probe_every < 2 or warm < 1 or not 0 < probe_share <= 1:
+            raise ValueError(f"RateGate: need 2 kinds, alpha in (0, 1], probe_every >= 2, warm >= 1, probe_share in "
+                             f"(0, 1]; got {kinds}, {alpha}, {probe_every}, {warm}, {probe_share}")
         self.kinds, self.alpha, self.probe_every, self.warm = tuple(kinds), alpha, probe_every, warm
+        self.probe_share = float(probe_share)
         self.rate = {k: None for k in self.kinds}
         self.count = {k: 0 for k in self.kinds}
+        self.last_ms = {k: 0.0 for k in self.kinds}      # wall ms of each kind's latest step
+        self.since = {k: (0, 0.0) for k in self.kinds}   # (steps, ms) taken since each kind last ran
         self.steps = 0
+
+    def seed_from(self, other: "RateGate") -> None:
+        """Start from ``other``'s measurements (rates, latest step times; counts up to ``warm``), so a new gate
+        (a batch size not seen yet, :class:`~mindspore_eagle.serving.scheduler.SizeGates`) skips its warm-up."""
+        for k in self.kinds:
+            if other.rate.get(k) is not None:
+                self.rate[k], self.last_ms[k] = other.rate[k], other.last_ms[k]
+                self.count[k] = min(other.count[k], self.warm)
 
     def best(self) -> str:
         """The kind with the higher rate so far (the first kind while either is unmeasured or on a tie)."""
@@ -44,8 +59,10 @@ class RateGate:
             if self.count[k] < self.warm:
                 return k
         best = self.best()
-        if self.steps % self.probe_every == self.probe_every - 1:
-            return self.kinds[1] if best == self.kinds[0] else self.kinds[0]
+        other = self.kinds[1] if best == self.kinds[0] else self.kinds[0]
+        steps, ms = self.since[other]
+        if steps >= self.probe_every - 1 and ms * self.probe_share >= self.last_ms[other] * (1 - self.probe_share):
+            return other
         return best
 
     def observe(self, kind: str, tokens: int, ms: float) -> None:
@@ -55,6 +72,10 @@ class RateGate:
         self.rate[kind] = r if old is None else (1 - self.alpha) * old + self.alpha * r
         self.count[kind] += 1
         self.steps += 1
+        self.last_ms[kind] = float(ms)
+        for k in self.kinds:
+            n, t = self.since[k]
+            self.since[k] = (0, 0.0) if k == kind else (n + 1, t + float(ms))
 
     def report(self) -> dict:
         """Rates (tokens / ms) and step counts per kind."""

@@ -92,8 +92,10 @@ class Engine:
         self.spec = spec or SpeculativeConfig()
         self.teacher, self.tokenizer = target, tokenizer
         self.drafter = drafter if self.spec.method != "suffix" else None
-        # the process's earlier outputs, for suffix candidates (core/suffix.py); outlives every turn
-        self.suffix = SuffixIndex(max_tokens=self.spec.suffix_tokens) if self.spec.method != "eagle3" else None
+        # the process's earlier outputs, for suffix candidates (core/suffix.py); outlives every turn. hybrid
+        # needs a drafter: without one the engine decodes teacher-only, as model.drafter none always did
+        copies = self.spec.method == "suffix" or (self.spec.method == "hybrid" and self.drafter is not None)
+        self.suffix = SuffixIndex(max_tokens=self.spec.suffix_tokens) if copies else None
         self.eos = set(int(e) for e in eos_ids)
         self.trace = trace or TraceWriter(None)
         self.validate = self.spec.validate_tree or target.mode == "eager"

@@ -123,7 +123,7 @@ def build_engine(cfg: Config, loaded: Loaded | None = None, trace=None, log=None
     if trace is None:
         trace = TraceWriter(sp.trace or None)
     return Engine(target, loaded.tokenizer, loaded.teacher_cfg.eos_token_ids, drafter, sp, trace,
-                  cost_file=cost_file(cfg) if sp.policy == "adaptive" and (drafter is not None or sp.method != "eagle3")
+                  cost_file=cost_file(cfg) if sp.policy == "adaptive" and (drafter is not None or sp.method == "suffix")
                   else None)
 
 

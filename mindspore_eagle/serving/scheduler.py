@@ -133,14 +133,19 @@ class _Live(Sequence):
 class SizeGates:
     """One rate gate per batch size (``make()`` builds one, e.g. a ``RateGate(("tree", "plain"))``): the scheduler
     sets ``n`` (sequences in the next step) before each step, and the round's ``choose`` / ``observe`` go to that
-    size's gate, so whether trees pay is measured separately at 2, 3, ... N sequences."""
+    size's gate, so whether trees pay is measured separately at 2, 3, ... N sequences. A size seen for the first
+    time starts from the nearest size's measurements (``RateGate.seed_from``) instead of warming up again: each
+    warm-up took two tree steps of N x M rows, at every size the batch passed through."""
 
     def __init__(self, make):
         self.make, self.gates, self.n = make, {}, 1
 
     def _gate(self):
         if self.n not in self.gates:
-            self.gates[self.n] = self.make()
+            gate = self.make()
+            if self.gates and hasattr(gate, "seed_from"):     # start from the nearest size measured
+                gate.seed_from(self.gates[min(self.gates, key=lambda n: (abs(n - self.n), n))])
+            self.gates[self.n] = gate
         return self.gates[self.n]
 
     def choose(self) -> str:

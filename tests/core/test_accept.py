@@ -26,7 +26,7 @@ from mindspore_eagle.core.accept import (  # noqa: E402
     sample_at,
     warp_probs,
 )
-from mindspore_eagle.core.tree import DraftTree, chain_tree, tensorize  # noqa: E402
+from mindspore_eagle.core.tree import DraftTree, chain_tree, merge_trees, tensorize  # noqa: E402
 
 
 def _check(res: VerifyResult, path, tokens):
@@ -309,21 +309,24 @@ def _chi_square_ok(counts: Counter, expected: dict, N: int) -> tuple:
 
 def _sampling_case(case: int, rng) -> tuple:
     """(DraftTree, TreeTensors at M 8 / D 3, exact probs per node as Fractions, float probs [8, 4] with NaN pad rows)
-    of one of the six sampling test trees, with random rational distributions over V = 4 tokens."""
+    of one of the seven sampling test trees, with random rational distributions over V = 4 tokens."""
     M, D, V = 8, 3, 4
     tree = [DraftTree([0, 1, 2, 3, 0, 1, 2], [0, 0, 0, 0, 1, 1, 4]),
             DraftTree([0, 1, 2, 0, 2, 1], [0, 0, 0, 1, 1, 2]),
             chain_tree([3, 2, 1, 0]),
             DraftTree([2], [0]),
             DraftTree([0, 3, 1, 0, 2], [0, 0, 1, 2, 1]),
-            DraftTree([1, 0, 1, 2, 3, 3], [0, 0, 0, 0, 0, 1])][case]
+            DraftTree([1, 0, 1, 2, 3, 3], [0, 0, 0, 0, 0, 1]),
+            # a hybrid tree (speculative.method hybrid): a drafter's tree merged with a suffix chain 1 -> 3 -> 2
+            merge_trees(DraftTree([0, 1, 2, 3], [0, 0, 0, 1], [0, -0.5, -1.0, -1.2]),
+                        DraftTree([0, 1, 3, 2], [0, 0, 1, 2], [0, -0.1, -0.2, -0.3]))][case]
     probs_f = [_random_dist(rng, V) for _ in range(len(tree))]
     probs = np.full((M, V), np.nan)  # pad rows must never be read
     probs[: len(tree)] = np.array(probs_f, dtype=float)
     return tree, tensorize(tree, M, D), probs_f, probs
 
 
-@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("case", range(7))
 def test_sampling_implementation_matches_exact_distribution(case):
     rng = np.random.default_rng(1000 + case)
     tree, tt, probs_f, probs = _sampling_case(case, rng)
@@ -428,7 +431,7 @@ def test_sample_at_is_the_inverse_cdf_and_never_a_zero_mass_token():
     assert ok, f"chi-square {stat:.1f} on {df} df"
 
 
-@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("case", range(7))
 def test_coupled_sampling_matches_the_exact_distribution_of_rejection_sampling(case):
     """Over 20,000 seeds, the emissions of accept_coupled follow exactly the law of multi-candidate rejection
     sampling (``exact_emissions``): the same first-token distribution p, the same accepted lengths."""

@@ -328,11 +328,11 @@ def test_cost_table_reused_from_file_whatever_its_age(ms_runtime, tiny_dir, draf
 
 
 def test_rate_gate_picks_the_faster_kind_and_probes_the_other():
-    """Warm-up takes each kind twice; then the faster one runs, the other once every probe_every steps; when the
+    """Warm-up takes each kind twice; then the faster one runs, the other after every probe_every - 1 steps; when the
     rates swap, the choice follows within a few probes."""
     from mindspore_eagle.core.gate import RateGate
 
-    g = RateGate(("tree", "plain"), alpha=0.5, probe_every=4, warm=2)
+    g = RateGate(("tree", "plain"), alpha=0.5, probe_every=4, warm=2, probe_share=1.0)
     rates = {"tree": 1.0, "plain": 2.0}              # tokens per ms
     kinds = []
     for _ in range(24):
@@ -340,7 +340,7 @@ def test_rate_gate_picks_the_faster_kind_and_probes_the_other():
         kinds.append(k)
         g.observe(k, 10, 10 / rates[k])
     assert kinds[:4] == ["tree", "tree", "plain", "plain"]
-    assert kinds[4:].count("tree") == 5 and all(k == "tree" for k in kinds[7::4])   # probes only
+    assert kinds[4:].count("tree") == 5 and all(k == "tree" for k in kinds[5::4])   # probes only
     assert g.best() == "plain" and abs(g.rate["plain"] - 2.0) < 1e-9
     rates = {"tree": 3.0, "plain": 2.0}              # the drafter starts paying: trees win after a probe or two
     for _ in range(12):
@@ -349,3 +349,25 @@ def test_rate_gate_picks_the_faster_kind_and_probes_the_other():
     assert g.best() == "tree" and g.report()["steps"]["tree"] >= 7
     with pytest.raises(ValueError, match="probe_every >= 2"):
         RateGate(probe_every=1)
+    with pytest.raises(ValueError, match="probe_share in"):
+        RateGate(probe_share=0.0)
+
+
+def test_rate_gate_probes_a_slow_kind_within_its_time_share():
+    """A tree step that costs ten plain steps and loses: probed so that it takes about probe_share of the time;
+    a gate seeded from another skips its warm-up and keeps the choice."""
+    from mindspore_eagle.core.gate import RateGate
+
+    g = RateGate(("tree", "plain"), probe_every=4, warm=2, probe_share=0.05)
+    ms = {"tree": 1000.0, "plain": 100.0}            # tree: 16 x 1.5 tokens per 1000 ms; plain: 16 per 100 ms
+    tokens = {"tree": 24, "plain": 16}
+    spent = {"tree": 0.0, "plain": 0.0}
+    for _ in range(2000):
+        k = g.choose()
+        g.observe(k, tokens[k], ms[k])
+        spent[k] += ms[k]
+    share = spent["tree"] / (spent["tree"] + spent["plain"])
+    assert 0.03 < share < 0.07 and g.best() == "plain"
+    fresh = RateGate(("tree", "plain"), probe_every=4, warm=2, probe_share=0.05)
+    fresh.seed_from(g)
+    assert [fresh.choose() for _ in range(3)] == ["plain"] * 3

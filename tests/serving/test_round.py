@@ -281,11 +281,22 @@ def test_a_turn_past_the_drafters_trained_positions_is_noted_once(capsys):
 
 
 # ---------------------------------------------------------------------------------------------- suffix candidates
+class TreesAlways:
+    """A rate gate that always picks trees (the numpy stand-ins' step times are noise)."""
+
+    def choose(self):
+        return "tree"
+
+    def observe(self, kind, tokens, ms):
+        pass
+
+
 def _suffix_round(tg, drafter, rows, suffix=None):
     from mindspore_eagle.core.suffix import SuffixIndex
 
     spec = SpeculativeConfig(M=8, D_max=5, top_k=2, policy="fixed", method="hybrid")
     return DecodeRound(tg, drafter, spec, rows=rows, policy=FixedPolicy(8, 5) if rows == 1 else None,
+                       gate=TreesAlways() if rows > 1 else None,
                        suffix=suffix if suffix is not None else SuffixIndex())
 
 
