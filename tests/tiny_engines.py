@@ -60,7 +60,8 @@ def tiny_engine(tiny_dir, drafter_dir, mode, extra=()):
     from mindspore_eagle.serving.pipeline import build_engine
 
     cfg = load_config(None, [f"model.teacher={tiny_dir}", f"model.drafter={drafter_dir}",
-                             f"speculative.mode={mode}", "speculative.policy=fixed", "cache.block_size=8", "cache.max_seq_len=256",
+                             f"speculative.mode={mode}", "speculative.policy=fixed", "speculative.method=eagle3",
+                             "cache.block_size=8", "cache.max_seq_len=256",
                              "cache.num_blocks=64", "cache.prefill_chunk=16", *extra])
     return build_engine(cfg), cfg
 

@@ -205,7 +205,9 @@ def start_llamacpp(cfg, out: str, threads: int, timeout: float):
         os.replace(path + ".tmp", path)
     port = _free_port()
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", path, "--model_alias", "llama.cpp", "--host",
-           "127.0.0.1", "--port", str(port), "--n_ctx", str(cfg.cache.max_seq_len), "--n_threads", str(threads)]
+           "127.0.0.1", "--port", str(port), "--n_ctx", str(cfg.cache.max_seq_len), "--n_threads", str(threads),
+           # its default cuts a running request short when another arrives; queue them instead
+           "--interrupt_requests", "False"]
     p = ServeProcess(cmd, f"http://127.0.0.1:{port}", os.path.join(out, "server_llama_cpp.log"))
     _wait_health(p.url, p.proc, timeout, "/v1/models")
     return p

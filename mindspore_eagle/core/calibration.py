@@ -98,7 +98,8 @@ def node_values(tree: DraftTree, model: AcceptanceModel) -> np.ndarray:
     """Calibrated P(accepted) float64 [n] of every node of ``tree`` (root = 1).
 
     Siblings are mutually exclusive (at most one child of a node matches the teacher), so the values of a node's
-    children are scaled down to sum to at most the node's own value. Requires parents before children (DraftTree
+    children are scaled down to sum to at most the node's own value; no child's value exceeds its parent's (exactly,
+    so an ordering by value keeps parents before children). Requires parents before children (DraftTree
     from drafting.select_tree); ``tree.scores`` are cumulative log-probs.
     """
     n = len(tree)
@@ -115,6 +116,8 @@ def node_values(tree: DraftTree, model: AcceptanceModel) -> np.ndarray:
                 total = val[ks].sum()
                 if total > val[i]:
                     val[ks] *= val[i] / total
+        for i in range(1, n):       # exactly: x * (v / x) can round above v, and top_nodes relies on child <= parent
+            val[i] = min(val[i], val[tree.parents[i]])
     return val
 
 

@@ -197,3 +197,23 @@ def test_each_source_is_calibrated_on_its_own():
     assert abs(got[0] - acc.mean()) < 0.03 and got[1] > 0.95
     rows = model.to_dict()["bins"]
     assert [r["source"] for r in rows] == ["suffix"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cut_by_value_never_drops_a_parent(seed):
+    """Calibrated values of random merged trees under a trained model: no child above its parent, bit for bit
+    (a scaled child rounded 1 ulp above its parent once made top_nodes keep a child without its parent in a
+    server run), and every cut keeps parents."""
+    rng = np.random.default_rng(50 + seed)
+    model = AcceptanceModel()
+    for _ in range(30):
+        k = 30
+        model.observe(rng.uniform(-3, 0, k), rng.integers(1, 5, k), rng.random(k) < 0.5, rng.random(k) < 0.4,
+                      rng.integers(0, 3, k))
+    for _ in range(200):
+        merged = merge_trees(random_tree(rng, 5, 14, 5, 4), random_tree(rng, 5, 10, 3, 4))
+        values = node_values(merged, model)
+        assert (values[1:] <= values[merged.parents[1:]]).all()
+        for m in (2, 3, 5, 8, 16):
+            cut = top_nodes(merged, m, values)
+            validate_tree(tensorize(cut, m, 4), m, 4)
