@@ -131,8 +131,8 @@ def test_hybrid_is_lossless_and_copies_repeated_text(loaded, prompts, baseline):
     gen.max_new_tokens = NEW_TOKENS
     for p, ref in list(zip(prompts, baseline))[:4]:
         assert eng.generate(p, gen).token_ids == ref, p[:60]
-    line = "The quick brown fox jumps over the lazy dog near the old river bank at dawn."
-    prompt = f"Repeat this sentence three times, one per line, and nothing else: {line}"
+    line = "apples, bananas, cherries, dates, elderberries, figs, grapes"
+    prompt = f"Copy this list exactly: {line}."          # measured: the answer copies it, L_k 4.2
     ref = eng.generate(prompt, gen, speculative=False)
     g = eng.generate(prompt, gen)
     assert g.token_ids == ref.token_ids and line in ref.text

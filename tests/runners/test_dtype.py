@@ -90,10 +90,11 @@ def test_ascend_presets(size):
 
 @pytest.mark.slow
 def test_float16_decode_rounds_like_verification(ms_runtime, real_loaded):
-    """Half precision, embedded teacher: a decode's logits equal, bit for bit, the root row of a tree
-    verification from the same context (M = 8), so greedy teacher-only decoding and speculative verification
-    cannot split on a near-tie. (With a one-row decode, MindSpore's CPU float16 MatMul rounds some outputs one
-    half ulp differently and this fails.)"""
+    """Half precision, embedded teacher: a decode's logits and the root row of a tree verification from the same
+    context (M = 8) are the same computation (within 0.2 over the 49k-token vocabulary) and pick the same token
+    unless the top two are closer than README's 0.05 near-tie bound. Bit-equal on the 2026-12-01 VM; on a 2026-12-02 VM without
+    AVX-512 MindSpore's CPU float16 MatMul rounded them up to 0.053 apart by row count (the batch variance vLLM
+    documents for bfloat16), so bit equality is not promised."""
     from mindspore_eagle.core.tree import DraftTree, tensorize
     from mindspore_eagle.models.llama import LlamaModel
     from mindspore_eagle.runners.teacher import TeacherRunner
@@ -110,4 +111,6 @@ def test_float16_decode_rounds_like_verification(ms_runtime, real_loaded):
         logits, _ = r.verify(sid, tt)
         r.rollback(sid)
         last, _ = r.decode(sid, t)
-        assert np.array_equal(last, logits[0]), step
+        assert np.abs(last - logits[0]).max() < 0.2, step      # a wrong position or mask moves logits by units
+        top2 = np.sort(last)[-2:]
+        assert np.argmax(last) == np.argmax(logits[0]) or top2[1] - top2[0] < 0.05, step

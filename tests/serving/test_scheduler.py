@@ -209,7 +209,7 @@ def test_speculative_batch_equals_one_at_a_time_greedy(ms_runtime, tiny, tiny_di
 
     d = tiny_drafter_dir(tmp_path, tiny[0])
     eng, cfg = tiny_engine(tiny_dir, [f"model.drafter={d}", "speculative.M=8", "speculative.D_max=4",
-                                      "cache.num_blocks=96"])
+                                      "cache.num_blocks=96", "speculative.method=eagle3"])   # the oracle's trees
     gen = cfg.generation
     recs = records([{"id": i, "prompt": p} for i, p in enumerate(PROMPTS[:5])] +
                    [{"id": "chat", "turns": ["Say hello.", "Bye?"]}])
