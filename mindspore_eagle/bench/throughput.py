@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -170,11 +169,12 @@ class EnginePool:
         others = [d for k, d in self.drafters.items() if d is not self.base.drafter]
         out = prepare(self.base, self.cfg, gen, mode, log, drafters=others,
                       graph_cache=self.cfg.context.graph_cache, budgets=budgets)
-        for name in self.engines:       # the adaptive policy's cost table is measured here, not in a timed turn
-            if self.engines[name].spec.policy == "adaptive":
-                t0 = time.perf_counter()
-                costs = self.engine(name).policy.costs
-                log(f"cost table of setting {name} measured in {time.perf_counter() - t0:.1f} s:\n{costs.describe()}")
+        for name in self.engines:       # the adaptive policy's starting table (nothing is measured up front)
+            eng = self.engine(name)
+            if eng.spec.policy == "adaptive":
+                where = f"stored in {eng.cost_file}" if eng.cost_file else "the prior (core.costs.prior_table)"
+                log(f"cost table of setting {name}, {where}; every step keeps it current:\n"
+                    f"{eng.policy.costs.describe()}")
         return out
 
 
