@@ -148,6 +148,13 @@ def top_nodes(tree: DraftTree, m: int, values: np.ndarray | None = None) -> Draf
                      None if tree.source is None else tree.source[keep])
 
 
+def select(tree: DraftTree, m: int, model: AcceptanceModel) -> DraftTree:
+    """The root and the ``m - 1`` nodes a step of budget m verifies: by score for a drafter's tree (``source``
+    None: its cumulative log-probs), by calibrated value (:func:`node_values`) for a tree with suffix candidates,
+    whose frequency scores are not on the drafter's scale."""
+    return top_nodes(tree, m, node_values(tree, model) if tree.source is not None else None)
+
+
 def tree_depth(tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
     """(depth int64 [n], has_child bool [n]) of a DraftTree whose parents precede children."""
     n = len(tree)
@@ -168,5 +175,5 @@ def observe_tree(model: AcceptanceModel, tree: DraftTree, accepted_path) -> np.n
     return has_child
 
 
-__all__ = ["AcceptanceModel", "PROB_EDGES", "likeliest_child", "node_values", "observe_tree", "top_nodes",
+__all__ = ["AcceptanceModel", "PROB_EDGES", "likeliest_child", "node_values", "observe_tree", "select", "top_nodes",
            "tree_depth"]

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mindspore_eagle.core.calibration import AcceptanceModel, node_values, observe_tree, top_nodes
+from mindspore_eagle.core.calibration import AcceptanceModel, node_values, observe_tree, select
 from mindspore_eagle.core.costs import CostTable
 from mindspore_eagle.core.tree import DraftTree
 
@@ -75,9 +75,8 @@ class FixedPolicy:
         return Choice(self.M, predicted, 0.0)
 
     def select(self, tree: DraftTree, m: int) -> DraftTree:
-        """The root and the ``m - 1`` nodes of ``tree`` with the highest calibrated values (what ``choose``
-        counted on)."""
-        return top_nodes(tree, m, node_values(tree, self.model) if tree.source is not None else None)
+        """The root and the ``m - 1`` nodes a step of budget m verifies (``calibration.select``)."""
+        return select(tree, m, self.model)
 
     def after_draft(self, chosen: Choice) -> None:
         pass
@@ -185,7 +184,7 @@ class AdaptivePolicy:
     # ---------------------------------------------------------------------- bookkeeping
     def select(self, tree: DraftTree, m: int) -> DraftTree:
         """The root and the ``m - 1`` nodes that ``choose`` valued (:meth:`_ranked`'s order)."""
-        return top_nodes(tree, m, node_values(tree, self.model) if tree.source is not None else None)
+        return select(tree, m, self.model)
 
     def _ranked(self, tree: DraftTree) -> np.ndarray:
         """Calibrated node values in the order :meth:`select` keeps them: by score for a drafter's tree (its

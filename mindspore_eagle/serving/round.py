@@ -56,13 +56,13 @@ from mindspore_eagle.core.accept import (
     sample_token,
     warp_probs,
 )
-from mindspore_eagle.core.calibration import AcceptanceModel, node_values, observe_tree, top_nodes
+from mindspore_eagle.core.calibration import AcceptanceModel, observe_tree, select
 from mindspore_eagle.core.gate import RateGate
 from mindspore_eagle.core.policy import Choice
 from mindspore_eagle.core.suffix import SuffixIndex, propose
 from mindspore_eagle.core.trace import StepTrace, Timer
-from mindspore_eagle.kernels.runtime import graph_stats
 from mindspore_eagle.core.tree import SOURCE_BOTH, SOURCE_SUFFIX, DraftTree, merge_trees, tensorize, validate_tree
+from mindspore_eagle.kernels.runtime import graph_stats
 from mindspore_eagle.runners.protocols import DrafterRunnerLike, TeacherRunnerLike
 
 
@@ -320,7 +320,7 @@ class DecodeRound:
                 for i, s in enumerate(live):
                     sfx = self._suffix_tree(s)
                     t = sfx if trees[i] is None else merge_trees(trees[i], sfx)
-                    trees[i] = None if t is None else top_nodes(t, self.M, node_values(t, self.model))
+                    trees[i] = None if t is None else select(t, self.M, self.model)
         choices = [Choice(self.M, 0.0, 0.0) if t is not None else None for t in trees]
         return trees, choices, [max(0, self.D - 1) if dr is not None else 0] * n, ran
 
