@@ -9,7 +9,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
     packages=find_packages(include=["mindspore_eagle", "mindspore_eagle.*"]),
-    package_data={"mindspore_eagle": ["assets/**/*", "assets/*"]},
+    package_data={"mindspore_eagle": ["assets/**/*", "assets/*", "kernels/*.cc"]},
     include_package_data=True,
     install_requires=[
         # mindformers 2.x needs an unpublished mindspore; 1.9.0 + 2.9.0 is the pair the registry serves.

@@ -16,9 +16,21 @@ One small interface, chosen once per Cell (never a flag inside the math):
     move(key_cache, value_cache, src [P] i32, dst [P] i32)  -> outputs to depend on (commit compaction)
     read_keys(key_cache, block_table [w/B] i32) -> keys [n_kv, w, hd]  (read-only inspection)
 
+and the rest of a teacher layer's math (the teacher's layers call only these):
+
+    linear(x [k, K], w [N, K]) -> [k, N];  mlp(x [k, H], w_gate_up [2F, H], w_down [H, F], F) -> [k, H]
+    norm(x [k, H], eps) -> rms(x);  add_norm(x, d, eps) -> (y = x + d, rms(y))   (norm weights folded)
+    rope_rows(cos [k, hd], sin_signed [k, hd]) -> the backend's form of them, once per forward
+    rope_qkv(qkv [k, (nh + 2 n_kv) hd], cos, sin) -> q [k, nh, hd], k [k, n_kv, hd] (RoPE applied), v [k, n_kv, hd]
+
 ``PortableBackend`` (CPU, GPU, Ascend): the flat head-major layout of ``kv.make_cache`` written by
 ``ScatterUpdate`` and read by ``gather``, attention by batched matmuls (``models.pangu.paged_attention``). It is
-the path every test and every CPU run has used; its graph is unchanged by this module.
+the path every GPU run and every CPU run without a C++ compiler takes; its layer math is ``dense.py``.
+
+``CpuBackend`` (CPU, float32): the portable cache layout and write, with the layer math and the attention in fused
+C++ kernels (``kernels/cpu.py``): one call each for a matmul, RoPE on q/k, a residual add + RMSNorm, SwiGLU and the
+attention over the block table, ~10 graph ops per decoder layer instead of ~37, batch-invariant (a row's logits do
+not depend on the other rows of the call; docs/cpu_kernels.md).
 
 ``FusedBackend`` (Ascend): MindFormers' paged layout ``[NB + 1, B, n_kv, hd]`` per layer (the layout in the
 docstrings of ``ops.auto_generate.ReshapeAndCache`` / ``PagedAttention``; byte-identical to MindFormers'
@@ -43,7 +55,7 @@ The kernels are injected (``kernels`` = a factory ``(head_num, scale_value, kv_h
 models of their documented semantics on CPU (``tests/ascend_reference.py``, eager mode only: numpy runs on the
 host). ``select_backend`` picks by ``context.device_target`` (``Ascend`` -> fused, else portable), overridable with
 the ``attention`` argument of the Cells or the ``MSEAGLE_ATTENTION`` environment variable (``portable`` /
-``fused``).
+``fused`` / ``cpu``).
 """
 from __future__ import annotations
 
@@ -53,12 +65,13 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
+from mindspore_eagle.kernels import dense
 from mindspore_eagle.kernels.kv import PortableKVOps, cache_index_constants, make_cache
 
 MASKED_SCORE = -10000.0
 """The additive value PagedAttention's mask carries for a hidden key (MindFormers: ``bool(mask) * -10000``)."""
 
-BACKENDS = ("portable", "fused")
+BACKENDS = ("portable", "fused", "cpu")
 
 _BMM_T = ops.BatchMatMul(transpose_b=True)
 
@@ -150,24 +163,57 @@ class AscendKernels(nn.Cell):
 
 
 def select_backend(attention: str = "auto", dtype=ms.float16) -> str:
-    """Backend name for ``attention`` = auto | portable | fused.
+    """Backend name for ``attention`` = auto | portable | fused | cpu.
 
-    auto: $MSEAGLE_ATTENTION when set, else fused on Ascend in a half dtype, else portable (float32 stays
-    portable everywhere: ReshapeAndCache takes float16 / bfloat16 / int8 / uint8 keys only, per its type check in
-    MindSpore 2.9).
+    auto: $MSEAGLE_ATTENTION when set, else fused on Ascend in a half dtype, else cpu on a CPU device in float32
+    when the CPU kernels build here (``cpu.status``; if not, one line on stderr says why, once, and portable is
+    used), else portable. fused needs a half dtype (ReshapeAndCache takes float16 / bfloat16 / int8 / uint8 keys
+    only, per its type check in MindSpore 2.9); cpu needs float32 and the kernels.
     Raises:
-        ValueError: an unknown name, or fused with float32 (names the allowed values).
+        ValueError: an unknown name, fused with float32, cpu with a half dtype or without its kernels (names the
+            allowed values or the reason).
     """
     name = attention
     if name == "auto":
-        name = os.environ.get("MSEAGLE_ATTENTION", "") or (
-            "fused" if ms.get_context("device_target") == "Ascend" and dtype != ms.float32 else "portable")
+        name = os.environ.get("MSEAGLE_ATTENTION", "")
+        if not name:
+            device = ms.get_context("device_target")
+            if device == "Ascend" and dtype != ms.float32:
+                name = "fused"
+            elif device == "CPU" and dtype == ms.float32 and _cpu_kernels_ok():
+                name = "cpu"
+            else:
+                name = "portable"
     if name not in BACKENDS:
-        raise ValueError(f"attention backend = {name!r}: must be auto, portable or fused")
+        raise ValueError(f"attention backend = {name!r}: must be auto, portable, fused or cpu")
     if name == "fused" and dtype == ms.float32:
         raise ValueError("attention backend = 'fused' needs model.dtype float16 or bfloat16 (ReshapeAndCache takes "
                          "no float32)")
+    if name == "cpu":
+        if dtype != ms.float32:
+            raise ValueError("attention backend = 'cpu' needs model.dtype float32 (its kernels are float32)")
+        from mindspore_eagle.kernels import cpu
+
+        ok, why = cpu.status()
+        if not ok:
+            raise ValueError(f"attention backend = 'cpu' is not available here: {why}")
     return name
+
+
+_cpu_note = []
+
+
+def _cpu_kernels_ok() -> bool:
+    """True when the CPU kernels build and load here; else prints the reason once (stderr) and returns False."""
+    import sys
+
+    from mindspore_eagle.kernels import cpu
+
+    ok, why = cpu.status()
+    if not ok and not _cpu_note:
+        _cpu_note.append(why)
+        print(f"[mindspore_eagle] {why}; using the portable backend (slower)", file=sys.stderr)
+    return ok
 
 
 def make_backend(attention, num_blocks: int, block_size: int, n_kv: int, nh: int, hd: int, dtype, scale: float,
@@ -175,19 +221,60 @@ def make_backend(attention, num_blocks: int, block_size: int, n_kv: int, nh: int
     """The backend Cell for one model's cache geometry.
 
     Args:
-        attention: auto | portable | fused (see :func:`select_backend`), or an already built backend (returned).
-        scale: the score factor the fused kernel applies (1.0 when q carries 1/sqrt(hd)); the portable path
-            takes it per call.
+        attention: auto | portable | fused | cpu (see :func:`select_backend`), or an already built backend
+            (returned).
+        scale: the score factor the fused kernel applies (1.0 when q carries 1/sqrt(hd)); the portable and cpu
+            paths take it per call.
         kernels: factory for the fused backend (default :class:`AscendKernels`).
     """
     if isinstance(attention, (PortableBackend, FusedBackend)):
         return attention
-    if select_backend(attention, dtype) == "portable":
+    name = select_backend(attention, dtype)
+    if name == "portable":
         return PortableBackend(num_blocks, block_size, n_kv, hd, dtype)
+    if name == "cpu":
+        return CpuBackend(num_blocks, block_size, n_kv, nh, hd)
     return FusedBackend(num_blocks, block_size, n_kv, nh, hd, dtype, scale, kernels or AscendKernels)
 
 
-class PortableBackend(nn.Cell):
+class PortableLayerMath:
+    """The teacher layer's math in plain MindSpore ops (``dense.py``), for the portable and fused backends.
+
+    Needs ``self.n_kv`` / ``self.hd`` / ``self.swap`` (= ``dense.rope_swap_index(hd)``) on the backend."""
+
+    def linear(self, x, w):
+        """x [k, K] @ w [N, K].T -> [k, N] (``dense.linear``: the matmul form by row count)."""
+        return dense.linear(x, w)
+
+    def mlp(self, x, w_gate_up, w_down, ffn: int):
+        """SwiGLU MLP x [k, H] -> [k, H] (``dense.swiglu_mlp``)."""
+        return dense.swiglu_mlp(x, w_gate_up, w_down, ffn)
+
+    def norm(self, x, eps: float):
+        """rms(x) [k, H], no weight (``dense.rms_norm``)."""
+        return dense.rms_norm(x, eps)
+
+    def add_norm(self, x, d, eps: float):
+        """(y = x + d, rms(y)) [k, H] each."""
+        y = x + d
+        return y, dense.rms_norm(y, eps)
+
+    def rope_rows(self, cos, sin):
+        """cos / sin_signed [k, hd] -> [k, 1, hd] (broadcast over heads)."""
+        return cos.expand_dims(1), sin.expand_dims(1)
+
+    def rope_qkv(self, qkv, cos, sin):
+        """qkv [k, (nh + 2 n_kv) hd] -> (q [k, nh, hd], k [k, n_kv, hd] with RoPE, v [k, n_kv, hd]); q and k rotated
+        together in one gather (``dense.apply_rope``)."""
+        k_len, nkv, hd = qkv.shape[0], self.n_kv, self.hd
+        nh = qkv.shape[1] // hd - 2 * nkv
+        qk, v = ops.split(qkv, ((nh + nkv) * hd, nkv * hd), -1)
+        qk = dense.apply_rope(qk.reshape(k_len, nh + nkv, hd), cos, sin, self.swap)
+        q, k = ops.split(qk, (nh, nkv), 1)
+        return q, k, v.reshape(k_len, nkv, hd)
+
+
+class PortableBackend(PortableLayerMath, nn.Cell):
     """Flat head-major cache ``[n_kv * (NB + 1) * B, hd]``, ScatterUpdate write, gather read (``kv.py``)."""
 
     name = "portable"
@@ -197,6 +284,7 @@ class PortableBackend(nn.Cell):
         super().__init__()
         self.num_blocks, self.block_size, self.n_kv, self.hd, self.dtype = num_blocks, block_size, n_kv, hd, dtype
         self.offsets, self.head_base = cache_index_constants(num_blocks, block_size, n_kv)
+        self.swap = dense.rope_swap_index(hd)
 
     def make_cache(self, name: str):
         """Zero cache Parameter [n_kv * (NB + 1) * B, hd] in the compute dtype."""
@@ -225,7 +313,7 @@ class PortableBackend(nn.Cell):
         return PortableKVOps.read(key_cache, PortableKVOps.read_rows(block_table, self.offsets, self.head_base))
 
 
-class FusedBackend(nn.Cell):
+class FusedBackend(PortableLayerMath, nn.Cell):
     """MindFormers layout ``[NB + 1, B, n_kv, hd]``; ReshapeAndCache + PagedAttention (see the module docstring).
 
     Args:
@@ -243,6 +331,7 @@ class FusedBackend(nn.Cell):
         self.dtype = dtype
         self.kernels = kernels(nh, float(scale), n_kv)
         self.cols = ms.Tensor(np.arange(1, 1 << 16, dtype=np.int32))     # column index + 1 (context length)
+        self.swap = dense.rope_swap_index(hd)
 
     def make_cache(self, name: str):
         """Zero cache Parameter [NB + 1, B, n_kv, hd] in the compute dtype (block NB = pad block)."""
@@ -292,3 +381,69 @@ class FusedBackend(nn.Cell):
         """keys [n_kv, w, hd] of the block table's slots."""
         keys = ops.gather(key_cache, block_table, 0)                      # [w/B, B, n_kv, hd]
         return keys.reshape(-1, self.n_kv, self.hd).transpose(1, 0, 2)
+
+
+CPU_LINEAR_MAX_ROWS = 32
+"""Most rows a :class:`CpuBackend` matmul sends to the C++ kernel; larger calls (prefill chunks) take MindSpore's
+MatMul, whose packed GEMM is faster there (docs/cpu_kernels.md, "Matmul")."""
+
+
+class CpuBackend(PortableBackend):
+    """The portable cache layout and write, with the layer math and attention in the C++ kernels of ``cpu.py``.
+
+    float32 only. Calls of at most CPU_LINEAR_MAX_ROWS rows are batch-invariant end to end (every row's result is
+    the same whatever the other rows). Args: geometry as :class:`PortableBackend`, plus nh (query heads).
+    Raises:
+        KernelBuildError: the kernels cannot be built here (``select_backend`` checks first).
+    """
+
+    name = "cpu"
+
+    def __init__(self, num_blocks: int, block_size: int, n_kv: int, nh: int, hd: int):
+        from mindspore_eagle.kernels import cpu, runtime
+
+        super().__init__(num_blocks, block_size, n_kv, hd, ms.float32)
+        self.nh = nh
+        self.kernels = cpu.CpuKernels()
+        self.rope = cpu.rope_qkv_op(nh, n_kv, hd)
+        self.heads = ms.Tensor(np.array([nh, n_kv], np.int32))
+        self.mm_t = ops.MatMul(transpose_b=True)
+        cpu.set_threads(runtime.kernel_threads())
+
+    def linear(self, x, w):
+        """x [k, K] @ w [N, K].T -> [k, N]: the C++ kernel up to CPU_LINEAR_MAX_ROWS rows, else MatMul."""
+        if x.shape[0] <= CPU_LINEAR_MAX_ROWS:
+            return self.kernels.linear(x, w)
+        return self.mm_t(x, w)
+
+    def mlp(self, x, w_gate_up, w_down, ffn: int):
+        """linear -> SwiGLU kernel -> linear: x [k, H] -> [k, H]."""
+        return self.linear(self.kernels.swiglu(self.linear(x, w_gate_up)), w_down)
+
+    def norm(self, x, eps: float):
+        """rms(x) [k, H] (the add + norm kernel with a zero addend: y = 0 + x = x exactly)."""
+        return self.kernels.add_rms_norm(ops.zeros_like(x), x, ops.scalar_to_tensor(eps, ms.float32))[1]
+
+    def add_norm(self, x, d, eps: float):
+        """(y = x + d, rms(y)) in one kernel call."""
+        return self.kernels.add_rms_norm(x, d, ops.scalar_to_tensor(eps, ms.float32))
+
+    def rope_rows(self, cos, sin):
+        """The kernel takes [k, hd] rows as they are."""
+        return cos, sin
+
+    def rope_qkv(self, qkv, cos, sin):
+        """One kernel call: split, NeoX RoPE on q and k, v copied (``cpu.ref_rope_qkv``)."""
+        return self.rope(qkv, cos, sin, self.heads)
+
+    def attend(self, q, k, v, key_cache, value_cache, meta, scale=None):
+        """ScatterUpdate k / v into the caches, then the attention kernel over the block table's rows (hidden
+        columns skipped) -> [k, nh * hd]."""
+        write_idx, read_idx, mask = meta
+        k_out = PortableKVOps.write(key_cache, write_idx, k)
+        v_out = PortableKVOps.write(value_cache, write_idx, v)
+        factor = ops.scalar_to_tensor(1.0 if scale is None else scale, ms.float32)
+        # order the read after both writes through q: a depend on the cache itself made MindSpore hand the kernel
+        # a copy of the whole cache (~55 us per layer and cache at 1,040 slots; docs/cpu_kernels.md)
+        q = ops.depend(ops.depend(q, k_out), v_out)
+        return self.kernels.paged_attention(q, key_cache, value_cache, read_idx, mask, factor)

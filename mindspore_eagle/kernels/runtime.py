@@ -17,6 +17,7 @@ import time
 import warnings
 
 _CONFIGURED = False
+_THREADS = [os.cpu_count() or 1]
 MODES = ("fused", "eager")
 
 
@@ -45,9 +46,15 @@ def configure(threads: int | None = None, device_target: str = "CPU", device_id:
         if threads:
             n = threads
         ms.device_context.cpu.op_tuning.threads_num(n)
+        _THREADS[0] = n
         ms.runtime.dispatch_threads_num(1)
         ms.runtime.launch_blocking()
     _CONFIGURED = True
+
+
+def kernel_threads() -> int:
+    """Kernel threads of this process on CPU (set by :func:`configure`; before it, ``os.cpu_count()``)."""
+    return _THREADS[0]
 
 
 def check_mode(mode: str) -> str:

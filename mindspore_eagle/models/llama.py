@@ -35,6 +35,13 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from mindspore_eagle.kernels.attention import make_backend, paged_attention  # noqa: F401  (paged_attention re-exported)
+from mindspore_eagle.kernels.dense import (  # noqa: F401  (re-exported: the portable forms of the layer math)
+    WEIGHT_LEFT_ROWS,
+    _weight_left,
+    apply_rope,
+    linear,
+    rope_swap_index,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from mindspore_eagle.models.config import ModelConfig
@@ -80,67 +87,6 @@ class RMSNorm(nn.Cell):
         return y
 
 
-WEIGHT_LEFT_ROWS = (8, 32)
-"""Row counts k (inclusive range) for which :func:`linear` puts the weight on the left (see there)."""
-
-_MM = ops.MatMul()
-_MM_T = ops.MatMul(transpose_b=True)
-
-
-def linear(x, w):
-    """x [k, K] f32 @ w.T for a weight w [N, K] f32 in HF [out, in] layout -> [k, N] f32.
-
-    Two formulations of the same product, chosen by the static row count k (each jitted shape bucket gets one):
-    ``(w @ x.T).T``, the weight as the left operand, for k in WEIGHT_LEFT_ROWS (tree verification, batched
-    regeneration); ``MatMul(transpose_b)(x, w)`` otherwise (the CPU kernel's fast matrix-vector path at k = 1, and
-    the faster GEMM for prefill chunks). The teacher's whole matmul stack (30 layers + the 49k-row head), graph
-    mode, 2-core CPU, MindSpore 2.9.0, ms per call:
-
-        k              1    2    4    8   16   32   64  128  256
-        x @ w.T       30   31   47   54   65   73  101  156  256
-        (w @ x.T).T   48   43   47   46   49   61  104  213  496
-
-    (docs/results.md, "2026-11-29, night"; both forms give the same values up to float rounding.)
-    """
-    if _weight_left(x.shape[0], x.dtype):
-        return _MM(w, x.T).T
-    return _MM_T(x, w)
-
-
-def _weight_left(k: int, dtype=ms.float32) -> bool:
-    """True when k query rows (static) take the weight-left form (WEIGHT_LEFT_ROWS), in float32 only.
-
-    Half precision always takes ``x @ w.T``: the weight-left product is rounded to the half type after a
-    different accumulation order, one half ulp (1e-3 relative in float16) away from the k = 1 decode's row, which
-    flipped greedy near-ties between tree verification and teacher-only decoding on the embedded teacher
-    (scripts/dtype_agreement.py); ``x @ w.T`` gives a row the same value at k = 1 and k = M.
-    """
-    return dtype == ms.float32 and WEIGHT_LEFT_ROWS[0] <= k <= WEIGHT_LEFT_ROWS[1]
-
-
-def rope_swap_index(head_dim: int) -> Tensor:
-    """int32 [hd]: the permutation that swaps the two halves of a head (the gather inside apply_rope)."""
-    half = head_dim // 2
-    return Tensor(np.concatenate([np.arange(half, head_dim), np.arange(half)]).astype(np.int32))
-
-
-def apply_rope(x, cos, sin_signed, swap):
-    """x [..., hd]; cos / sin_signed float32 broadcastable to x (rope_tables); swap = rope_swap_index(hd) ->
-    rotated x in x's dtype.
-
-    One gather instead of slice / slice / neg / concat: the same values, three fewer graph ops per call. A
-    half-precision x is rotated in float32 and cast back (MindFormers' ``rotary_dtype: float32``); float32 x
-    takes no cast.
-    """
-    dt = x.dtype
-    if dt != ms.float32:
-        x = x.astype(ms.float32)
-    y = x * cos + ops.gather(x, swap, x.ndim - 1) * sin_signed
-    if dt != ms.float32:
-        y = y.astype(dt)
-    return y
-
-
 COMPUTE_DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 """``model.dtype`` names -> MindSpore dtypes of weights, matmuls, residual stream and KV cache."""
 
@@ -153,7 +99,8 @@ def zeros_param(shape, dtype, name: str) -> Parameter:
 
 
 class Attention(nn.Cell):
-    """GQA self-attention over the paged cache; optional bias on qkv and on o."""
+    """GQA self-attention over the paged cache; optional bias on qkv and on o. The backend supplies the matmuls,
+    RoPE and the cache write + attention (``attention.py``)."""
 
     def __init__(self, cfg: ModelConfig, backend, layer: int, dtype=ms.float32):
         super().__init__()
@@ -166,56 +113,51 @@ class Attention(nn.Cell):
         self.bo = zeros_param((cfg.hidden_size,), dtype, "bo") if cfg.o_bias else None
         self.key_cache = backend.make_cache(f"key_cache_{layer}")
         self.value_cache = backend.make_cache(f"value_cache_{layer}")
-        self.qk_v = ((self.nh + self.nkv) * self.hd, self.nkv * self.hd)
-        self.q_k = (self.nh, self.nkv)
-        self.swap = rope_swap_index(self.hd)
 
     def construct(self, x, cos, sin, meta):
-        k_len = x.shape[0]
-        qkv = linear(x, self.wqkv)
+        qkv = self.backend.linear(x, self.wqkv)
         if self.bqkv is not None:
             qkv = qkv + self.bqkv
-        qk, v = ops.split(qkv, self.qk_v, -1)
-        qk = apply_rope(qk.reshape(k_len, self.nh + self.nkv, self.hd), cos, sin, self.swap)   # q and k together
-        q, k = ops.split(qk, self.q_k, 1)
-        ctx = self.backend.attend(q, k, v.reshape(k_len, self.nkv, self.hd), self.key_cache, self.value_cache,
-                                  meta)
-        out = linear(ctx, self.wo)
+        q, k, v = self.backend.rope_qkv(qkv, cos, sin)
+        ctx = self.backend.attend(q, k, v, self.key_cache, self.value_cache, meta)
+        out = self.backend.linear(ctx, self.wo)
         if self.bo is not None:
             out = out + self.bo
         return out
 
 
 class MLP(nn.Cell):
-    """SwiGLU with gate and up fused into one [2F, H] weight."""
+    """SwiGLU with gate and up fused into one [2F, H] weight (the backend's ``mlp``)."""
 
-    def __init__(self, cfg: ModelConfig, dtype=ms.float32):
+    def __init__(self, cfg: ModelConfig, backend, dtype=ms.float32):
         super().__init__()
+        self.backend = backend
         self.ffn = cfg.intermediate_size
         self.w_gate_up = zeros_param((2 * self.ffn, cfg.hidden_size), dtype, "w_gate_up")
         self.w_down = zeros_param((cfg.hidden_size, self.ffn), dtype, "w_down")
 
     def construct(self, x):
-        if _weight_left(x.shape[0], x.dtype):  # weight-left (see linear): stay transposed between the two matmuls
-            gate, up = ops.split(_MM(self.w_gate_up, x.T), self.ffn, 0)                 # [F, k] each
-            return _MM(self.w_down, ops.silu(gate) * up).T
-        gate, up = ops.split(_MM_T(x, self.w_gate_up), self.ffn, -1)
-        return _MM_T(ops.silu(gate) * up, self.w_down)
+        return self.backend.mlp(x, self.w_gate_up, self.w_down, self.ffn)
 
 
 class DecoderLayer(nn.Cell):
-    """Pre-norm block; both norm weights live folded in the next matmul (``load_hf_weights``)."""
+    """Pre-norm block; both norm weights live folded in the next matmul (``load_hf_weights``).
+
+    construct(x [k, H] residual stream, h [k, H] = rms(x) unweighted, cos, sin, meta) -> (x', rms(x')): each
+    residual add is fused with the norm that follows it (the backend's ``add_norm``), so a layer hands the next
+    one its normed input.
+    """
 
     def __init__(self, cfg: ModelConfig, backend, layer: int, dtype=ms.float32):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weighted=False)
+        self.backend = backend
+        self.eps = cfg.rms_norm_eps
         self.attn = Attention(cfg, backend, layer, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weighted=False)
-        self.mlp = MLP(cfg, dtype)
+        self.mlp = MLP(cfg, backend, dtype)
 
-    def construct(self, x, cos, sin, meta):
-        x = x + self.attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def construct(self, x, h, cos, sin, meta):
+        x, h = self.backend.add_norm(x, self.attn(h, cos, sin, meta), self.eps)
+        return self.backend.add_norm(x, self.mlp(h), self.eps)
 
 
 class LlamaModel(nn.Cell):
@@ -232,8 +174,9 @@ class LlamaModel(nn.Cell):
             softmax_compute_type). In half precision the lm_head matmul runs in float32 (the final-normed rows and
             the head weight upcast per call): float16 logits tie too often for greedy decoding to be reproducible
             across call shapes. float32 adds no cast anywhere.
-        attention: the cache write / read / attention backend (``attention.py``): auto (fused kernels when
-            ``context.device_target`` is Ascend, else portable), portable, fused, or a built backend Cell.
+        attention: the backend of the layer math, cache write / read and attention (``attention.py``): auto
+            (fused kernels on Ascend in half precision, the CPU kernels on CPU in float32 when they build, else
+            portable), portable, fused, cpu, or a built backend Cell.
             The fused backend's PagedAttention gets ``scale_value`` 1.0: the q weights carry 1/sqrt(hd).
     """
 
@@ -243,6 +186,7 @@ class LlamaModel(nn.Cell):
         self.cfg, self.dtype = cfg, dtype
         self.backend = make_backend(attention, num_blocks, block_size, cfg.num_kv_heads, cfg.num_heads,
                                     cfg.head_dim, dtype, 1.0)
+        self.eps = cfg.rms_norm_eps
         self.embed = zeros_param((cfg.vocab_size, cfg.hidden_size), dtype, "embed")
         self.layers = nn.CellList([DecoderLayer(cfg, self.backend, i, dtype) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -283,7 +227,7 @@ class LlamaModel(nn.Cell):
     def _logits(self, h):
         """Logits f32 [m, V] of final-normed rows h [m, H] (compute dtype)."""
         if self.dtype == ms.float32:
-            return linear(h, self.head_weight())
+            return self.backend.linear(h, self.head_weight())
         # half precision: the head runs in float32 (hidden rows and head weight upcast), so logits keep float32
         # resolution: float16 logits are quantised to 1/64 near 20 and tie often, and a tie is decided by rounding
         # noise from upstream (docs/ascend.md, "Measured: float16 against float32")
@@ -293,13 +237,13 @@ class LlamaModel(nn.Cell):
         """Residual stream after the last layer [k, H] (before the final norm) and captured features [k, 3H], both
         in the compute dtype."""
         x = ops.gather(self.embed, tokens, 0)
-        cos = ops.gather(self.cos, positions, 0).expand_dims(1)
-        sin = ops.gather(self.sin, positions, 0).expand_dims(1)
+        cos, sin = self.backend.rope_rows(ops.gather(self.cos, positions, 0), ops.gather(self.sin, positions, 0))
         meta = self.backend.prepare(slots, block_table, mask)
+        h = self.backend.norm(x, self.eps)
         inputs = ()                                    # residual stream entering each layer
         for layer in self.layers:
             inputs = inputs + (x,)
-            x = layer(x, cos, sin, meta)
+            x, h = layer(x, h, cos, sin, meta)
         a0, a1, a2 = self.aux_layers
         aux = ops.concat((inputs[a0], inputs[a1], inputs[a2]), -1)
         return x, aux

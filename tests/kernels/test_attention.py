@@ -210,18 +210,35 @@ def test_real_inference_refuses_docstring_key_layout(ms_runtime):
     assert np.array_equal(kc.asnumpy().reshape(-1, 16)[[1, 5]], np.ones((2, 16)))
 
 
-def test_backend_selection(monkeypatch):
+def test_backend_selection(monkeypatch, capsys):
+    from mindspore_eagle.kernels import attention, cpu
+
     monkeypatch.delenv("MSEAGLE_ATTENTION", raising=False)
     on_ascend = ms.get_context("device_target") == "Ascend"
     assert select_backend() == ("fused" if on_ascend else "portable")
-    assert select_backend("auto", ms.float32) == "portable"          # ReshapeAndCache takes no float32
+    assert select_backend("auto", ms.float32) == ("portable" if on_ascend else "cpu")   # the CPU kernels build here
     with pytest.raises(ValueError, match=r"^attention backend = 'fused' needs model\.dtype float16 or bfloat16"):
         select_backend("fused", ms.float32)
+    with pytest.raises(ValueError, match=r"^attention backend = 'cpu' needs model\.dtype float32"):
+        select_backend("cpu", ms.float16)
     assert select_backend("fused") == "fused"
     monkeypatch.setenv("MSEAGLE_ATTENTION", "portable")
     assert select_backend() == "portable"
-    with pytest.raises(ValueError, match=r"^attention backend = 'flash': must be auto, portable or fused$"):
+    assert select_backend("auto", ms.float32) == "portable"
+    with pytest.raises(ValueError, match=r"^attention backend = 'flash': must be auto, portable, fused or cpu$"):
         select_backend("flash")
+    # no compiler here: auto falls back to portable with one line on stderr, once; an explicit cpu is an error
+    monkeypatch.delenv("MSEAGLE_ATTENTION")
+    monkeypatch.setattr(cpu, "status", lambda: (False, "CPU kernels need a C++ compiler: g++ not found on PATH"))
+    monkeypatch.setattr(attention, "_cpu_note", [])
+    capsys.readouterr()
+    if not on_ascend:
+        assert select_backend("auto", ms.float32) == "portable"
+        assert select_backend("auto", ms.float32) == "portable"
+        assert capsys.readouterr().err == ("[mindspore_eagle] CPU kernels need a C++ compiler: g++ not found on PATH; "
+                                           "using the portable backend (slower)\n")
+    with pytest.raises(ValueError, match=r"^attention backend = 'cpu' is not available here: CPU kernels need a C\+\+"):
+        select_backend("cpu", ms.float32)
 
 
 def test_fused_graphs_compile_up_to_kernel_selection(ms_runtime, tiny, monkeypatch):
