@@ -12,7 +12,8 @@
 // a tree verification and a batched step (docs/cpu_kernels.md, "Batch invariance").
 //
 // Vectors are GCC vector extensions (8 floats): AVX2 + FMA with -march=native on x86-64, NEON pairs on aarch64,
-// plain scalar code elsewhere; the same source, so the arithmetic order is the same on every target.
+// plain scalar code elsewhere; the same source, so the arithmetic order is the same on every target (whether a
+// multiply-add is fused differs between targets, never between two calls on one machine: see fma8).
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -22,13 +23,33 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#if defined(__FMA__) && defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));  // unaligned loads / stores
 
 static inline v8 load8(const float *p) { return *(const v8u *)p; }
+// the first n < 8 floats of p, zeros after: tails go through the same vector multiply-add as full chunks, so the
+// float operations of an output never depend on how a loop was split (a scalar tail may be fused differently)
+static inline v8 load_tail(const float *p, int64_t n) {
+  v8 v = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t i = 0; i < n; ++i) v[i] = p[i];
+  return v;
+}
 static inline void store8(float *p, v8 v) { *(v8u *)p = v; }
 static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+// a * b + c: one fused multiply-add where the CPU has FMA, else a multiply then an add. Built with
+// -ffp-contract=off, so the compiler fuses nothing by itself: whether a product is fused must not depend on how a
+// loop was inlined or unrolled (it did, once: one output column of a tail block differed between call shapes).
+static inline v8 fma8(v8 a, v8 b, v8 c) {
+#if defined(__FMA__) && defined(__AVX__)
+  return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
 static inline float fold8(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
 static int g_threads = 1;
@@ -62,14 +83,14 @@ extern "C" int SetThreads(int n) {
   return g_threads;
 }
 
-// dot(a, b) over n floats: 8-lane partial sums over i = 0, 8, 16, ... in order, folded by fold8, then the tail.
+// dot(a, b) over n floats: 8-lane partial sums over i = 0, 8, 16, ... in order (the tail zero-padded), folded by
+// fold8.
 static inline float dot(const float *a, const float *b, int64_t n) {
   v8 acc = splat8(0.f);
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc += load8(a + i) * load8(b + i);
-  float s = fold8(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
+  for (; i + 8 <= n; i += 8) acc = fma8(load8(a + i), load8(b + i), acc);
+  if (i < n) acc = fma8(load_tail(a + i, n - i), load_tail(b + i, n - i), acc);
+  return fold8(acc);
 }
 
 // ---------------------------------------------------------------------------------------------- Linear
@@ -92,16 +113,25 @@ static inline void micro(const float *x, const float *w, float *y, int64_t K, in
     for (int a = 0; a < KR; ++a) {
       const v8 xv = load8(x + (r0 + a) * K + i);
 #pragma GCC unroll 8
-      for (int b = 0; b < NR; ++b) acc[a][b] += xv * wv[b];
+      for (int b = 0; b < NR; ++b) acc[a][b] = fma8(xv, wv[b], acc[a][b]);
     }
   }
-  for (int a = 0; a < KR; ++a)
-    for (int b = 0; b < NR; ++b) {
-      float s = fold8(acc[a][b]);
-      const float *xr = x + (r0 + a) * K, *wr = w + (n0 + b) * K;
-      for (int64_t j = i; j < K; ++j) s += xr[j] * wr[j];
-      y[(r0 + a) * N + n0 + b] = s;
+  if (i < K) {
+    const int64_t t = K - i;
+    v8 wv[NR];
+#pragma GCC unroll 8
+    for (int b = 0; b < NR; ++b) wv[b] = load_tail(w + (n0 + b) * K + i, t);
+#pragma GCC unroll 8
+    for (int a = 0; a < KR; ++a) {
+      const v8 xv = load_tail(x + (r0 + a) * K + i, t);
+#pragma GCC unroll 8
+      for (int b = 0; b < NR; ++b) acc[a][b] = fma8(xv, wv[b], acc[a][b]);
     }
+  }
+#pragma GCC unroll 8
+  for (int a = 0; a < KR; ++a)
+#pragma GCC unroll 8
+    for (int b = 0; b < NR; ++b) y[(r0 + a) * N + n0 + b] = fold8(acc[a][b]);
 }
 
 extern "C" int Linear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
@@ -247,7 +277,7 @@ extern "C" int PagedAttention(int nparam, void **params, int *ndims, int64_t **s
         const float *vr = vc + (int64_t)vis[t] * hd;
         const v8 pv = splat8(p);
         int64_t i = 0;
-        for (; i + 8 <= hd; i += 8) acc[i / 8] += pv * load8(vr + i);
+        for (; i + 8 <= hd; i += 8) acc[i / 8] = fma8(pv, load8(vr + i), acc[i / 8]);
         for (; i < hd; ++i) acc[i / 8][i % 8] += p * vr[i];
       }
       const float inv = n ? 1.0f / den : 0.f;

@@ -1,0 +1,209 @@
+"""Contract tests of the CPU kernels (kernels/cpu.py, cpu_kernels.cc) and of the CPU backend.
+
+- each kernel against its float64 numpy reference (shapes with tails: K and hd not multiples of 8, N not a
+  multiple of 4, odd row counts), and each contract shown able to fail: a transposed weight, a wrong RoPE sign,
+  an off-by-one cache row, a shifted mask all differ from the reference beyond the tolerance;
+- batch invariance: every row of a k-row call equals, bit for bit, the same row computed alone;
+- the teacher on the CPU backend against the portable backend (chunked prefill, decode, tree verification,
+  commit, rollback; logits, features and the cache), eager and fused;
+- end to end: the logits of a tree's nodes in one verification equal, bit for bit, the logits of the same tokens
+  decoded one at a time (the property that makes speculation exactly lossless on this backend);
+- a missing compiler or a compile error gives a one-line KernelBuildError.
+"""
+import mindspore as ms
+import numpy as np
+import pytest
+from tiny_engines import tiny_tree
+
+from mindspore_eagle.core.tree import DraftTree, tensorize
+from mindspore_eagle.kernels import cpu
+
+pytestmark = pytest.mark.skipif(not cpu.status()[0], reason=f"CPU kernels unavailable: {cpu.status()[1]}")
+
+TOL = 1e-5          # relative to the reference's largest magnitude (float32 kernels, float64 references)
+
+
+def rel(a, b):
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def call(prim, *arrays):
+    """Run a Custom primitive eagerly on numpy inputs -> numpy outputs (a tuple when it has several)."""
+    out = prim(*[ms.Tensor(a) for a in arrays])
+    return tuple(o.asnumpy() for o in out) if isinstance(out, tuple) else out.asnumpy()
+
+
+@pytest.fixture(scope="module")
+def kern(ms_runtime):
+    return cpu.CpuKernels()
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 8, 11, 32])
+def test_linear(kern, k):
+    rng = np.random.default_rng(k)
+    K, N = 44, 10
+    x = rng.normal(size=(k, K)).astype(np.float32)
+    w = rng.normal(size=(N, K)).astype(np.float32)
+    y = call(kern.linear, x, w)
+    assert y.shape == (k, N) and rel(y, cpu.ref_linear(x, w)) < TOL
+    assert rel(y, cpu.ref_linear(x, w.reshape(K, N).T)) > 0.1          # a transposed layout is caught
+    for r in range(k):                                                  # batch invariance, bitwise
+        assert np.array_equal(call(kern.linear, x[r:r + 1], w)[0], y[r])
+
+
+def test_add_rms_norm(kern):
+    rng = np.random.default_rng(1)
+    x, d = rng.normal(size=(2, 5, 44)).astype(np.float32)
+    eps = np.array([1e-5], np.float32)
+    y, h = call(kern.add_rms_norm, x, d, eps)
+    ry, rh = cpu.ref_add_rms_norm(x, d, 1e-5)
+    assert np.array_equal(y, x + d) and rel(h, rh) < TOL
+    assert rel(h, cpu.ref_add_rms_norm(x, 0 * d, 1e-5)[1]) > 0.1       # the addend is used
+    for r in range(5):
+        assert np.array_equal(call(kern.add_rms_norm, x[r:r + 1], d[r:r + 1], eps)[1][0], h[r])
+
+
+def test_rope_qkv(kern):
+    from mindspore_eagle.models.llama import rope_tables
+
+    rng = np.random.default_rng(2)
+    nh, nkv, hd, k = 4, 2, 12, 3
+    qkv = rng.normal(size=(k, (nh + 2 * nkv) * hd)).astype(np.float32)
+    cos, sin = rope_tables(hd, 64, 10000.0)
+    pos = np.array([0, 7, 41])
+    q, key, v = call(cpu.rope_qkv_op(nh, nkv, hd), qkv, cos[pos], sin[pos], np.array([nh, nkv], np.int32))
+    rq, rk, rv = cpu.ref_rope_qkv(qkv, cos[pos], sin[pos], nh, nkv)
+    assert q.shape == (k, nh, hd) and key.shape == (k, nkv, hd)
+    assert rel(q, rq) < TOL and rel(key, rk) < TOL and np.array_equal(v, rv)
+    assert rel(q, cpu.ref_rope_qkv(qkv, cos[pos], -sin[pos], nh, nkv)[0]) > 0.1     # a wrong sign is caught
+
+
+def test_swiglu(kern):
+    rng = np.random.default_rng(3)
+    gu = (rng.normal(size=(3, 2 * 21)) * 4).astype(np.float32)
+    out = call(kern.swiglu, gu)
+    assert out.shape == (3, 21) and rel(out, cpu.ref_swiglu(gu)) < TOL
+    assert rel(out, cpu.ref_swiglu(gu[:, ::-1].copy())) > 0.1         # gate / up swapped is caught
+
+
+def attention_case(seed, G=1):
+    rng = np.random.default_rng(seed)
+    nh, nkv, hd, S, R, kg = 4, 2, 12, 20, 64, 3
+    k = G * kg
+    q = rng.normal(size=(k, nh, hd)).astype(np.float32)
+    kc, vc = rng.normal(size=(2, R, hd)).astype(np.float32)
+    rows = np.stack([np.stack([rng.permutation(R - 1)[:S] for _ in range(nkv)]) for _ in range(G)]).astype(np.int32)
+    mask = np.where(rng.random((k, S)) < 0.6, 0.0, -1e9).astype(np.float32)
+    mask[np.arange(k), rng.integers(0, S, k)] = 0.0                     # every row sees something ...
+    mask[1] = -1e9                                                      # ... but row 1, which sees nothing
+    return q, kc, vc, (rows if G > 1 else rows[0]), mask, np.array([0.3], np.float32)
+
+
+@pytest.mark.parametrize("G", [1, 2])
+def test_paged_attention(kern, G):
+    q, kc, vc, rows, mask, scale = attention_case(G, G)
+    out = call(kern.paged_attention, q, kc, vc, rows, mask, scale)
+    ref = cpu.ref_paged_attention(q, kc, vc, rows, mask, 0.3)
+    assert out.shape == (q.shape[0], q.shape[1] * q.shape[2]) and rel(out, ref) < TOL
+    assert np.array_equal(out[1], np.zeros_like(out[1]))                # no visible column -> zeros
+    assert rel(out, cpu.ref_paged_attention(q, kc, vc, rows + 1, mask, 0.3)) > 0.01      # off-by-one row
+    assert rel(out, cpu.ref_paged_attention(q, kc, vc, rows, np.roll(mask, 1, 1), 0.3)) > 0.01  # shifted mask
+    kg = q.shape[0] // G
+    for r in range(q.shape[0]):                                         # batch invariance, bitwise
+        own = rows[r // kg] if G > 1 else rows
+        alone = call(kern.paged_attention, q[r:r + 1], kc, vc, own, mask[r:r + 1], scale)
+        assert np.array_equal(alone[0], out[r])
+
+
+def runner(tiny, backend, mode):
+    from mindspore_eagle.models.llama import LlamaModel
+    from mindspore_eagle.runners.teacher import TeacherRunner
+
+    cfg, tensors, _ = tiny
+    net = LlamaModel(cfg, 32, 8, 128, ms.float32, attention=backend)
+    net.load_hf_weights(tensors)
+    assert net.backend.name == backend
+    return TeacherRunner(net, 32, 8, 128, mode, 32)
+
+
+@pytest.mark.parametrize("mode", ["eager", "fused"])
+def test_cpu_backend_equals_portable(ms_runtime, tiny, mode):
+    """Chunked prefill (32 + 8 rows: the 32-row chunk takes the kernel, as do decode and verify), decodes, a tree
+    verification, commit of its longest path, rollback of a second one: logits, features and the committed cache
+    of the CPU backend against the portable one."""
+    cfg, _, tok = tiny
+    rp, rc = runner(tiny, "portable", mode), runner(tiny, "cpu", mode)
+    sp, sc = rp.new_seq(), rc.new_seq()
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France? " * 3}]))
+    rng = np.random.default_rng(0)
+    worst = {}
+
+    def both(name, fn):
+        a, b = fn(rp, sp), fn(rc, sc)
+        worst[name] = max(worst.get(name, 0.0), max(rel(y, x) for x, y in zip(a, b)))
+        return a
+
+    last, _ = both("prefill", lambda r, s: r.prefill(s, ids[:40]))
+    for _ in range(3):
+        last, _ = both("decode", lambda r, s: r.decode(s, int(np.argmax(last))))
+    for stage in ("commit", "rollback"):
+        tt = tensorize(tiny_tree(rng, int(np.argmax(last)), 12, 4, cfg.vocab_size), 12, 4)
+        both("verify", lambda r, s: r.verify(s, tt))
+        for r, s in ((rp, sp), (rc, sc)):
+            if stage == "commit":
+                r.commit(s, max((row[row < 12] for row in tt.retrieve), key=len), 6)
+            else:
+                r.rollback(s)
+        token = int(rng.integers(3, cfg.vocab_size))
+        last, _ = both("decode_after_" + stage, lambda r, s: r.decode(s, token))
+    assert set(worst) == {"prefill", "decode", "verify", "decode_after_commit", "decode_after_rollback"}
+    assert all(v < TOL for v in worst.values()), worst
+    slots = rp.bm.slots(sp, np.arange(rp.length(sp)))
+    for (kp, vp), (kc_, vc_) in zip(rp.model.caches(), rc.model.caches()):
+        for a, b in ((kp, kc_), (vp, vc_)):
+            a, b = a.asnumpy().reshape(cfg.num_kv_heads, -1, cfg.head_dim), b.asnumpy().reshape(
+                cfg.num_kv_heads, -1, cfg.head_dim)
+            assert rel(b[:, slots], a[:, slots]) < TOL
+
+
+def test_tree_verification_is_bitwise_decode(ms_runtime, tiny):
+    """Tokens t0 t1 t2 decoded one at a time give the same logits and features, bit for bit, as the same tokens
+    verified as a root-to-leaf path of a tree whose other branches sit between them (mask columns skipped)."""
+    cfg, _, tok = tiny
+    r = runner(tiny, "cpu", "fused")
+    ids = tok.encode("The quick brown fox jumps over the lazy dog")
+    t = [11, 23, 37]
+    a = r.new_seq()
+    r.prefill(a, ids)
+    one = [r.decode(a, x) for x in t]
+    b = r.new_seq()
+    r.prefill(b, ids)
+    # root t0; children 5 and t1; t1's children 9 and t2: the path t0 -> t1 -> t2 is nodes 0, 2, 4
+    tree = DraftTree([t[0], 5, t[1], 9, t[2]], [0, 0, 0, 2, 2])
+    tt = tensorize(tree, 8, 4)
+    path = [0, 2, 4]
+    assert list(tt.tokens[path]) == t
+    logits, aux = r.verify(b, tt)
+    for i, node in enumerate(path):
+        assert np.array_equal(logits[node], one[i][0]), f"token {i}"
+        assert np.array_equal(aux[node], one[i][1][0])
+    r.commit(b, np.array(path), 6)
+    nxt = int(np.argmax(one[-1][0]))
+    assert np.array_equal(r.decode(b, nxt)[0], r.decode(a, nxt)[0])      # the moved cache is the same too
+
+
+def test_build_errors_are_one_line(monkeypatch, tmp_path):
+    monkeypatch.setenv("MSEAGLE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with pytest.raises(cpu.KernelBuildError, match=r"^CPU kernels need a C\+\+ compiler: no-such-compiler not found "
+                                                   r"on PATH$"):
+        cpu._build()
+    monkeypatch.delenv("CXX")
+    bad = tmp_path / "bad.cc"
+    bad.write_text("int broken( {\n")
+    monkeypatch.setattr(cpu, "SOURCE", bad)
+    with pytest.raises(cpu.KernelBuildError) as e:
+        cpu._build()
+    msg = str(e.value)
+    assert msg.startswith("CPU kernels failed to compile") and "error" in msg and "\n" not in msg
+    assert not list((tmp_path / "kernels").glob("*.so"))                 # nothing half-built is left behind
