@@ -440,10 +440,10 @@ class CpuBackend(PortableBackend):
         """ScatterUpdate k / v into the caches, then the attention kernel over the block table's rows (hidden
         columns skipped) -> [k, nh * hd]."""
         write_idx, read_idx, mask = meta
-        k_out = PortableKVOps.write(key_cache, write_idx, k)
-        v_out = PortableKVOps.write(value_cache, write_idx, v)
+        PortableKVOps.write(key_cache, write_idx, k)
+        PortableKVOps.write(value_cache, write_idx, v)
         factor = ops.scalar_to_tensor(1.0 if scale is None else scale, ms.float32)
-        # order the read after both writes through q: a depend on the cache itself made MindSpore hand the kernel
-        # a copy of the whole cache (~55 us per layer and cache at 1,040 slots; docs/cpu_kernels.md)
-        q = ops.depend(ops.depend(q, k_out), v_out)
+        # no depend on the writes' outputs: MindSpore orders a Parameter's reads after its in-place writes by
+        # itself (auto-monad), and using a ScatterUpdate's output made it materialise a copy of the whole cache
+        # (~60 us per layer and cache at 1,040 slots; docs/cpu_kernels.md)
         return self.kernels.paged_attention(q, key_cache, value_cache, read_idx, mask, factor)
