@@ -16,21 +16,24 @@ One small interface, chosen once per Cell (never a flag inside the math):
     move(key_cache, value_cache, src [P] i32, dst [P] i32)  -> outputs to depend on (commit compaction)
     read_keys(key_cache, block_table [w/B] i32) -> keys [n_kv, w, hd]  (read-only inspection)
 
-and the rest of a teacher layer's math (the teacher's layers call only these):
+and the rest of a teacher layer's math (a decoder layer is ``attention_block`` then ``mlp_add_norm``; the norm
+weights are folded into the next matmul, so every norm here is unweighted):
 
-    linear(x [k, K], w [N, K]) -> [k, N];  mlp(x [k, H], w_gate_up [2F, H], w_down [H, F], F) -> [k, H]
-    norm(x [k, H], eps) -> rms(x);  add_norm(x, d, eps) -> (y = x + d, rms(y))   (norm weights folded)
+    linear(x [k, K], w [N, K]) -> [k, N];  norm(x [k, H], eps) -> rms(x)
     rope_rows(cos [k, hd], sin_signed [k, hd]) -> the backend's form of them, once per forward
-    rope_qkv(qkv [k, (nh + 2 n_kv) hd], cos, sin) -> q [k, nh, hd], k [k, n_kv, hd] (RoPE applied), v [k, n_kv, hd]
+    attention_block(x [k, H], h = rms(x), wqkv, bqkv | None, wo, bo | None, cos, sin, key_cache, value_cache, meta,
+                    eps) -> (y = x + attention(h) @ wo.T (+ bo), rms(y))   (q/k/v projection, RoPE, cache write,
+                    attention, output projection, residual add, norm)
+    mlp_add_norm(h [k, H], w_gate_up [2F, H], w_down [H, F], resid [k, H], eps) -> (y = resid + SwiGLU MLP, rms(y))
 
 ``PortableBackend`` (CPU, GPU, Ascend): the flat head-major layout of ``kv.make_cache`` written by
 ``ScatterUpdate`` and read by ``gather``, attention by batched matmuls (``models.pangu.paged_attention``). It is
 the path every GPU run and every CPU run without a C++ compiler takes; its layer math is ``dense.py``.
 
 ``CpuBackend`` (CPU, float32): the portable cache layout and write, with the layer math and the attention in fused
-C++ kernels (``kernels/cpu.py``): one call each for a matmul, RoPE on q/k, a residual add + RMSNorm, SwiGLU and the
-attention over the block table, ~10 graph ops per decoder layer instead of ~37, batch-invariant (a row's logits do
-not depend on the other rows of the call; docs/cpu_kernels.md).
+C++ kernels (``kernels/cpu.py``): a decoder layer is two kernel calls (the attention block, which writes the cache in
+place, and the MLP block), 2 graph ops instead of ~37, batch-invariant (a row's logits do not depend on the other
+rows of the call; docs/cpu_kernels.md).
 
 ``FusedBackend`` (Ascend): MindFormers' paged layout ``[NB + 1, B, n_kv, hd]`` per layer (the layout in the
 docstrings of ``ops.auto_generate.ReshapeAndCache`` / ``PagedAttention``; byte-identical to MindFormers'
@@ -246,32 +249,40 @@ class PortableLayerMath:
         """x [k, K] @ w [N, K].T -> [k, N] (``dense.linear``: the matmul form by row count)."""
         return dense.linear(x, w)
 
-    def mlp(self, x, w_gate_up, w_down, ffn: int):
-        """SwiGLU MLP x [k, H] -> [k, H] (``dense.swiglu_mlp``)."""
-        return dense.swiglu_mlp(x, w_gate_up, w_down, ffn)
-
     def norm(self, x, eps: float):
         """rms(x) [k, H], no weight (``dense.rms_norm``)."""
         return dense.rms_norm(x, eps)
-
-    def add_norm(self, x, d, eps: float):
-        """(y = x + d, rms(y)) [k, H] each."""
-        y = x + d
-        return y, dense.rms_norm(y, eps)
 
     def rope_rows(self, cos, sin):
         """cos / sin_signed [k, hd] -> [k, 1, hd] (broadcast over heads)."""
         return cos.expand_dims(1), sin.expand_dims(1)
 
-    def rope_qkv(self, qkv, cos, sin):
-        """qkv [k, (nh + 2 n_kv) hd] -> (q [k, nh, hd], k [k, n_kv, hd] with RoPE, v [k, n_kv, hd]); q and k rotated
-        together in one gather (``dense.apply_rope``)."""
+    def attention_block(self, x, h, wqkv, bqkv, wo, bo, cos, sin, key_cache, value_cache, meta, eps: float):
+        """(y = x + attention(h) @ wo.T (+ bo), rms(y)) [k, H] each; writes the rows' K/V (``attend``)."""
+        q, k, v = self.qkv_rope(h, wqkv, bqkv, cos, sin)
+        out = dense.linear(self.attend(q, k, v, key_cache, value_cache, meta), wo)
+        if bo is not None:
+            out = out + bo
+        y = x + out
+        return y, dense.rms_norm(y, eps)
+
+    def qkv_rope(self, x, wqkv, bqkv, cos, sin):
+        """x [k, H] -> (q [k, nh, hd], k [k, n_kv, hd] with RoPE, v [k, n_kv, hd]); q and k rotated together in one
+        gather (``dense.apply_rope``)."""
+        qkv = dense.linear(x, wqkv)
+        if bqkv is not None:
+            qkv = qkv + bqkv
         k_len, nkv, hd = qkv.shape[0], self.n_kv, self.hd
         nh = qkv.shape[1] // hd - 2 * nkv
         qk, v = ops.split(qkv, ((nh + nkv) * hd, nkv * hd), -1)
         qk = dense.apply_rope(qk.reshape(k_len, nh + nkv, hd), cos, sin, self.swap)
         q, k = ops.split(qk, (nh, nkv), 1)
         return q, k, v.reshape(k_len, nkv, hd)
+
+    def mlp_add_norm(self, h, w_gate_up, w_down, resid, eps: float):
+        """(y = resid + SwiGLU MLP(h), rms(y)) [k, H] each (``dense.swiglu_mlp``)."""
+        y = resid + dense.swiglu_mlp(h, w_gate_up, w_down, w_down.shape[1])
+        return y, dense.rms_norm(y, eps)
 
 
 class PortableBackend(PortableLayerMath, nn.Cell):
@@ -384,8 +395,8 @@ class FusedBackend(PortableLayerMath, nn.Cell):
 
 
 CPU_LINEAR_MAX_ROWS = 32
-"""Most rows a :class:`CpuBackend` matmul sends to the C++ kernel; larger calls (prefill chunks) take MindSpore's
-MatMul, whose packed GEMM is faster there (docs/cpu_kernels.md, "Matmul")."""
+"""Most rows a :class:`CpuBackend` call sends through the C++ kernels; larger calls (prefill chunks) take MindSpore's
+MatMul, whose packed GEMM is faster there, and the portable ops around it (docs/cpu_kernels.md, "Matmul")."""
 
 
 class CpuBackend(PortableBackend):
@@ -405,7 +416,6 @@ class CpuBackend(PortableBackend):
         super().__init__(num_blocks, block_size, n_kv, hd, ms.float32)
         self.nh = nh
         self.kernels = cpu.CpuKernels()
-        self.rope = cpu.rope_qkv_op(nh, n_kv, hd)
         self.heads = ms.Tensor(np.array([nh, n_kv], np.int32))
         self.mm_t = ops.MatMul(transpose_b=True)
         cpu.set_threads(runtime.kernel_threads())
@@ -416,25 +426,38 @@ class CpuBackend(PortableBackend):
             return self.kernels.linear(x, w)
         return self.mm_t(x, w)
 
-    def mlp(self, x, w_gate_up, w_down, ffn: int):
-        """linear -> SwiGLU kernel -> linear: x [k, H] -> [k, H]."""
-        return self.linear(self.kernels.swiglu(self.linear(x, w_gate_up)), w_down)
+    def _fused(self, x) -> bool:
+        """True when a call of x's rows takes the fused kernels (else the portable composition, for prefill)."""
+        return x.shape[0] <= CPU_LINEAR_MAX_ROWS
 
     def norm(self, x, eps: float):
         """rms(x) [k, H] (the add + norm kernel with a zero addend: y = 0 + x = x exactly)."""
         return self.kernels.add_rms_norm(ops.zeros_like(x), x, ops.scalar_to_tensor(eps, ms.float32))[1]
 
-    def add_norm(self, x, d, eps: float):
-        """(y = x + d, rms(y)) in one kernel call."""
-        return self.kernels.add_rms_norm(x, d, ops.scalar_to_tensor(eps, ms.float32))
-
     def rope_rows(self, cos, sin):
-        """The kernel takes [k, hd] rows as they are."""
+        """The kernels take [k, hd] rows as they are."""
         return cos, sin
 
-    def rope_qkv(self, qkv, cos, sin):
-        """One kernel call: split, NeoX RoPE on q and k, v copied (``cpu.ref_rope_qkv``)."""
-        return self.rope(qkv, cos, sin, self.heads)
+    def attention_block(self, x, h, wqkv, bqkv, wo, bo, cos, sin, key_cache, value_cache, meta, eps: float):
+        """One kernel call, which writes the K/V rows in place (``cpu.ref_attn_block``); prefill chunks over
+        CPU_LINEAR_MAX_ROWS rows take MatMul and the portable composition."""
+        if not self._fused(h):
+            return PortableLayerMath.attention_block(self, x, h, wqkv, bqkv, wo, bo, cos.expand_dims(1),
+                                                     sin.expand_dims(1), key_cache, value_cache, meta, eps)
+        write_idx, read_idx, mask = meta
+        args = (x, h, wqkv, wo, cos, sin, self.heads, key_cache, value_cache, write_idx, read_idx, mask,
+                ops.scalar_to_tensor(eps, ms.float32))
+        if bqkv is None:
+            return self.kernels.attn_block[0](*args)
+        if bo is None:
+            return self.kernels.attn_block[1](*args, bqkv)
+        return self.kernels.attn_block[2](*args, bqkv, bo)
+
+    def mlp_add_norm(self, h, w_gate_up, w_down, resid, eps: float):
+        """One kernel call (``cpu.ref_mlp_add_norm``); MatMul + portable ops over CPU_LINEAR_MAX_ROWS rows."""
+        if not self._fused(h):
+            return PortableLayerMath.mlp_add_norm(self, h, w_gate_up, w_down, resid, eps)
+        return self.kernels.mlp_add_norm(h, w_gate_up, w_down, resid, ops.scalar_to_tensor(eps, ms.float32))
 
     def attend(self, q, k, v, key_cache, value_cache, meta, scale=None):
         """ScatterUpdate k / v into the caches, then the attention kernel over the block table's rows (hidden

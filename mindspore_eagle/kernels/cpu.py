@@ -7,15 +7,25 @@ The C++ source ``cpu_kernels.cc`` (beside this file) is compiled once per machin
 (``-O3 -march=native -fopenmp``) into ``$MSEAGLE_CACHE/kernels/cpu-<hash>.so``, the hash covering the source,
 the flags, the compiler's version and the CPU model, and each kernel is wrapped as ``ops.Custom(func_type="aot")``
 (MindSpore runs it as one graph node on CPU, ~4 us of launch against ~5 us for a built-in op and ~37 built-in ops
-per decoder layer). The kernels, their contracts and the numpy references they are tested against:
+per decoder layer). A decoder layer is two kernel calls:
 
-    linear(x [k, K], w [N, K]) -> [k, N]                                  = x @ w.T          (ref_linear)
-    add_rms_norm(x [k, H], d [k, H]) -> (y = x + d, y / rms(y))                               (ref_add_rms_norm)
-    rope_qkv(qkv [k, (nh + 2 n_kv) hd], cos [k, hd], sin_signed [k, hd]) -> q [k, nh, hd], key [k, n_kv, hd]
-        rotated (NeoX), value [k, n_kv, hd]                                                   (ref_rope_qkv)
-    swiglu(gu [k, 2F]) -> silu(gate) * up [k, F]                                              (ref_swiglu)
-    paged_attention(q [k, nh, hd], key_cache / value_cache [R, hd], read_rows [(G,) n_kv, S] i32,
-        mask [k, S] f32 additive, scale) -> [k, nh hd]; mask <= -1e4 hides a column            (ref_paged_attention)
+    attn_block(x [k, H], h [k, H], wqkv [(nh + 2 n_kv) hd, H], wo [H, nh hd], cos [k, hd], sin_signed [k, hd],
+        heads [2] i32, key_cache / value_cache [R, hd], write_rows [k n_kv] i32, read_rows [(G,) n_kv, S] i32,
+        mask [k, S] f32 additive, eps [1][, bqkv[, bo]]) -> (y = x + attention(h) @ wo.T (+ bo), rms(y));
+        writes the rows' K/V into the caches in place                                          (ref_attn_block)
+    mlp_add_norm(h [k, H], w_gate_up [2F, H], w_down [H, F], resid [k, H], eps [1]) -> (y = resid +
+        down(silu(gate) * up), rms(y))                                                         (ref_mlp_add_norm)
+
+plus ``linear(x [k, K], w [N, K]) -> x @ w.T`` (the head; ref_linear), ``add_rms_norm(x, d, eps) -> (x + d,
+rms(x + d))`` (the first layer's norm; ref_add_rms_norm) and ``paged_attention(q [k, nh, hd], key_cache,
+value_cache, read_rows, mask, scale [1]) -> [k, nh hd]`` (the drafter's attention; ref_paged_attention). rms(y) =
+y / sqrt(mean(y^2) + eps), unweighted (the norm weights are folded into the next matmul, models/llama.py);
+attention hides a column whose mask is <= -1e4 and gives a row that sees nothing zeros.
+
+The attention block writes the K/V cache Parameters in place, which MindSpore does not see: each cache is used by
+that one call per graph, and graphs run one after another (``runtime.configure``'s blocking launch), so nothing
+reads a cache out of order; a depend on a ScatterUpdate's output, the alternative, made MindSpore copy the whole
+cache into every reader (docs/cpu_kernels.md).
 
 All float32. Every output row is computed by the same float operations whatever the other rows of the call
 (``cpu_kernels.cc``, "Batch invariance"), so a token's logits are bit-identical in decode, tree verification and
@@ -139,7 +149,7 @@ def set_threads(n: int) -> None:
     lib.SetThreads(ctypes.c_int(_built["threads"]))
 
 
-KERNEL_NAMES = ("linear", "add_rms_norm", "rope_qkv", "swiglu", "paged_attention")
+KERNEL_NAMES = ("linear", "add_rms_norm", "paged_attention", "attn_block", "mlp_add_norm")
 
 
 def kernel_stats(reset: bool = False) -> dict:
@@ -163,7 +173,7 @@ class CpuKernels:
     """The ``ops.Custom`` primitives of ``cpu_kernels.cc`` (one set per process; build on first construction).
 
     Shape inference is Python (graph compile time only); the calls are the module docstring's contracts
-    (RopeQKV's output shapes depend on the head split: :func:`rope_qkv_op` makes one per geometry).
+    (``attn_block[n]`` takes n bias inputs).
     Raises:
         KernelBuildError: the library cannot be built here.
     """
@@ -175,19 +185,15 @@ class CpuKernels:
             self = super().__new__(cls)
             self.linear = _custom("Linear", lambda x, w: [x[0], w[0]], lambda x, w: x)
             self.add_rms_norm = _custom("AddRmsNorm", lambda x, d, e: (x, x), lambda x, d, e: (x, x))
-            self.swiglu = _custom("SwiGLU", lambda gu: [gu[0], gu[1] // 2], lambda gu: gu)
+            # attention block without bias, with a q/k/v bias (Qwen2), with q/k/v and o biases (openPangu, Llama)
+            self.attn_block = tuple(_custom("AttnBlock", lambda x, *_: (x, x), lambda x, *_: (x, x)) for _ in range(3))
+            self.mlp_add_norm = _custom("MlpAddNorm", lambda h, wgu, wd, r, e: (r, r),
+                                        lambda h, wgu, wd, r, e: (r, r))
             self.paged_attention = _custom(
                 "PagedAttention", lambda q, kc, vc, rows, mask, scale: [q[0], q[1] * q[2]],
                 lambda q, kc, vc, rows, mask, scale: q)
             cls._instance = self
         return cls._instance
-
-
-def rope_qkv_op(nh: int, nkv: int, hd: int):
-    """A RopeQKV primitive for one head geometry (shape inference needs nh / n_kv, which the kernel reads from its
-    int32 ``heads`` input)."""
-    return _custom("RopeQKV", lambda qkv, c, s, h: ([qkv[0], nh, hd], [qkv[0], nkv, hd], [qkv[0], nkv, hd]),
-                   lambda qkv, c, s, h: (qkv, qkv, qkv))
 
 
 # ------------------------------------------------------------------------------------------ numpy references
@@ -203,21 +209,30 @@ def ref_add_rms_norm(x: np.ndarray, d: np.ndarray, eps: float) -> tuple[np.ndarr
     return y, (y64 / np.sqrt((y64 * y64).mean(-1, keepdims=True) + eps)).astype(np.float32)
 
 
-def ref_rope_qkv(qkv: np.ndarray, cos: np.ndarray, sin_signed: np.ndarray, nh: int, nkv: int):
-    """(q [k, nh, hd], key [k, n_kv, hd], value [k, n_kv, hd]): NeoX RoPE on q and key (models/llama.py
-    ``apply_rope``: x * cos + swap_halves(x) * sin_signed), value unchanged."""
-    k, hd = qkv.shape[0], cos.shape[-1]
+def ref_qkv_rope(x, wqkv, cos, sin_signed, nh: int, nkv: int, bqkv=None):
+    """(q [k, nh, hd], key [k, n_kv, hd], value [k, n_kv, hd]) of x [k, H]: the projection (+ bias) in float64,
+    NeoX RoPE on q and key (models/llama.py ``apply_rope``: x * cos + swap_halves(x) * sin_signed)."""
+    k, hd = x.shape[0], cos.shape[-1]
+    qkv = x.astype(np.float64) @ wqkv.astype(np.float64).T + (0.0 if bqkv is None else bqkv)
     heads = qkv.reshape(k, nh + 2 * nkv, hd)
     qk = heads[:, : nh + nkv]
     swapped = np.concatenate([qk[..., hd // 2:], qk[..., : hd // 2]], -1)
     rot = qk * cos[:, None] + swapped * sin_signed[:, None]
-    return rot[:, :nh], rot[:, nh:], heads[:, nh + nkv:]
+    return rot[:, :nh].astype(np.float32), rot[:, nh:].astype(np.float32), heads[:, nh + nkv:].astype(np.float32)
 
 
-def ref_swiglu(gu: np.ndarray) -> np.ndarray:
-    """silu(gate) * up for gu [k, 2F] = [gate | up] -> [k, F] (float64 inside)."""
-    g, u = np.split(gu.astype(np.float64), 2, -1)
-    return (g / (1 + np.exp(-g)) * u).astype(np.float32)
+def ref_out_add_norm(ctx, wo, resid, eps: float, bo=None):
+    """(y = resid + ctx @ wo.T (+ bo), y / sqrt(mean(y^2) + eps)) in float64, returned float32 [k, H] each."""
+    y = resid.astype(np.float64) + ctx.astype(np.float64) @ wo.astype(np.float64).T + (0.0 if bo is None else bo)
+    return y.astype(np.float32), (y / np.sqrt((y * y).mean(-1, keepdims=True) + eps)).astype(np.float32)
+
+
+def ref_mlp_add_norm(h, w_gate_up, w_down, resid, eps: float):
+    """(y = resid + down(silu(gate) * up), rms(y)) in float64 for h [k, H], w_gate_up [2F, H] = [gate; up], w_down
+    [H, F], returned float32 [k, H] each."""
+    g, u = np.split(h.astype(np.float64) @ w_gate_up.astype(np.float64).T, 2, -1)
+    y = resid.astype(np.float64) + (g / (1 + np.exp(-g)) * u) @ w_down.astype(np.float64).T
+    return y.astype(np.float32), (y / np.sqrt((y * y).mean(-1, keepdims=True) + eps)).astype(np.float32)
 
 
 def ref_paged_attention(q, key_cache, value_cache, read_rows, mask, scale) -> np.ndarray:
@@ -239,3 +254,16 @@ def ref_paged_attention(q, key_cache, value_cache, read_rows, mask, scale) -> np
             p = np.exp(s - s.max())
             out[r, h] = p @ value_cache[idx].astype(np.float64) / p.sum()
     return out.reshape(k, nh * hd).astype(np.float32)
+
+
+def ref_attn_block(x, h, wqkv, wo, cos, sin_signed, nh: int, nkv: int, key_cache, value_cache, write_rows,
+                   read_rows, mask, eps: float, bqkv=None, bo=None):
+    """The attention block of :func:`attn_block` from the references: (y, rms(y), key_cache', value_cache')
+    with the rows' K/V written at ``write_rows`` (copies; the inputs are not modified)."""
+    q, key, value = ref_qkv_rope(h, wqkv, cos, sin_signed, nh, nkv, bqkv)
+    kc, vc = key_cache.copy(), value_cache.copy()
+    kc[write_rows] = key.reshape(-1, key.shape[-1])
+    vc[write_rows] = value.reshape(-1, value.shape[-1])
+    ctx = ref_paged_attention(q, kc, vc, read_rows, mask, 1.0)
+    y, hn = ref_out_add_norm(ctx, wo, x, eps, bo)
+    return y, hn, kc, vc

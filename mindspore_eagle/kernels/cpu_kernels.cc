@@ -29,6 +29,7 @@
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));  // unaligned loads / stores
+typedef int32_t v8i __attribute__((vector_size(32)));
 
 static inline v8 load8(const float *p) { return *(const v8u *)p; }
 // the first n < 8 floats of p, zeros after: tails go through the same vector multiply-add as full chunks, so the
@@ -52,10 +53,34 @@ static inline v8 fma8(v8 a, v8 b, v8 c) {
 }
 static inline float fold8(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
+// exp(x) on 8 lanes: Cephes' expf (range reduction by ln 2 in two parts, degree-6 polynomial, 2^n through the
+// exponent bits), ~2 ulp for |x| < 88, clamped outside (exp(-88.4) -> 0). Lane-wise, so a value's exp never
+// depends on its neighbours; scalar uses go through lane 0 (exp1).
+static inline v8 exp8(v8 x) {
+  const v8 hi = splat8(88.3762626647949f), lo = splat8(-88.3762626647949f);
+  x = x > hi ? hi : x;
+  x = x < lo ? lo : x;
+  const v8 fx = fma8(x, splat8(1.44269504088896341f), splat8(0.5f));
+  v8 tf = __builtin_convertvector(__builtin_convertvector(fx, v8i), v8);
+  tf = tf > fx ? tf - splat8(1.f) : tf;                                   // floor(x / ln 2 + 1/2)
+  x = x - tf * splat8(0.693359375f);
+  x = x - tf * splat8(-2.12194440e-4f);
+  const v8 z = x * x;
+  v8 y = splat8(1.9875691500e-4f);
+  y = fma8(y, x, splat8(1.3981999507e-3f));
+  y = fma8(y, x, splat8(8.3334519073e-3f));
+  y = fma8(y, x, splat8(4.1665795894e-2f));
+  y = fma8(y, x, splat8(1.6666665459e-1f));
+  y = fma8(y, x, splat8(5.0000001201e-1f));
+  y = fma8(y, z, x + splat8(1.f));
+  const v8i e = (__builtin_convertvector(tf, v8i) + 127) << 23;
+  return y * (v8)e;
+}
+
 static int g_threads = 1;
 
 // Time spent inside each kernel (steady clock, ns) and its calls, for profiles: KernelStats / ResetKernelStats.
-enum { K_LINEAR, K_NORM, K_ROPE, K_SWIGLU, K_ATTN, K_COUNT };
+enum { K_LINEAR, K_NORM, K_ATTN, K_BLOCK, K_MLP, K_COUNT };
 static std::atomic<int64_t> g_ns[K_COUNT], g_calls[K_COUNT];
 struct Timed {
   int id;
@@ -67,7 +92,7 @@ struct Timed {
   }
 };
 
-// out [2 * K_COUNT] int64: (ns, calls) per kernel in the order linear, add_rms_norm, rope_qkv, swiglu, attention.
+// out [2 * K_COUNT] int64: (ns, calls) per kernel in the order of the enum above.
 extern "C" int KernelStats(int64_t *out) {
   for (int i = 0; i < K_COUNT; ++i) out[2 * i] = g_ns[i], out[2 * i + 1] = g_calls[i];
   return K_COUNT;
@@ -134,13 +159,7 @@ static inline void micro(const float *x, const float *w, float *y, int64_t K, in
     for (int b = 0; b < NR; ++b) y[(r0 + a) * N + n0 + b] = fold8(acc[a][b]);
 }
 
-extern "C" int Linear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
-                      void *extra) {
-  Timed timed(K_LINEAR);
-  if (nparam != 3 || ndims[0] != 2 || ndims[1] != 2 || shapes[0][1] != shapes[1][1]) return 1;
-  const float *x = (const float *)params[0], *w = (const float *)params[1];
-  float *y = (float *)params[2];
-  const int64_t k = shapes[0][0], K = shapes[0][1], N = shapes[1][0];
+static void linear_into(const float *x, const float *w, float *y, int64_t k, int64_t K, int64_t N) {
   if (k < 8) {  // memory-bound: 4 weight rows per block, one query row at a time
     const int64_t blocks = (N + 3) / 4;
 #pragma omp parallel for schedule(static) num_threads(g_threads)
@@ -159,6 +178,41 @@ extern "C" int Linear(int nparam, void **params, int *ndims, int64_t **shapes, c
       for (; r < k; ++r) micro<1, 1>(x, w, y, K, N, r, n);
     }
   }
+}
+
+// one row: y = x + d (+ b when b), h = y / sqrt(mean(y^2) + eps)
+static inline void add_norm_row(const float *x, const float *d, const float *b, float eps, float *y, float *h,
+                                int64_t H) {
+  if (b)
+    for (int64_t i = 0; i < H; ++i) y[i] = x[i] + (d[i] + b[i]);
+  else
+    for (int64_t i = 0; i < H; ++i) y[i] = x[i] + d[i];
+  const float inv = 1.0f / std::sqrt(dot(y, y, H) / (float)H + eps);
+  for (int64_t i = 0; i < H; ++i) h[i] = y[i] * inv;
+}
+
+// one row: out[0:F] = silu(g) * u for g = gu[0:F], u = gu[F:2F]
+static inline void swiglu_row(const float *gu, float *out, int64_t F) {
+  const float *g = gu, *u = gu + F;
+  const v8 one = splat8(1.f);
+  int64_t i = 0;
+  for (; i + 8 <= F; i += 8) {
+    const v8 gv = load8(g + i);
+    store8(out + i, gv / (one + exp8(-gv)) * load8(u + i));
+  }
+  if (i < F) {
+    const v8 gv = load_tail(g + i, F - i), y = gv / (one + exp8(-gv)) * load_tail(u + i, F - i);
+    for (int64_t j = 0; j < F - i; ++j) out[i + j] = y[j];
+  }
+}
+
+// x [k, K] f32, w [N, K] f32 (HF [out, in]) -> y [k, N] f32, y[r, n] = dot(x[r], w[n]).
+extern "C" int Linear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                      void *extra) {
+  Timed timed(K_LINEAR);
+  if (nparam != 3 || ndims[0] != 2 || ndims[1] != 2 || shapes[0][1] != shapes[1][1]) return 1;
+  linear_into((const float *)params[0], (const float *)params[1], (float *)params[2], shapes[0][0], shapes[0][1],
+              shapes[1][0]);
   return 0;
 }
 
@@ -172,57 +226,28 @@ extern "C" int AddRmsNorm(int nparam, void **params, int *ndims, int64_t **shape
   const float eps = ((const float *)params[2])[0];
   float *y = (float *)params[3], *h = (float *)params[4];
   const int64_t k = shapes[0][0], H = shapes[0][1];
-  for (int64_t r = 0; r < k; ++r) {
-    const float *xr = x + r * H, *dr = d + r * H;
-    float *yr = y + r * H, *hr = h + r * H;
-    for (int64_t i = 0; i < H; ++i) yr[i] = xr[i] + dr[i];
-    const float inv = 1.0f / std::sqrt(dot(yr, yr, H) / (float)H + eps);
-    for (int64_t i = 0; i < H; ++i) hr[i] = yr[i] * inv;
-  }
+  for (int64_t r = 0; r < k; ++r) add_norm_row(x + r * H, d + r * H, nullptr, eps, y + r * H, h + r * H, H);
   return 0;
 }
 
-// ---------------------------------------------------------------------------------------------- RopeQKV
-// qkv [k, (nh + 2 n_kv) hd] (q rows, k rows, v rows per token), cos [k, hd], sin_signed [k, hd], heads [2] i32
-// = (nh, n_kv) -> q [k, nh, hd], key [k, n_kv, hd] rotated (x * cos + swap_halves(x) * sin_signed), value
-// [k, n_kv, hd] copied.
-extern "C" int RopeQKV(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
-                       void *extra) {
-  Timed timed(K_ROPE);
+// ---------------------------------------------------------------------------------------------- MlpAddNorm
+// h [k, H], w_gate_up [2F, H], w_down [H, F], resid [k, H], eps [1] -> y = resid + down(silu(gate) * up),
+// h' = rms(y): the SwiGLU MLP (silu(g) = g / (1 + exp(-g)), exp8), the residual add and the next norm.
+extern "C" int MlpAddNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                          void *stream, void *extra) {
+  Timed timed(K_MLP);
   if (nparam != 7) return 1;
-  const float *qkv = (const float *)params[0], *cs = (const float *)params[1], *sn = (const float *)params[2];
-  const int32_t *heads = (const int32_t *)params[3];
-  float *q = (float *)params[4], *kk = (float *)params[5], *v = (float *)params[6];
-  const int64_t k = shapes[0][0], width = shapes[0][1], hd = shapes[1][1], half = hd / 2;
-  const int64_t nh = heads[0], nkv = heads[1];
-  if ((nh + 2 * nkv) * hd != width || hd % 2) return 2;
-  for (int64_t r = 0; r < k; ++r) {
-    const float *row = qkv + r * width, *c = cs + r * hd, *s = sn + r * hd;
-    for (int64_t h = 0; h < nh + nkv; ++h) {
-      const float *src = row + h * hd;
-      float *dst = h < nh ? q + (r * nh + h) * hd : kk + (r * nkv + h - nh) * hd;
-      for (int64_t i = 0; i < half; ++i) dst[i] = src[i] * c[i] + src[i + half] * s[i];
-      for (int64_t i = half; i < hd; ++i) dst[i] = src[i] * c[i] + src[i - half] * s[i];
-    }
-    std::memcpy(v + r * nkv * hd, row + (nh + nkv) * hd, nkv * hd * sizeof(float));
-  }
-  return 0;
-}
-
-// ---------------------------------------------------------------------------------------------- SwiGLU
-// gu [k, 2F] (gate columns then up columns) -> out [k, F] = silu(gate) * up, silu(g) = g / (1 + exp(-g)).
-extern "C" int SwiGLU(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
-                      void *extra) {
-  Timed timed(K_SWIGLU);
-  if (nparam != 2 || ndims[0] != 2) return 1;
-  const float *gu = (const float *)params[0];
-  float *out = (float *)params[1];
-  const int64_t k = shapes[0][0], F = shapes[0][1] / 2;
-  for (int64_t r = 0; r < k; ++r) {
-    const float *g = gu + r * 2 * F, *u = g + F;
-    float *o = out + r * F;
-    for (int64_t i = 0; i < F; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
-  }
+  const float *x = (const float *)params[0], *wgu = (const float *)params[1], *wd = (const float *)params[2];
+  const float *res = (const float *)params[3];
+  const float eps = ((const float *)params[4])[0];
+  float *y = (float *)params[5], *hn = (float *)params[6];
+  const int64_t k = shapes[0][0], H = shapes[0][1], F2 = shapes[1][0], F = F2 / 2;
+  if (shapes[1][1] != H || shapes[2][0] != H || shapes[2][1] != F) return 2;
+  std::vector<float> gu(k * F2), act(k * F), d(k * H);
+  linear_into(x, wgu, gu.data(), k, H, F2);
+  for (int64_t r = 0; r < k; ++r) swiglu_row(gu.data() + r * F2, act.data() + r * F, F);
+  linear_into(act.data(), wd, d.data(), k, F, H);
+  for (int64_t r = 0; r < k; ++r) add_norm_row(res + r * H, d.data() + r * H, nullptr, eps, y + r * H, hn + r * H, H);
   return 0;
 }
 
@@ -231,20 +256,11 @@ extern "C" int SwiGLU(int nparam, void **params, int *ndims, int64_t **shapes, c
 // or [G, n_kv, S] (G groups of k / G query rows, each over its own rows); mask [k, S] f32 additive; scale [1]
 // -> ctx [k, nh * hd]. Query head h reads KV head h / (nh / n_kv). A column whose mask is <= -1e4 is hidden and
 // skipped; a row with no visible column gets zeros. Per (row, head): scores of the visible columns in column order,
-// their max, then exp-weighted sum of values in the same order, divided once by the sum of weights.
-extern "C" int PagedAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
-                              void *stream, void *extra) {
-  Timed timed(K_ATTN);
-  if (nparam != 7 || ndims[0] != 3) return 1;
-  const float *q = (const float *)params[0], *kc = (const float *)params[1], *vc = (const float *)params[2];
-  const int32_t *rows = (const int32_t *)params[3];
-  const float *mask = (const float *)params[4];
-  const float scale = ((const float *)params[5])[0];
-  float *ctx = (float *)params[6];
-  const int64_t k = shapes[0][0], nh = shapes[0][1], hd = shapes[0][2];
-  const int64_t G = ndims[3] == 3 ? shapes[3][0] : 1, nkv = shapes[3][ndims[3] - 2], S = shapes[3][ndims[3] - 1];
-  const int64_t R = shapes[1][0];
-  if (k % G || nh % nkv || shapes[4][0] != k || shapes[4][1] != S) return 2;
+// their max, their exp8(score - max), then the weighted sum of values in the same order, divided once by the sum
+// of weights.
+static int attention_into(const float *q, const float *kc, const float *vc, const int32_t *rows, const float *mask,
+                          float scale, float *ctx, int64_t k, int64_t nh, int64_t hd, int64_t G, int64_t nkv,
+                          int64_t S, int64_t R) {
   const int64_t kg = k / G, group = nh / nkv;
   int bad = 0;
 #pragma omp parallel num_threads(g_threads)
@@ -269,10 +285,16 @@ extern "C" int PagedAttention(int nparam, void **params, int *ndims, int64_t **s
         vis[n++] = row;
         mx = s > mx ? s : mx;
       }
+      int64_t t = 0;
+      for (; t + 8 <= n; t += 8) store8(&sc[t], exp8(load8(&sc[t]) - splat8(mx)));
+      if (t < n) {
+        const v8 p = exp8(load_tail(&sc[t], n - t) - splat8(mx));
+        for (int64_t j = 0; j < n - t; ++j) sc[t + j] = p[j];
+      }
       for (auto &a : acc) a = splat8(0.f);
       float den = 0.f;
       for (int64_t t = 0; t < n; ++t) {
-        const float p = std::exp(sc[t] - mx);
+        const float p = sc[t];
         den += p;
         const float *vr = vc + (int64_t)vis[t] * hd;
         const v8 pv = splat8(p);
@@ -287,4 +309,72 @@ extern "C" int PagedAttention(int nparam, void **params, int *ndims, int64_t **s
     }
   }
   return bad ? 3 : 0;
+}
+
+extern "C" int PagedAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                              void *stream, void *extra) {
+  Timed timed(K_ATTN);
+  if (nparam != 7 || ndims[0] != 3) return 1;
+  const int64_t k = shapes[0][0], nh = shapes[0][1], hd = shapes[0][2];
+  const int64_t G = ndims[3] == 3 ? shapes[3][0] : 1, nkv = shapes[3][ndims[3] - 2], S = shapes[3][ndims[3] - 1];
+  if (k % G || nh % nkv || shapes[4][0] != k || shapes[4][1] != S || shapes[1][1] != hd) return 2;
+  return attention_into((const float *)params[0], (const float *)params[1], (const float *)params[2],
+                        (const int32_t *)params[3], (const float *)params[4], ((const float *)params[5])[0],
+                        (float *)params[6], k, nh, hd, G, nkv, S, shapes[1][0]);
+}
+
+// ---------------------------------------------------------------------------------------------- AttnBlock
+// The attention half of a decoder layer in one call:
+//   x [k, H] residual, h [k, H] = rms(x), wqkv [(nh + 2 n_kv) hd, H], wo [H, nh hd], cos / sin_signed [k, hd],
+//   heads [2] i32 = (nh, n_kv), key_cache / value_cache [R, hd] (written in place), write_rows [k n_kv] i32 (row
+//   of token r, KV head j at r n_kv + j), read_rows [(G,) n_kv, S] i32, mask [k, S], eps [1][, bqkv[, bo]]
+//   -> y = x + (attention(h) @ wo.T (+ bo)) [k, H], rms(y) [k, H].
+// Steps: q/k/v = h @ wqkv.T (+ bqkv) split by head, NeoX RoPE on q and k; k / v rows written into the caches (in
+// row order: padding rows that share a pad slot leave the last one); attention of q over read_rows as
+// PagedAttention (scale 1: q carries 1/sqrt(hd)); output projection, residual add, norm.
+extern "C" int AttnBlock(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                         void *extra) {
+  Timed timed(K_BLOCK);
+  if (nparam < 15 || nparam > 17) return 1;
+  const int nb = nparam - 15;
+  const float *x = (const float *)params[0], *hin = (const float *)params[1];
+  const float *wqkv = (const float *)params[2], *wo = (const float *)params[3];
+  const float *cs = (const float *)params[4], *sn = (const float *)params[5];
+  const int32_t *heads = (const int32_t *)params[6];
+  float *kc = (float *)params[7], *vc = (float *)params[8];
+  const int32_t *wrows = (const int32_t *)params[9], *rrows = (const int32_t *)params[10];
+  const float *mask = (const float *)params[11];
+  const float eps = ((const float *)params[12])[0];
+  const float *bqkv = nb >= 1 ? (const float *)params[13] : nullptr, *bo = nb == 2 ? (const float *)params[14] : nullptr;
+  float *y = (float *)params[13 + nb], *hout = (float *)params[14 + nb];
+  const int64_t k = shapes[0][0], H = shapes[0][1], width = shapes[2][0], hd = shapes[4][1], half = hd / 2;
+  const int64_t nh = heads[0], nkv = heads[1], R = shapes[7][0];
+  const int64_t G = ndims[10] == 3 ? shapes[10][0] : 1, S = shapes[10][ndims[10] - 1];
+  if ((nh + 2 * nkv) * hd != width || hd % 2 || shapes[2][1] != H || shapes[3][0] != H || shapes[3][1] != nh * hd ||
+      shapes[7][1] != hd || shapes[9][0] != k * nkv || shapes[10][ndims[10] - 2] != nkv || k % G ||
+      shapes[11][0] != k || shapes[11][1] != S)
+    return 2;
+  std::vector<float> qkv(k * width), q(k * nh * hd), ctx(k * nh * hd), o(k * H);
+  linear_into(hin, wqkv, qkv.data(), k, H, width);
+  for (int64_t r = 0; r < k; ++r) {
+    float *row = qkv.data() + r * width;
+    if (bqkv)
+      for (int64_t i = 0; i < width; ++i) row[i] += bqkv[i];
+    const float *c = cs + r * hd, *s = sn + r * hd;
+    for (int64_t h = 0; h < nh + nkv; ++h) {
+      const float *src = row + h * hd;
+      const int32_t dst_row = h < nh ? 0 : wrows[r * nkv + h - nh];
+      if (h >= nh && (dst_row < 0 || dst_row >= R)) return 3;
+      float *dst = h < nh ? q.data() + (r * nh + h) * hd : kc + (int64_t)dst_row * hd;
+      for (int64_t i = 0; i < half; ++i) dst[i] = src[i] * c[i] + src[i + half] * s[i];
+      for (int64_t i = half; i < hd; ++i) dst[i] = src[i] * c[i] + src[i - half] * s[i];
+    }
+    for (int64_t j = 0; j < nkv; ++j)
+      std::memcpy(vc + (int64_t)wrows[r * nkv + j] * hd, row + (nh + nkv + j) * hd, hd * sizeof(float));
+  }
+  const int rc = attention_into(q.data(), kc, vc, rrows, mask, 1.0f, ctx.data(), k, nh, hd, G, nkv, S, R);
+  if (rc) return rc;
+  linear_into(ctx.data(), wo, o.data(), k, nh * hd, H);
+  for (int64_t r = 0; r < k; ++r) add_norm_row(x + r * H, o.data() + r * H, bo, eps, y + r * H, hout + r * H, H);
+  return 0;
 }

@@ -98,66 +98,35 @@ def zeros_param(shape, dtype, name: str) -> Parameter:
     return Parameter(Tensor(np.zeros(shape, np.float16), dtype), name=name)
 
 
-class Attention(nn.Cell):
-    """GQA self-attention over the paged cache; optional bias on qkv and on o. The backend supplies the matmuls,
-    RoPE and the cache write + attention (``attention.py``)."""
-
-    def __init__(self, cfg: ModelConfig, backend, layer: int, dtype=ms.float32):
-        super().__init__()
-        self.backend = backend
-        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv_out = (self.nh + 2 * self.nkv) * self.hd
-        self.wqkv = zeros_param((qkv_out, cfg.hidden_size), dtype, "wqkv")
-        self.bqkv = zeros_param((qkv_out,), dtype, "bqkv") if cfg.qkv_bias else None
-        self.wo = zeros_param((cfg.hidden_size, self.nh * self.hd), dtype, "wo")
-        self.bo = zeros_param((cfg.hidden_size,), dtype, "bo") if cfg.o_bias else None
-        self.key_cache = backend.make_cache(f"key_cache_{layer}")
-        self.value_cache = backend.make_cache(f"value_cache_{layer}")
-
-    def construct(self, x, cos, sin, meta):
-        qkv = self.backend.linear(x, self.wqkv)
-        if self.bqkv is not None:
-            qkv = qkv + self.bqkv
-        q, k, v = self.backend.rope_qkv(qkv, cos, sin)
-        ctx = self.backend.attend(q, k, v, self.key_cache, self.value_cache, meta)
-        out = self.backend.linear(ctx, self.wo)
-        if self.bo is not None:
-            out = out + self.bo
-        return out
-
-
-class MLP(nn.Cell):
-    """SwiGLU with gate and up fused into one [2F, H] weight (the backend's ``mlp``)."""
-
-    def __init__(self, cfg: ModelConfig, backend, dtype=ms.float32):
-        super().__init__()
-        self.backend = backend
-        self.ffn = cfg.intermediate_size
-        self.w_gate_up = zeros_param((2 * self.ffn, cfg.hidden_size), dtype, "w_gate_up")
-        self.w_down = zeros_param((cfg.hidden_size, self.ffn), dtype, "w_down")
-
-    def construct(self, x):
-        return self.backend.mlp(x, self.w_gate_up, self.w_down, self.ffn)
-
-
 class DecoderLayer(nn.Cell):
-    """Pre-norm block; both norm weights live folded in the next matmul (``load_hf_weights``).
+    """Pre-norm block: GQA self-attention over the paged cache (optional bias on qkv and on o) and the SwiGLU MLP
+    (gate and up fused into one [2F, H] weight); both norm weights live folded in the next matmul
+    (``load_hf_weights``).
 
     construct(x [k, H] residual stream, h [k, H] = rms(x) unweighted, cos, sin, meta) -> (x', rms(x')): each
-    residual add is fused with the norm that follows it (the backend's ``add_norm``), so a layer hands the next
-    one its normed input.
+    residual add is fused with the norm that follows it, so a layer hands the next one its normed input. The
+    backend does the math (``attention.py``): the attention block (which writes the cache), then the MLP block.
     """
 
     def __init__(self, cfg: ModelConfig, backend, layer: int, dtype=ms.float32):
         super().__init__()
         self.backend = backend
         self.eps = cfg.rms_norm_eps
-        self.attn = Attention(cfg, backend, layer, dtype)
-        self.mlp = MLP(cfg, backend, dtype)
+        nh, nkv, hd, H, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+        qkv_out = (nh + 2 * nkv) * hd
+        self.wqkv = zeros_param((qkv_out, H), dtype, "wqkv")
+        self.bqkv = zeros_param((qkv_out,), dtype, "bqkv") if cfg.qkv_bias else None
+        self.wo = zeros_param((H, nh * hd), dtype, "wo")
+        self.bo = zeros_param((H,), dtype, "bo") if cfg.o_bias else None
+        self.w_gate_up = zeros_param((2 * F, H), dtype, "w_gate_up")
+        self.w_down = zeros_param((H, F), dtype, "w_down")
+        self.key_cache = backend.make_cache(f"key_cache_{layer}")
+        self.value_cache = backend.make_cache(f"value_cache_{layer}")
 
     def construct(self, x, h, cos, sin, meta):
-        x, h = self.backend.add_norm(x, self.attn(h, cos, sin, meta), self.eps)
-        return self.backend.add_norm(x, self.mlp(h), self.eps)
+        x, h = self.backend.attention_block(x, h, self.wqkv, self.bqkv, self.wo, self.bo, cos, sin, self.key_cache,
+                                            self.value_cache, meta, self.eps)
+        return self.backend.mlp_add_norm(h, self.w_gate_up, self.w_down, x, self.eps)
 
 
 class LlamaModel(nn.Cell):
@@ -278,7 +247,7 @@ class LlamaModel(nn.Cell):
         scale = np.float32(1.0 / np.sqrt(hd))           # softmax(q k^T / sqrt(hd)): folded into q
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            a = layer.attn
+            a = layer
             g_in = get(p + "input_layernorm.weight", (H,))
             g_post = get(p + "post_attention_layernorm.weight", (H,))
             a.wqkv.set_data(T(np.concatenate([get(p + "self_attn.q_proj.weight", (qo, H)) * scale,
@@ -291,13 +260,13 @@ class LlamaModel(nn.Cell):
             a.wo.set_data(T(get(p + "self_attn.o_proj.weight", (H, qo))))
             if a.bo is not None:
                 a.bo.set_data(T(get(p + "self_attn.o_proj.bias", (H,))))
-            layer.mlp.w_gate_up.set_data(T(np.concatenate([get(p + "mlp.gate_proj.weight", (F, H)),
+            layer.w_gate_up.set_data(T(np.concatenate([get(p + "mlp.gate_proj.weight", (F, H)),
                                                                 get(p + "mlp.up_proj.weight", (F, H))], 0) * g_post))
-            layer.mlp.w_down.set_data(T(get(p + "mlp.down_proj.weight", (H, F))))
+            layer.w_down.set_data(T(get(p + "mlp.down_proj.weight", (H, F))))
 
     def caches(self) -> list:
         """[(key_cache, value_cache)] per layer: the Parameters the cache manager compacts on commit."""
-        return [(layer.attn.key_cache, layer.attn.value_cache) for layer in self.layers]
+        return [(layer.key_cache, layer.value_cache) for layer in self.layers]
 
 
 class KVCompactor(nn.Cell):

@@ -72,7 +72,7 @@ def contract_diffs(tiny, kernels, dtype=ms.float32, seed=0):
     rf = runner(cfg, tensors, FusedBackend(NB, B, cfg.num_kv_heads, cfg.num_heads, cfg.head_dim, dtype, 1.0,
                                            kernels), dtype)
     assert isinstance(rp.model.backend, PortableBackend)
-    assert rf.model.layers[0].attn.key_cache.shape == (NB + 1, B, cfg.num_kv_heads, cfg.head_dim)
+    assert rf.model.layers[0].key_cache.shape == (NB + 1, B, cfg.num_kv_heads, cfg.head_dim)
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France? " * 3}]))
     ids = ids[:40]                # chunk 1: 32 rows (FlashAttention), chunk 2: 8 rows in bucket 16 (PagedAttention)
     rng = np.random.default_rng(seed)

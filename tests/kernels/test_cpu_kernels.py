@@ -63,27 +63,61 @@ def test_add_rms_norm(kern):
         assert np.array_equal(call(kern.add_rms_norm, x[r:r + 1], d[r:r + 1], eps)[1][0], h[r])
 
 
-def test_rope_qkv(kern):
+@pytest.mark.parametrize("biases", [0, 1, 2])
+def test_attn_block(kern, biases):
+    """q/k/v projection (+ bias), RoPE, in-place cache write, attention over read rows with a mask, output
+    projection (+ bias), residual add and norm, against the composed references; grouped read rows too."""
     from mindspore_eagle.models.llama import rope_tables
 
-    rng = np.random.default_rng(2)
-    nh, nkv, hd, k = 4, 2, 12, 3
-    qkv = rng.normal(size=(k, (nh + 2 * nkv) * hd)).astype(np.float32)
+    rng = np.random.default_rng(biases)
+    nh, nkv, hd, H, R, S, G = 4, 2, 12, 20, 40, 10, 2
+    k = 2 * G
+    x, h = rng.normal(size=(2, k, H)).astype(np.float32)
+    wqkv = rng.normal(size=((nh + 2 * nkv) * hd, H)).astype(np.float32)
+    wo = rng.normal(size=(H, nh * hd)).astype(np.float32)
+    bqkv, bo = rng.normal(size=(wqkv.shape[0],)).astype(np.float32), rng.normal(size=(H,)).astype(np.float32)
     cos, sin = rope_tables(hd, 64, 10000.0)
-    pos = np.array([0, 7, 41])
-    q, key, v = call(cpu.rope_qkv_op(nh, nkv, hd), qkv, cos[pos], sin[pos], np.array([nh, nkv], np.int32))
-    rq, rk, rv = cpu.ref_rope_qkv(qkv, cos[pos], sin[pos], nh, nkv)
-    assert q.shape == (k, nh, hd) and key.shape == (k, nkv, hd)
-    assert rel(q, rq) < TOL and rel(key, rk) < TOL and np.array_equal(v, rv)
-    assert rel(q, cpu.ref_rope_qkv(qkv, cos[pos], -sin[pos], nh, nkv)[0]) > 0.1     # a wrong sign is caught
+    pos = np.array([5, 6, 9, 10])
+    kc0, vc0 = rng.normal(size=(2, R, hd)).astype(np.float32)
+    slots = np.array([3, 4, 13, 14])                                    # sequence 0: slots 0..9, sequence 1: 10..19
+    write = (slots[:, None] + np.array([0, R // 2])[None]).reshape(-1).astype(np.int32)   # head-major rows
+    read = np.stack([np.stack([np.arange(10 * g, 10 * g + S) + j * (R // 2) for j in range(nkv)])
+                     for g in range(G)]).astype(np.int32)
+    mask = np.full((k, S), -1e9, np.float32)
+    for r in range(k):                                                  # causal over the own sequence's slots
+        mask[r, : slots[r] % 10 + 1] = 0.0
+    eps = np.array([1e-5], np.float32)
+    b = (bqkv, bo)[:biases]
+    kc, vc = ms.Parameter(ms.Tensor(kc0), name="kc"), ms.Parameter(ms.Tensor(vc0), name="vc")
+    args = [ms.Tensor(a) for a in (x, h, wqkv, wo, cos[pos], sin[pos], np.array([nh, nkv], np.int32))]
+    args += [kc, vc] + [ms.Tensor(a) for a in (write, read, mask, eps) + b]
+    y, hn = (o.asnumpy() for o in kern.attn_block[biases](*args))
+    ry, rh, rk, rv = cpu.ref_attn_block(x, h, wqkv, wo, cos[pos], sin[pos], nh, nkv, kc0, vc0, write, read, mask,
+                                        1e-5, *b)
+    assert rel(y, ry) < TOL and rel(hn, rh) < TOL
+    assert rel(kc.asnumpy(), rk) < TOL and rel(vc.asnumpy(), rv) < TOL and not np.allclose(rk, kc0)
+    wrong = cpu.ref_attn_block(x, h, wqkv, wo, cos[pos], sin[pos], nh, nkv, kc0, vc0, write + 1, read, mask,
+                               1e-5, *b)                                 # an off-by-one write slot is caught
+    assert rel(y, wrong[0]) > 1e-3
+    if biases:
+        assert rel(y, cpu.ref_attn_block(x, h, wqkv, wo, cos[pos], sin[pos], nh, nkv, kc0, vc0, write, read, mask,
+                                         1e-5, *b[:-1])[0]) > 1e-3      # the last bias is used
 
 
-def test_swiglu(kern):
+def test_mlp_add_norm(kern):
     rng = np.random.default_rng(3)
-    gu = (rng.normal(size=(3, 2 * 21)) * 4).astype(np.float32)
-    out = call(kern.swiglu, gu)
-    assert out.shape == (3, 21) and rel(out, cpu.ref_swiglu(gu)) < TOL
-    assert rel(out, cpu.ref_swiglu(gu[:, ::-1].copy())) > 0.1         # gate / up swapped is caught
+    k, H, F = 3, 20, 21
+    h, resid = rng.normal(size=(2, k, H)).astype(np.float32)
+    wgu = (rng.normal(size=(2 * F, H)) * 0.8).astype(np.float32)
+    wd = rng.normal(size=(H, F)).astype(np.float32)
+    eps = np.array([1e-5], np.float32)
+    y, hn = call(kern.mlp_add_norm, h, wgu, wd, resid, eps)
+    ry, rh = cpu.ref_mlp_add_norm(h, wgu, wd, resid, 1e-5)
+    assert rel(y, ry) < TOL and rel(hn, rh) < TOL
+    swapped = np.concatenate([wgu[F:], wgu[:F]])                        # gate / up swapped is caught
+    assert rel(y, cpu.ref_mlp_add_norm(h, swapped, wd, resid, 1e-5)[0]) > 0.05
+    alone = call(kern.mlp_add_norm, h[1:2], wgu, wd, resid[1:2], eps)
+    assert np.array_equal(alone[0][0], y[1]) and np.array_equal(alone[1][0], hn[1])
 
 
 def attention_case(seed, G=1):
