@@ -27,7 +27,7 @@ def test_float16_teacher_close_to_reference(ms_runtime, tiny, mode):
     cfg, tensors, tok = tiny
     r = fp16_target(cfg, tensors, mode)
     r32 = make_target(cfg, tensors, mode)
-    layer = r.model.layers[0].attn
+    layer = r.model.layers[0]
     assert layer.wqkv.dtype == ms.float16 and layer.key_cache.dtype == ms.float16
     assert r.model.norm.weight.dtype == ms.float32
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
