@@ -72,13 +72,17 @@ def _cache_dir() -> Path:
 
 
 def _cpu_model() -> str:
+    """The CPU's model name and instruction-set flags (first core of /proc/cpuinfo): part of the build's hash, so a
+    library built with -march=native for one CPU is never loaded on another that shares the cache folder."""
+    found: dict = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags", "Features")):
-                return line
+            key = line.split(":", 1)[0].strip()
+            if key in ("model name", "flags", "Features", "CPU part") and key not in found:
+                found[key] = line
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return "\n".join(found.values()) or platform.processor() or platform.machine()
 
 
 def library_path() -> Path:
