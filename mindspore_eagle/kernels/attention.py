@@ -56,7 +56,8 @@ tables are padded with the pad block id.
 The kernels are injected (``kernels`` = a factory ``(head_num, scale_value, kv_head_num) -> object`` with
 ``reshape_and_cache`` and ``paged_attention``), so the same backend runs Ascend's ops on a device and the numpy
 models of their documented semantics on CPU (``tests/ascend_reference.py``, eager mode only: numpy runs on the
-host). ``select_backend`` picks by ``context.device_target`` (``Ascend`` -> fused, else portable), overridable with
+host). ``select_backend`` picks by ``context.device_target`` and the dtype (Ascend in half precision -> fused, CPU
+in float32 -> cpu when its kernels build, else portable), overridable with
 the ``attention`` argument of the Cells or the ``MSEAGLE_ATTENTION`` environment variable (``portable`` /
 ``fused`` / ``cpu``).
 """
@@ -396,7 +397,7 @@ class FusedBackend(PortableLayerMath, nn.Cell):
 
 CPU_LINEAR_MAX_ROWS = 32
 """Most rows a :class:`CpuBackend` call sends through the C++ kernels; larger calls (prefill chunks) take MindSpore's
-MatMul, whose packed GEMM is faster there, and the portable ops around it (docs/cpu_kernels.md, "Matmul")."""
+MatMul, whose packed GEMM is faster there, and the portable ops around it (docs/cpu_kernels.md, "What runs")."""
 
 
 class CpuBackend(PortableBackend):
