@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Matmul formulations of the teacher's whole weight stack on this machine (the measurement behind llama.linear).
+"""Matmul formulations of the teacher's whole weight stack on this machine (the measurement behind kernels/dense.linear).
 
 One jitted graph runs every matmul of the embedded default teacher's shapes (30 layers x fused q/k/v [960, 576],
 o [576, 576], fused gate/up [3072, 576], down [576, 1536], plus the 49,152-row head [49152, 576]: 538 MB of fp32
 weights, random values: speed does not depend on them) for k query rows, in three forms of the same product:
 
     x @ W.T        MatMul(transpose_b=True)(x, W)        (weight on the right; the fast one-row path)
-    (W @ x.T).T    MatMul()(W, x.T).T                    (weight on the left; llama.linear for 8-32 rows)
+    (W @ x.T).T    MatMul()(W, x.T).T                    (weight on the left; dense.linear for 8-32 rows)
     (W @ x^T)^T    MatMul(transpose_b=True)(W, x).T      (weight on the left, x transposed by the kernel)
 
 Prints ms per call (minimum of --repeat after one warm call) and the implied weight bandwidth (GB/s).

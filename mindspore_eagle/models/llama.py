@@ -37,7 +37,6 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore_eagle.kernels.attention import make_backend, paged_attention  # noqa: F401  (paged_attention re-exported)
 from mindspore_eagle.kernels.dense import (  # noqa: F401  (re-exported: the portable forms of the layer math)
     WEIGHT_LEFT_ROWS,
-    _weight_left,
     apply_rope,
     linear,
     rope_swap_index,
