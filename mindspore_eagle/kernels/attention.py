@@ -421,15 +421,13 @@ class CpuBackend(PortableBackend):
         self.mm_t = ops.MatMul(transpose_b=True)
         cpu.set_threads(runtime.kernel_threads())
 
+    def _fused(self, x) -> bool:
+        """True when a call of x's rows takes the fused kernels (else MatMul and the portable ops, for prefill)."""
+        return x.shape[0] <= CPU_LINEAR_MAX_ROWS
+
     def linear(self, x, w):
         """x [k, K] @ w [N, K].T -> [k, N]: the C++ kernel up to CPU_LINEAR_MAX_ROWS rows, else MatMul."""
-        if x.shape[0] <= CPU_LINEAR_MAX_ROWS:
-            return self.kernels.linear(x, w)
-        return self.mm_t(x, w)
-
-    def _fused(self, x) -> bool:
-        """True when a call of x's rows takes the fused kernels (else the portable composition, for prefill)."""
-        return x.shape[0] <= CPU_LINEAR_MAX_ROWS
+        return self.kernels.linear(x, w) if self._fused(x) else self.mm_t(x, w)
 
     def norm(self, x, eps: float):
         """rms(x) [k, H] (the add + norm kernel with a zero addend: y = 0 + x = x exactly)."""
