@@ -181,7 +181,7 @@ class RegenFeatureWriter:
     """Feature shards written by regeneration as it decodes (``regen --features-dir``), one per reply shard.
 
     Feature shard ``shard_NNNNN.npz`` holds the training samples (``shards.keep_sample``) of reply shard
-    ``shard_NNNNN.jsonl``, in its record order, and is written **before** it; so after a kill a feature shard
+    ``shard_NNNNN.jsonl.gz``, in its record order, and is written **before** it; so after a kill a feature shard
     whose reply shard never landed is an orphan (its prompts are answered again) and is dropped when the
     directory is opened. The directory is a features directory like any other (:class:`FeatureSet`).
 
@@ -218,7 +218,8 @@ class RegenFeatureWriter:
         if not part:
             return None
         first = sum(e["n"] for e in self.manifest["shards"])
-        name = regen_shard.replace(".jsonl", ".npz")
+        from mindspore_eagle.train.shards import shard_stem
+        name = shard_stem(regen_shard) + ".npz"
         return write_shard(self.dir, self.manifest, name, first, part, regen_shard=regen_shard)
 
 

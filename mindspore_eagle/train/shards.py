@@ -1,10 +1,15 @@
-"""Resumable regeneration shards: the teacher's replies to registry prompts (``train.prompts``), in JSONL files.
+"""Resumable regeneration shards: the teacher's replies to registry prompts (``train.prompts``), in gzip JSONL files.
 
 Layout of a shard directory::
 
-    manifest.json        {"meta": {...}, "shards": [{"file", "n", "new_tokens", "prompt_ids": [...]}]}
-    shard_00000.jsonl    one record a line (below), in the order the replies finished
-    shard_00001.jsonl    ...
+    manifest.json           {"meta": {...}, "shards": [{"file", "n", "new_tokens", "prompt_ids": [...]}]}
+    shard_00000.jsonl.gz    one record a line (below), in the order the replies finished
+    shard_00001.jsonl.gz    ...
+
+Shards are gzip-compressed (level 9, no timestamp, so the same records give the same bytes): token ids as JSON
+compress to about 1 byte a token, so a whole registry's replies are a few MB and can be committed to the
+repository (``data/regen/``), where a change of machine cannot lose them. Plain ``.jsonl`` shards of older
+directories are read as well.
 
 Record fields: ``prompt_id`` (registry id, "<source>/<index>"), ``source``, ``kind``, ``prompt_ids`` (int list, the
 chat-templated user turn with the generation prompt, what the teacher was fed), ``reply_ids`` (int list, the
@@ -19,6 +24,8 @@ later run over a longer registry only adds shards (append-only).
 """
 from __future__ import annotations
 
+import gzip
+import io
 import json
 import os
 import re
@@ -28,22 +35,43 @@ import numpy as np
 MANIFEST = "manifest.json"
 STOPS = ("eos", "length", "prompt_too_long")
 META_KEYS = ("teacher", "max_len", "temperature", "min_reply")     # must match to extend a directory
-_SHARD = re.compile(r"^shard_(\d{5})\.jsonl$")
+SUFFIX = ".jsonl.gz"
+_SHARD = re.compile(r"^shard_(\d{5})\.jsonl(\.gz)?$")
 
 
 def _atomic_write(path: str, text: str) -> None:
+    """Write ``text`` (UTF-8; gzip level 9 with mtime 0 when ``path`` ends in .gz) to a temporary file, fsync, rename."""
+    data = text.encode("utf-8")
+    if path.endswith(".gz"):
+        buf = io.BytesIO()
+        with gzip.GzipFile(filename="", mode="wb", fileobj=buf, compresslevel=9, mtime=0) as g:
+            g.write(data)
+        data = buf.getvalue()
     tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
 def read_shard(path: str) -> list:
-    """The records of one shard file (list of dicts)."""
-    with open(path, encoding="utf-8") as f:
+    """The records of one shard file (list of dicts); ``.jsonl.gz`` or plain ``.jsonl``."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         return [json.loads(ln) for ln in f if ln.strip()]
+
+
+def shard_stem(name: str) -> str:
+    """``shard_NNNNN`` of a reply shard's file name (``.jsonl`` or ``.jsonl.gz``).
+
+    Raises:
+        ValueError: not a shard file name.
+    """
+    m = _SHARD.match(name)
+    if not m:
+        raise ValueError(f"{name!r} is not a reply shard name (shard_NNNNN.jsonl[.gz])")
+    return f"shard_{m.group(1)}"
 
 
 def _entry(file: str, records: list) -> dict:
@@ -95,7 +123,7 @@ class ShardStore:
 
     def next_name(self) -> str:
         """File name the next :meth:`write` will use."""
-        return f"shard_{self.next_index():05d}.jsonl"
+        return f"shard_{self.next_index():05d}{SUFFIX}"
 
     def write(self, records: list) -> dict:
         """Write ``records`` as the next shard (atomically) and list it in the manifest; returns its entry.
@@ -176,4 +204,4 @@ def samples_from_shards(out_dir: str, max_len: int, n_samples: int | None = None
 
 
 __all__ = ["ShardStore", "iter_records", "keep_sample", "read_shard", "record_sample", "samples_from_shards",
-           "STOPS"]
+           "shard_stem", "STOPS", "SUFFIX"]

@@ -132,19 +132,25 @@ def _rec(pid, reply=(5, 6), stop="eos", end=2):
 
 
 def test_shard_store_appends_adopts_orphans_and_checks_meta(tmp_path):
-    from mindspore_eagle.train.shards import ShardStore, iter_records, record_sample
+    from mindspore_eagle.train.shards import ShardStore, iter_records, read_shard, record_sample, shard_stem
 
     meta = {"teacher": "t", "max_len": 64, "temperature": 0.0, "min_reply": 4}
     st = ShardStore(str(tmp_path), meta)
-    assert st.write([_rec("s/0"), _rec("s/1", stop="length")])["file"] == "shard_00000.jsonl"
-    first = (tmp_path / "shard_00000.jsonl").read_bytes()
+    assert st.write([_rec("s/0"), _rec("s/1", stop="length")])["file"] == "shard_00000.jsonl.gz"
+    first = (tmp_path / "shard_00000.jsonl.gz").read_bytes()
+    assert first[:2] == b"\x1f\x8b" and read_shard(str(tmp_path / "shard_00000.jsonl.gz"))[1]["stop"] == "length"
+    # the same records give the same bytes (no timestamp in the gzip header)
+    same = ShardStore(str(tmp_path / "again"), meta)
+    same.write([_rec("s/0"), _rec("s/1", stop="length")])
+    assert (tmp_path / "again" / "shard_00000.jsonl.gz").read_bytes() == first
     # a run killed after renaming shard 1 but before rewriting the manifest, and one killed mid-write (tmp file)
+    # (shard 1 plain JSONL, as older directories wrote them: read and adopted the same way)
     (tmp_path / "shard_00001.jsonl").write_text(json.dumps(_rec("s/2")) + "\n")
-    (tmp_path / "shard_00002.jsonl.tmp").write_text('{"prompt_id": "s/9", "trunc')
+    (tmp_path / "shard_00002.jsonl.gz.tmp").write_text('{"prompt_id": "s/9", "trunc')
     st = ShardStore(str(tmp_path), meta)
     assert st.done_ids() == {"s/0", "s/1", "s/2"} and st.next_index() == 2
-    st.write([_rec("s/3", reply=())])
-    assert (tmp_path / "shard_00000.jsonl").read_bytes() == first
+    assert st.write([_rec("s/3", reply=())])["file"] == "shard_00002.jsonl.gz"
+    assert (tmp_path / "shard_00000.jsonl.gz").read_bytes() == first
     assert [r["prompt_id"] for r in iter_records(str(tmp_path))] == ["s/0", "s/1", "s/2", "s/3"]
     with pytest.raises(ValueError, match="already finished"):
         st.write([_rec("s/1")])
@@ -156,6 +162,9 @@ def test_shard_store_appends_adopts_orphans_and_checks_meta(tmp_path):
     ids, mask = record_sample(_rec("x", reply=(5, 6, 7), stop="length"), 4)
     np.testing.assert_array_equal(ids, [1, 3, 5, 6])
     np.testing.assert_array_equal(mask, [0, 0, 1, 1])
+    assert shard_stem("shard_00012.jsonl.gz") == shard_stem("shard_00012.jsonl") == "shard_00012"
+    with pytest.raises(ValueError, match="not a reply shard"):
+        shard_stem("shard_12.npz")
 
 
 @pytest.mark.slow
@@ -185,14 +194,14 @@ def test_regeneration_shards_resume_and_equal_one_sequence_greedy(tiny, ms_runti
     r1 = regenerate_to_shards(runner, tok, prompts[:4], ShardStore(str(tmp_path), meta), max_len, 3, shard_size=2,
                               min_reply=4, log=lines.append)
     assert r1["prompts_done"] == 4 and r1["generated"] == 3 and r1["left"] == 0
-    first = (tmp_path / "shard_00000.jsonl").read_bytes()
+    first = (tmp_path / "shard_00000.jsonl.gz").read_bytes()
     r2 = regenerate_to_shards(runner, tok, prompts, ShardStore(str(tmp_path), meta), max_len, 3, shard_size=2,
                               min_reply=4, log=lines.append)
     assert r2["prompts_done"] == 3 and r2["generated"] == 3 and runner.bm.free_blocks() == free0
     assert r2["decoded_tokens"] == r2["new_tokens"] > 0             # nothing cut off: every decoded token is stored
-    assert (tmp_path / "shard_00000.jsonl").read_bytes() == first
+    assert (tmp_path / "shard_00000.jsonl.gz").read_bytes() == first
     files = sorted(os.listdir(tmp_path))
-    assert files == ["manifest.json"] + [f"shard_{i:05d}.jsonl" for i in range(len(files) - 1)] and len(lines) == 4
+    assert files == ["manifest.json"] + [f"shard_{i:05d}.jsonl.gz" for i in range(len(files) - 1)] and len(lines) == 4
     recs = {r["prompt_id"]: r for r in iter_records(str(tmp_path))}
     assert sorted(recs) == sorted(p.prompt_id for p in prompts)
     assert recs["t/3"]["stop"] == "prompt_too_long" and recs["t/3"]["reply_ids"] == []
@@ -290,7 +299,7 @@ def test_regeneration_writes_the_features_a_separate_pass_would(tiny, ms_runtime
         np.testing.assert_array_equal(got["argmax"][p:n - 1], ids[p + 1:n])
     # a kill between the feature shard and its reply shard: the orphan is dropped when the directory is reopened
     man = read_manifest(str(fdir))
-    orphan = dict(man["shards"][-1], file="shard_09999.npz", regen_shard="shard_09999.jsonl", first=len(fs))
+    orphan = dict(man["shards"][-1], file="shard_09999.npz", regen_shard="shard_09999.jsonl.gz", first=len(fs))
     (fdir / "shard_09999.npz").write_bytes((fdir / man["shards"][-1]["file"]).read_bytes())
     man["shards"].append(orphan)
     (fdir / "manifest.json").write_text(json.dumps(man))
