@@ -259,7 +259,9 @@ class PortableLayerMath:
         return cos.expand_dims(1), sin.expand_dims(1)
 
     def attention_block(self, x, h, wqkv, bqkv, wo, bo, cos, sin, key_cache, value_cache, meta, eps: float):
-        """(y = x + attention(h) @ wo.T (+ bo), rms(y)) [k, H] each; writes the rows' K/V (``attend``)."""
+        """(y = x + attention(h) @ wo.T (+ bo), rms(y)) [k, H] each, for x [k, H] the residual stream and h
+        [k, Hin] the normed input (Hin = H in the teacher, 2 H in the drafter's first layer); writes the rows' K/V
+        (``attend``). q carries the score factor (folded into wqkv, as the backend's callers do)."""
         q, k, v = self.qkv_rope(h, wqkv, bqkv, cos, sin)
         out = dense.linear(self.attend(q, k, v, key_cache, value_cache, meta), wo)
         if bo is not None:

@@ -9,10 +9,11 @@ the flags, the compiler's version and the CPU model, and each kernel is wrapped 
 (MindSpore runs it as one graph node on CPU, ~4 us of launch against ~5 us for a built-in op and ~37 built-in ops
 per decoder layer). A decoder layer is two kernel calls:
 
-    attn_block(x [k, H], h [k, H], wqkv [(nh + 2 n_kv) hd, H], wo [H, nh hd], cos [k, hd], sin_signed [k, hd],
+    attn_block(x [k, H], h [k, Hin], wqkv [(nh + 2 n_kv) hd, Hin], wo [H, nh hd], cos [k, hd], sin_signed [k, hd],
         heads [2] i32, key_cache / value_cache [R, hd], write_rows [k n_kv] i32, read_rows [(G,) n_kv, S] i32,
         mask [k, S] f32 additive, eps [1][, bqkv[, bo]]) -> (y = x + attention(h) @ wo.T (+ bo), rms(y));
-        writes the rows' K/V into the caches in place                                          (ref_attn_block)
+        writes the rows' K/V into the caches in place; Hin = H in a teacher layer, 2 H in the EAGLE-3 drafter's
+        first layer (models/eagle3.py)                                                          (ref_attn_block)
     mlp_add_norm(h [k, H], w_gate_up [2F, H], w_down [H, F], resid [k, H], eps [1]) -> (y = resid +
         down(silu(gate) * up), rms(y))                                                         (ref_mlp_add_norm)
 

@@ -325,7 +325,9 @@ extern "C" int PagedAttention(int nparam, void **params, int *ndims, int64_t **s
 
 // ---------------------------------------------------------------------------------------------- AttnBlock
 // The attention half of a decoder layer in one call:
-//   x [k, H] residual, h [k, H] = rms(x), wqkv [(nh + 2 n_kv) hd, H], wo [H, nh hd], cos / sin_signed [k, hd],
+//   x [k, H] residual, h [k, Hin] normed input (rms(x) in a teacher layer, Hin = H; the EAGLE-3 drafter's first
+//   layer feeds [rms(embedding), rms(feature)], Hin = 2 H), wqkv [(nh + 2 n_kv) hd, Hin], wo [H, nh hd],
+//   cos / sin_signed [k, hd],
 //   heads [2] i32 = (nh, n_kv), key_cache / value_cache [R, hd] (written in place), write_rows [k n_kv] i32 (row
 //   of token r, KV head j at r n_kv + j), read_rows [(G,) n_kv, S] i32, mask [k, S], eps [1][, bqkv[, bo]]
 //   -> y = x + (attention(h) @ wo.T (+ bo)) [k, H], rms(y) [k, H].
@@ -347,15 +349,16 @@ extern "C" int AttnBlock(int nparam, void **params, int *ndims, int64_t **shapes
   const float eps = ((const float *)params[12])[0];
   const float *bqkv = nb >= 1 ? (const float *)params[13] : nullptr, *bo = nb == 2 ? (const float *)params[14] : nullptr;
   float *y = (float *)params[13 + nb], *hout = (float *)params[14 + nb];
-  const int64_t k = shapes[0][0], H = shapes[0][1], width = shapes[2][0], hd = shapes[4][1], half = hd / 2;
+  const int64_t k = shapes[0][0], H = shapes[0][1], Hin = shapes[1][1], width = shapes[2][0], hd = shapes[4][1];
+  const int64_t half = hd / 2;
   const int64_t nh = heads[0], nkv = heads[1], R = shapes[7][0];
   const int64_t G = ndims[10] == 3 ? shapes[10][0] : 1, S = shapes[10][ndims[10] - 1];
-  if ((nh + 2 * nkv) * hd != width || hd % 2 || shapes[2][1] != H || shapes[3][0] != H || shapes[3][1] != nh * hd ||
+  if ((nh + 2 * nkv) * hd != width || hd % 2 || shapes[1][0] != k || shapes[2][1] != Hin || shapes[3][0] != H || shapes[3][1] != nh * hd ||
       shapes[7][1] != hd || shapes[9][0] != k * nkv || shapes[10][ndims[10] - 2] != nkv || k % G ||
       shapes[11][0] != k || shapes[11][1] != S)
     return 2;
   std::vector<float> qkv(k * width), q(k * nh * hd), ctx(k * nh * hd), o(k * H);
-  linear_into(hin, wqkv, qkv.data(), k, H, width);
+  linear_into(hin, wqkv, qkv.data(), k, Hin, width);
   for (int64_t r = 0; r < k; ++r) {
     float *row = qkv.data() + r * width;
     if (bqkv)

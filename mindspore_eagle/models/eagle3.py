@@ -35,6 +35,7 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from mindspore_eagle.errors import MsEagleError
 from mindspore_eagle.kernels.attention import make_backend
+from mindspore_eagle.kernels.dense import rms_norm
 from mindspore_eagle.models.llama import (
     RMSNorm,
     apply_rope,
@@ -348,6 +349,11 @@ class Eagle3Drafter(nn.Cell):
     Compute dtype = the shared embedding's dtype (``model.dtype``): weights, matmuls, residual and KV cache in it;
     RMSNorm, RoPE, softmax and the logits in float32 (as the teacher, models/llama.py); float32 adds no cast.
 
+    The layer math is the backend's, as in the teacher's decoder layer (``attention.py``: ``attention_block`` then
+    ``mlp_add_norm``, one C++ kernel call each on the CPU backend), so the weights are held as the teacher holds
+    its own (:func:`fold_drafter_tensors`): every RMSNorm weight folded into the columns of the matmul that
+    follows it and 1/sqrt(hd) into the q rows; the norms themselves run unweighted.
+
     Args:
         cfg: drafter config; embed: the teacher's embedding Parameter [V, H] (shared, not copied; its dtype is
         the drafter's compute dtype);
@@ -366,7 +372,9 @@ class Eagle3Drafter(nn.Cell):
         self.embed = embed
         self.d2t = Parameter(Tensor(np.zeros(cfg.draft_vocab_size, np.int32)), name="d2t", requires_grad=False)
         self.scale = 1.0 / float(np.sqrt(hd))
-        self.backend = make_backend(attention, num_blocks, block_size, self.nkv, self.nh, hd, dt, self.scale)
+        self.eps = cfg.rms_norm_eps
+        # score factor 1: q carries 1/sqrt(hd) (fold_drafter_tensors), as the teacher's q does
+        self.backend = make_backend(attention, num_blocks, block_size, self.nkv, self.nh, hd, dt, 1.0)
         declare_drafter_weights(self, cfg, dt, self.backend)
         self.key_cache = self.backend.make_cache("draft_key_cache")
         self.value_cache = self.backend.make_cache("draft_value_cache")
@@ -374,60 +382,43 @@ class Eagle3Drafter(nn.Cell):
         self.cos, self.sin = Tensor(cos), Tensor(sin)
         self.swap = rope_swap_index(hd)
         self.matmul_t = ops.MatMul(transpose_b=True)
-        self.ffn = cfg.intermediate_size
 
     def fuse(self, aux):
         """aux f32 [k, 3Ht] -> fc(aux) [k, H] in the compute dtype."""
         if aux.dtype != self.fc.dtype:
             aux = aux.astype(self.fc.dtype)
-        return self.matmul_t(aux, self.fc)
+        return self.backend.linear(aux, self.fc)
 
     def construct(self, h, tokens, positions, slots, block_table, mask):
-        h_out = self._layer(h, tokens, positions, slots, block_table, mask)
-        top_logp, top_ids = self._top(h_out)
+        h_out, h_normed = self._layer(h, tokens, positions, slots, block_table, mask)
+        top_logp, top_ids = self._top(h_normed)
         return top_logp, top_ids, h_out
 
     def context(self, aux, tokens, positions, slots, block_table, mask, pick):
-        h_out = self._layer(self.fuse(aux), tokens, positions, slots, block_table, mask)
-        h_pick = ops.gather(h_out, pick, 0)
-        top_logp, top_ids = self._top(h_pick)
-        return top_logp, top_ids, h_pick
+        h_out, h_normed = self._layer(self.fuse(aux), tokens, positions, slots, block_table, mask)
+        top_logp, top_ids = self._top(ops.gather(h_normed, pick, 0))
+        return top_logp, top_ids, ops.gather(h_out, pick, 0)
 
     def _layer(self, h, tokens, positions, slots, block_table, mask):
-        """All decoder layers over k rows: each writes its K/V at ``slots``; returns h_out [k, H] (pre-norm)."""
+        """All decoder layers over k rows: each writes its K/V at ``slots``; returns (h_out [k, H] pre-norm,
+        rms(h_out) [k, H] unweighted: the final norm's weight is folded into ``lm_head``)."""
         e = ops.gather(self.embed, tokens, 0)
-        x = ops.concat((self.input_layernorm(e), self.hidden_norm(h)), -1)
-        cos = ops.gather(self.cos, positions, 0).expand_dims(1)
-        sin = ops.gather(self.sin, positions, 0).expand_dims(1)
-        meta = self.backend.prepare(slots, block_table, mask)
-        h = h + self._attn(x, self.wqkv, self.wo, self.key_cache, self.value_cache, cos, sin, meta)
-        h = h + self._mlp(self.post_attention_layernorm(h), self.w_gate_up, self.w_down)
+        be, eps = self.backend, self.eps
+        x = ops.concat((be.norm(e, eps), be.norm(h, eps)), -1)              # [k, 2H]; weights folded into wqkv
+        cos, sin = be.rope_rows(ops.gather(self.cos, positions, 0), ops.gather(self.sin, positions, 0))
+        meta = be.prepare(slots, block_table, mask)
+        h, x = be.attention_block(h, x, self.wqkv, None, self.wo, None, cos, sin, self.key_cache, self.value_cache,
+                                  meta, eps)
+        h, x = be.mlp_add_norm(x, self.w_gate_up, self.w_down, h, eps)
         for block in self.blocks:
-            h = h + self._attn(block.input_layernorm(h), block.wqkv, block.wo, block.key_cache, block.value_cache,
-                               cos, sin, meta)
-            h = h + self._mlp(block.post_attention_layernorm(h), block.w_gate_up, block.w_down)
-        return h
+            h, x = be.attention_block(h, x, block.wqkv, None, block.wo, None, cos, sin, block.key_cache,
+                                      block.value_cache, meta, eps)
+            h, x = be.mlp_add_norm(x, block.w_gate_up, block.w_down, h, eps)
+        return h, x
 
-    def _attn(self, x, wqkv, wo, key_cache, value_cache, cos, sin, meta):
-        """Attention of one layer: x [k, in] (normed input) -> [k, H]; writes the rows' K/V into the cache."""
-        k_len = x.shape[0]
-        qkv = self.matmul_t(x, wqkv)
-        nq, nk = self.nh * self.hd, self.nkv * self.hd
-        qk, v = ops.split(qkv, (nq + nk, nk), -1)
-        qk = apply_rope(qk.reshape(k_len, self.nh + self.nkv, self.hd), cos, sin, self.swap)
-        q, k = ops.split(qk, (self.nh, self.nkv), 1)
-        v = v.reshape(k_len, self.nkv, self.hd)
-        ctx = self.backend.attend(q, k, v, key_cache, value_cache, meta, self.scale)
-        return self.matmul_t(ctx, wo)
-
-    def _mlp(self, x, w_gate_up, w_down):
-        """SiLU MLP: x [k, H] (normed) -> [k, H]."""
-        gate, up = ops.split(self.matmul_t(x, w_gate_up), self.ffn, -1)
-        return self.matmul_t(ops.silu(gate) * up, w_down)
-
-    def _top(self, h_out):
-        """h_out [r, H] -> (top_logp [r, K] f32 log-softmax over Vd, top_ids [r, K] i32 teacher ids via d2t)."""
-        logits = self.matmul_t(self.norm(h_out), self.lm_head)
+    def _top(self, h_normed):
+        """rms(h_out) [r, H] -> (top_logp [r, K] f32 log-softmax over Vd, top_ids [r, K] i32 teacher ids via d2t)."""
+        logits = self.backend.linear(h_normed, self.lm_head)
         if logits.dtype != ms.float32:
             logits = logits.astype(ms.float32)
         logp = ops.log_softmax(logits, -1)
@@ -442,20 +433,59 @@ class Eagle3Drafter(nn.Cell):
         """
         k_len = h.shape[0]
         e = ops.gather(self.embed, tokens, 0)
-        x = ops.concat((self.input_layernorm(e), self.hidden_norm(h)), -1)
+        x = ops.concat((rms_norm(e, self.eps), rms_norm(h, self.eps)), -1)
         nq = self.nh * self.hd
-        q = self.matmul_t(x, self.wqkv[:nq])
+        q = self.matmul_t(x, self.wqkv[:nq])                                     # carries 1/sqrt(hd)
         cos = ops.gather(self.cos, positions, 0).expand_dims(1)
         sin = ops.gather(self.sin, positions, 0).expand_dims(1)
         q = apply_rope(q.reshape(k_len, self.nh, self.hd), cos, sin, self.swap)
         keys = self.backend.read_keys(self.key_cache, block_table)                # [n_kv, S, hd]
         q = q.reshape(k_len, self.nkv, self.group, self.hd).transpose(1, 2, 0, 3).reshape(
             self.nkv, self.group * k_len, self.hd)
-        scores = (ops.bmm(q, keys.transpose(0, 2, 1)) * self.scale).astype(ms.float32)
+        scores = ops.bmm(q, keys.transpose(0, 2, 1)).astype(ms.float32)
         scores = scores.reshape(self.nkv, self.group, k_len, -1) + mask
         return ops.softmax(scores, -1).mean((0, 1))
 
     def load_tensors(self, t: dict) -> None:
-        """Copy SpecForge-keyed float32 tensors into the fused Parameters (shapes checked by load_drafter)."""
-        load_fused_weights(self, t)
+        """Copy SpecForge-keyed float32 tensors into the fused Parameters, norms folded
+        (:func:`fold_drafter_tensors`; shapes checked by load_drafter)."""
+        load_fused_weights(self, fold_drafter_tensors(self.cfg, t))
         self.d2t.set_data(Tensor(np.asarray(t["d2t"]).astype(np.int32)))
+
+
+def fold_drafter_tensors(cfg: DrafterConfig, t: dict) -> dict:
+    """SpecForge-keyed drafter tensors with every RMSNorm weight folded into the matmul after it, and the score
+    factor 1/sqrt(hd) into the q rows; the norm weights become ones.
+
+    rms_w(x) @ W.T = rms(x) @ (W * w).T for a norm weight w over W's input columns, so the folded drafter computes
+    the same function with unweighted norms (the teacher holds its weights the same way, models/llama.py
+    ``load_hf_weights``). Folded: layer 0's q/k/v columns [:H] by ``input_layernorm`` (the embedding half) and [H:]
+    by ``hidden_norm`` (the feature half), gate/up by ``post_attention_layernorm``; each later layer's q/k/v by its
+    ``input_layernorm`` and gate/up by its ``post_attention_layernorm``; ``lm_head`` by the final ``norm``.
+    Returns a new dict (float32 arrays; d2t / t2d and anything else passed through). Raises KeyError naming a
+    missing tensor.
+    """
+    f32 = lambda name: np.asarray(t[name], np.float32)      # noqa: E731
+    H, scale = cfg.hidden_size, 1.0 / float(np.sqrt(cfg.head_dim))
+    out = dict(t)
+
+    def fold_layer(p, in_weight):
+        for name in ("q_proj", "k_proj", "v_proj"):
+            w = f32(p + f"self_attn.{name}.weight") * in_weight
+            out[p + f"self_attn.{name}.weight"] = w * scale if name == "q_proj" else w
+        post = f32(p + "post_attention_layernorm.weight")
+        for name in ("gate_proj", "up_proj"):
+            out[p + f"mlp.{name}.weight"] = f32(p + f"mlp.{name}.weight") * post
+        out[p + "post_attention_layernorm.weight"] = np.ones_like(post)
+
+    fold_layer("midlayer.", np.concatenate([f32("midlayer.input_layernorm.weight"),
+                                            f32("midlayer.hidden_norm.weight")]))
+    out["midlayer.input_layernorm.weight"] = np.ones(H, np.float32)
+    out["midlayer.hidden_norm.weight"] = np.ones(H, np.float32)
+    for i in range(1, cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        fold_layer(p, f32(p + "input_layernorm.weight"))
+        out[p + "input_layernorm.weight"] = np.ones(H, np.float32)
+    out["lm_head.weight"] = f32("lm_head.weight") * f32("norm.weight")
+    out["norm.weight"] = np.ones(H, np.float32)
+    return out

@@ -672,9 +672,11 @@ def test_export_loads_and_inference_cell_matches_training_step0(tiny, tiny_featu
     np.testing.assert_array_equal(top_ids.asnumpy()[:, 0], used[want_idx[:, 0]])
 
 
-def test_multi_layer_inference_cell_matches_training_step0(ms_runtime, tmp_path):
+@pytest.mark.parametrize("attention", ["portable", "auto"])
+def test_multi_layer_inference_cell_matches_training_step0(ms_runtime, tmp_path, attention):
     """A 3-layer drafter saved and loaded (``layers.1.*``, ``layers.2.*``): the inference Cell over the paged
-    cache (each layer its own cache) gives the training Cell's step-0 log-probs (top-K values and ids)."""
+    cache (each layer its own cache, norms folded into its weights) gives the training Cell's step-0 log-probs
+    (top-K values and ids), on the portable backend and the default one (the C++ kernels where they build)."""
     import mindspore as ms
     from mindspore import Parameter, Tensor
 
@@ -700,7 +702,7 @@ def test_multi_layer_inference_cell_matches_training_step0(ms_runtime, tmp_path)
     train_net.load_tensors(t)
     ref = ms.jit(train_net.step0_logp)(Tensor(aux), Tensor(ids)).asnumpy()[:n]
     inf = Eagle3Drafter(dcfg, Parameter(Tensor(embed), name="shared_embed", requires_grad=False), top_k=K,
-                        num_blocks=T // B, block_size=B, max_seq_len=T)
+                        num_blocks=T // B, block_size=B, max_seq_len=T, attention=attention)
     inf.load_tensors(t)
     mask = np.where(np.tri(n, T, dtype=bool), 0.0, -1e9).astype(np.float32)
     top_logp, top_ids, _ = inf(inf.fuse(Tensor(aux[:n])), Tensor(ids[:n]), Tensor(np.arange(n, dtype=np.int32)),
