@@ -30,7 +30,7 @@ PAPER = {"speedup_mean": 1.27, "speedup_p99": 2.46, "accept_len_mean": 3.17,
                    "teacher on Ascend NPU, 240 turns (MT-Bench 80x2 + HumanEval 80)"}
 FIGURES = {1: "fig1_lengths.png", 2: "fig2_speedup_vs_accept.png", 3: "fig3_accept_by_depth.png",
            4: "fig4_budget_sweep.png", 5: "fig5_overheads.png", 6: "fig6_window.png", 7: "fig7_attention.png",
-           8: "fig8_policy_sweep.png"}
+           8: "fig8_policy_sweep.png", 9: "fig9_accepted_by_category.png"}
 PRED_EDGES = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, float("inf"))
 OVERHEAD_PHASES = ("prefill",) + PHASES + ("other",)
 
@@ -97,6 +97,20 @@ def accepted_shares(records) -> dict:
     return {**tot, **{f"{k}_share": v / n if n else float("nan") for k, v in list(tot.items())}}
 
 
+def by_category(records) -> dict:
+    """Per turn category (the MT-Bench category, or "humaneval"; ``TurnSpec.category``), in first-seen order:
+    {"turns", "speedup" (stats of per-turn speedups), "accept_len_mean" (over the category's steps),
+    "accepted_from" (:func:`accepted_shares`)} of the main setting. Records need the "category" field."""
+    out = {}
+    for cat in dict.fromkeys(r["category"] for r in records):
+        sub = [r for r in records if r["category"] == cat]
+        lens = [x for r in sub for x in r["settings"]["main"]["accept_lens"]]
+        out[cat] = {"turns": len(sub), "speedup": stats([r["settings"]["main"]["speedup"] for r in sub]),
+                    "accept_len_mean": float(np.mean(lens)) if lens else float("nan"),
+                    "accepted_from": accepted_shares(sub)}
+    return out
+
+
 def build_report(records, meta: dict) -> dict:
     """Assemble report.json from the turn records and run metadata.
 
@@ -148,6 +162,7 @@ def build_report(records, meta: dict) -> dict:
             "accept_len": stats([x for r in sub for x in r["settings"]["main"]["accept_lens"]]),
             "accepted_from": accepted_shares(sub)}
     rep["accepted_from"] = accepted_shares(ok)
+    rep["by_category"] = by_category(ok)
     peers = [r["peer_llamacpp"] for r in records if isinstance(r.get("peer_llamacpp"), dict)
              and "tok_s" in r["peer_llamacpp"]]
     if peers:
@@ -271,6 +286,17 @@ def markdown(rep: dict) -> str:
                      f"{_f(s['speedup']['mean'])}x | {_f(s['speedup']['p90'])}x | {_f(s['accept_len']['mean'])} | "
                      f"{_f(a.get('suffix_share'), 3)} | {_f(a.get('both_share'), 3)} |")
         a = rep.get("accepted_from", {})
+        if rep.get("by_category"):
+            L += ["", "### By category", "", "Accepted draft tokens by who proposed them (Figure 9: "
+                  f"{FIGURES[9]}).", "",
+                  "| category | turns | speedup mean | speedup p10 | L_k mean | from drafter | from suffix | from both |",
+                  "|---|---|---|---|---|---|---|---|"]
+            for cat, c in rep["by_category"].items():
+                f = c["accepted_from"]
+                L.append(f"| {cat} | {c['turns']} | {_f(c['speedup']['mean'])}x | {_f(c['speedup']['p10'])}x | "
+                         f"{_f(c['accept_len_mean'])} | {f.get('drafter', 0)} ({_f(f.get('drafter_share'), 3)}) | "
+                         f"{f.get('suffix', 0)} ({_f(f.get('suffix_share'), 3)}) | "
+                         f"{f.get('both', 0)} ({_f(f.get('both_share'), 3)}) |")
         L += ["", f"Accepted draft tokens by who proposed them (speculative.method "
               f"{rep['run'].get('config', {}).get('speculative', {}).get('method', 'eagle3')}"
               f"): drafter {a.get('drafter', 0)}, suffix candidates {a.get('suffix', 0)}, both {a.get('both', 0)}.",
@@ -369,7 +395,7 @@ def policy_markdown(rep: dict) -> list:
 
 
 def write_figures(rep: dict, outdir: str) -> list:
-    """Write the PNGs of Figures 1-7 that have data; returns the file names written."""
+    """Write the PNGs of Figures 1-9 that have data; returns the file names written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -470,6 +496,10 @@ def write_figures(rep: dict, outdir: str) -> list:
         ax.set(title="Figure 8: per-turn speedup by policy", ylabel="speedup (x)")
         save(fig, 8)
 
+    fig9 = draw_accepted_by_category(rep.get("by_category") or {}, outdir)
+    if fig9:
+        written.append(fig9)
+
     f7 = F["fig7_attention"]
     keys = ("0-31", "32-127", "128-255", "256+")
     fig, ax = plt.subplots(figsize=(5, 3.4))
@@ -478,6 +508,37 @@ def write_figures(rep: dict, outdir: str) -> list:
            ylabel="fraction of rows", ylim=(0, 1.05))
     save(fig, 7)
     return written
+
+
+def draw_accepted_by_category(cats: dict, outdir: str) -> str | None:
+    """Figure 9: per category (:func:`by_category`), the shares of accepted draft tokens proposed by the drafter,
+    by suffix candidates and by both, stacked, with the category's mean speedup above its bar. Returns the file
+    name written into ``outdir``, or None when no category accepted a draft token."""
+    if not any(sum(c["accepted_from"][k] for k in ("drafter", "suffix", "both")) for c in cats.values()):
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(cats)
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.8 * len(names) + 2), 3.8))
+    bottom = np.zeros(len(names))
+    for key, color in (("drafter", "#4c72b0"), ("suffix", "#dd8452"), ("both", "#55a868")):
+        share = np.array([np.nan_to_num(cats[n]["accepted_from"][f"{key}_share"]) for n in names])
+        ax.bar(names, share, bottom=bottom, color=color, label=key)
+        bottom += share
+    for i, n in enumerate(names):
+        ax.text(i, 1.02, f"{cats[n]['speedup']['mean']:.2f}x", ha="center", fontsize=7)
+    ax.set(title="Figure 9: accepted draft tokens by source (mean speedup above)", ylabel="share of accepted",
+           ylim=(0, 1.12))
+    ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    os.makedirs(outdir, exist_ok=True)
+    fig.savefig(os.path.join(outdir, FIGURES[9]), dpi=110)
+    plt.close(fig)
+    return FIGURES[9]
 
 
 def write_all(rep: dict, outdir: str) -> dict:
@@ -489,4 +550,4 @@ def write_all(rep: dict, outdir: str) -> dict:
     return rep
 
 
-__all__ = ["PAPER", "FIGURES", "build_report", "markdown", "write_figures", "write_json", "write_all", "overheads"]
+__all__ = ["PAPER", "FIGURES", "build_report", "by_category", "draw_accepted_by_category", "markdown", "write_figures", "write_json", "write_all", "overheads"]

@@ -103,6 +103,27 @@ def test_stats_hand_computed():
     assert np.isnan(stats([])["mean"])
 
 
+def test_by_category_counts_and_figure_9(tmp_path):
+    """Per-category shares of accepted draft tokens against hand counts, and Figure 9 drawn from them."""
+    def rec(cat, speedup, lens, fr):
+        return {"category": cat, "settings": {"main": {"speedup": speedup, "accept_lens": lens,
+                                                       "accepted_from": fr}}}
+
+    recs = [rec("writing", 1.2, [1, 3], {"drafter": 2, "suffix": 0, "both": 0}),
+            rec("humaneval", 1.5, [4, 1, 2], {"drafter": 1, "suffix": 3, "both": 0}),
+            rec("writing", 0.9, [2], {"drafter": 0, "suffix": 1, "both": 1})]
+    cats = report_mod.by_category(recs)
+    assert list(cats) == ["writing", "humaneval"]
+    w = cats["writing"]
+    assert w["turns"] == 2 and w["speedup"]["mean"] == pytest.approx(1.05) and w["accept_len_mean"] == 2.0
+    assert (w["accepted_from"]["drafter"], w["accepted_from"]["suffix"], w["accepted_from"]["both"]) == (2, 1, 1)
+    assert w["accepted_from"]["drafter_share"] == 0.5 and cats["humaneval"]["accepted_from"]["suffix_share"] == 0.75
+    assert report_mod.draw_accepted_by_category(cats, str(tmp_path)) == report_mod.FIGURES[9]
+    assert (tmp_path / report_mod.FIGURES[9]).stat().st_size > 1000
+    none = {c: {**v, "accepted_from": report_mod.accepted_shares([])} for c, v in cats.items()}
+    assert report_mod.draw_accepted_by_category(none, str(tmp_path / "x")) is None    # nothing accepted: no figure
+
+
 def test_accept_by_depth_hand_count():
     lens = [1, 2, 3, 6, 2]                          # accepted drafts 0, 1, 2, 5, 1
     r = accept_by_depth(lens, 5)
