@@ -65,6 +65,18 @@ def make_record(p, prompt_ids, reply_ids, stop, end_id) -> dict:
             "reply_ids": [int(x) for x in reply_ids], "stop": stop, "end_id": None if end_id is None else int(end_id)}
 
 
+def teacher_identity(path: str) -> str:
+    """How a shard directory names its teacher: the checkpoint's file (or directory) name and its size in bytes
+    (a directory's files summed), not its absolute path, so a directory committed to the repository
+    (``data/regen/``) extends on any machine and cache location. Raises OSError when ``path`` is missing."""
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+    else:
+        size = os.path.getsize(path)
+    return f"{os.path.basename(path)} ({size} bytes)"
+
+
 def regenerate_to_shards(runner, tok, prompts: list, store, max_len: int, batch: int, shard_size: int = 64,
                          min_reply: int = 16, time_limit: float | None = None, log=print,
                          width_step: int = 512, features=None) -> dict:
@@ -220,7 +232,7 @@ def main(argv=None) -> int:
 
         args.teacher = str(embedded_teacher_path())
     cfg, tensors, tok = load_teacher(args.teacher)
-    meta = {"teacher": args.teacher, "max_len": args.max_len, "temperature": 0.0, "min_reply": args.min_reply,
+    meta = {"teacher": teacher_identity(args.teacher), "max_len": args.max_len, "temperature": 0.0, "min_reply": args.min_reply,
             "registry": reg.meta}
     store = ShardStore(args.out, meta)
     runner, _ = build_batch_runner(cfg, tensors, args.max_len, args.batch)

@@ -460,3 +460,21 @@ def test_regeneration_survives_kill_and_resumes_to_the_same_records(tmp_path, si
     st = status(str(d))
     assert st["prompts"] == 60 and st["new_tokens"] == sum(len(r["reply_ids"]) for r in want.values())
     assert st["kinds"] == {"math": 60} and sum(st["stops"].values()) == 60
+
+
+def test_teacher_identity_ignores_where_the_checkpoint_lies(tmp_path):
+    """A committed shard directory names its teacher by file name and size, so another cache path still matches."""
+    from mindspore_eagle.train.regen_run import teacher_identity
+
+    for where in ("a", "b/c"):
+        d = tmp_path / where
+        d.mkdir(parents=True)
+        (d / "model.gguf").write_bytes(b"x" * 1234)
+        (d / "hf").mkdir()
+        (d / "hf" / "config.json").write_bytes(b"{}")
+        (d / "hf" / "model.safetensors").write_bytes(b"y" * 10)
+    assert teacher_identity(str(tmp_path / "a" / "model.gguf")) == "model.gguf (1234 bytes)"
+    assert teacher_identity(str(tmp_path / "b/c/model.gguf")) == teacher_identity(str(tmp_path / "a/model.gguf"))
+    assert teacher_identity(str(tmp_path / "a" / "hf") + "/") == "hf (12 bytes)"
+    with pytest.raises(OSError):
+        teacher_identity(str(tmp_path / "missing.gguf"))
