@@ -120,8 +120,11 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 
 // ---------------------------------------------------------------------------------------------- Linear
 // x [k, K] f32, w [N, K] f32 (HF [out, in]) -> y [k, N] f32, y[r, n] = dot(x[r], w[n]).
-// Threads split N. k < 8 (memory-bound): blocks of 4 weight rows, each row of x in turn; k >= 8 (compute-bound on a
-// 2-core CPU): each weight row against 8 rows of x at a time. Same float order per output either way.
+// Threads split N. k < 8: blocks of 4 weight rows, against 4 rows of x at a time (two 2 x 4 tiles), then 2 (a 4 x 2
+// tile), then 1: at least 8 independent accumulators where k allows, which the FMA latency needs (a 4 x 1 tile for
+// every row, 4 chains, made a 4-row call cost as much as an 8-row one; docs/cpu_kernels.md); k >= 8 (compute-bound
+// on a 2-core CPU): each weight row against 8 rows of x at a time. Every output is one dot product accumulated in
+// the same float order whatever the tile, so results do not depend on k (batch invariance).
 template <int NR, int KR>
 static inline void micro(const float *x, const float *w, float *y, int64_t K, int64_t N, int64_t r0, int64_t n0) {
   v8 acc[KR][NR];
@@ -160,15 +163,19 @@ static inline void micro(const float *x, const float *w, float *y, int64_t K, in
 }
 
 static void linear_into(const float *x, const float *w, float *y, int64_t k, int64_t K, int64_t N) {
-  if (k < 8) {  // memory-bound: 4 weight rows per block, one query row at a time
+  if (k < 8) {  // few rows: 4 weight rows per block, tiles of 4, 2, then 1 query rows
     const int64_t blocks = (N + 3) / 4;
 #pragma omp parallel for schedule(static) num_threads(g_threads)
     for (int64_t nb = 0; nb < blocks; ++nb) {
       const int64_t n0 = nb * 4;
-      for (int64_t r = 0; r < k; ++r) {
-        if (n0 + 4 <= N) micro<4, 1>(x, w, y, K, N, r, n0);
-        else for (int64_t n = n0; n < N; ++n) micro<1, 1>(x, w, y, K, N, r, n);
+      if (n0 + 4 > N) {
+        for (int64_t r = 0; r < k; ++r)
+          for (int64_t n = n0; n < N; ++n) micro<1, 1>(x, w, y, K, N, r, n);
+        continue;
       }
+      int64_t r = 0;
+      for (; r + 2 <= k; r += 2) micro<4, 2>(x, w, y, K, N, r, n0);
+      for (; r < k; ++r) micro<4, 1>(x, w, y, K, N, r, n0);
     }
   } else {      // compute-bound: one weight row against 8 query rows at a time
 #pragma omp parallel for schedule(static) num_threads(g_threads)

@@ -41,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--warmup", type=int, default=None, help="warmup steps (default 3%% of --steps)")
     p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
+    p.add_argument("--argmax-weight", type=float, default=0.0,
+                   help="share of the loss target on the teacher's argmax token (0..1; 0 = the EAGLE-3 loss)")
     p.add_argument("--intermediate", type=int, default=None, help="drafter MLP width (default: teacher's)")
     p.add_argument("--num-layers", type=int, default=1,
                    help="drafter decoder layers (EAGLE-3: 1); with --init-from a drafter of fewer layers, the new"
@@ -72,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                           ("--max-len", a.max_len, 8), ("--n-eval", a.n_eval, 0), ("--num-layers", a.num_layers, 1)):
         if val < lo:
             p.error(f"{name} must be >= {lo}, got {val}")
+    if not 0.0 <= a.argmax_weight <= 1.0:
+        p.error(f"--argmax-weight must be in [0, 1], got {a.argmax_weight}")
     if a.stop_at is not None and a.stop_at < 1:
         p.error(f"--stop-at must be >= 1, got {a.stop_at}")
     if a.pack_len and a.pack_len < a.max_len:
@@ -211,6 +215,7 @@ def main(argv=None) -> int:
                      intermediate=args.intermediate, seed=args.seed, checkpoint_every=args.checkpoint_every,
                      init_from=args.init_from, batch_size=args.batch_size, pack_len=args.pack_len,
                      init=args.init, n_eval=args.n_eval, stop_at=args.stop_at, num_layers=args.num_layers,
+                     argmax_weight=args.argmax_weight,
                      command=" ".join(["python -m mindspore_eagle.train"] + list(sys.argv[1:] if argv is None
                                                                                   else argv)))
     try:

@@ -77,7 +77,8 @@ class TrainConfig:
     samples are packed (one process only); ``init`` "random" | "teacher" (see
     :func:`initial_tensors`; ignored with ``init_from``); ``num_layers`` drafter decoder layers (1 = EAGLE-3's;
     ``init_from`` a drafter with fewer layers grows it: the new layers start as the identity,
-    ``init_drafter_tensors``)."""
+    ``init_drafter_tensors``); ``argmax_weight`` the share of the loss's target on the teacher's argmax
+    (``ttt.TTTDrafter``; 0 = the EAGLE-3 loss)."""
     out: str
     features_dir: str
     vd: int = 8192
@@ -100,6 +101,7 @@ class TrainConfig:
     pack_len: int = 0
     init: str = "random"
     num_layers: int = 1
+    argmax_weight: float = 0.0
 
     def check(self) -> None:
         """Raise ValueError naming the first out-of-range option (CLI names)."""
@@ -113,6 +115,8 @@ class TrainConfig:
             raise ValueError(f"--init must be one of {INITS}, got {self.init!r}")
         if self.num_layers < 1:
             raise ValueError(f"--num-layers must be >= 1, got {self.num_layers}")
+        if not 0.0 <= self.argmax_weight <= 1.0:
+            raise ValueError(f"--argmax-weight must be in [0, 1], got {self.argmax_weight}")
         if self.steps < 1 or self.checkpoint_every < 1:
             raise ValueError("--steps and --checkpoint-every must be >= 1")
 
@@ -331,7 +335,8 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistC
                   flush=True)
     head = head_weight(cfg, tensors)
     R = tc.pack_len or T
-    net = TTTDrafter(dcfg, tensors["model.embed_tokens.weight"], head[used], vocab["d2t"], R, S, max_len=T)
+    net = TTTDrafter(dcfg, tensors["model.embed_tokens.weight"], head[used], vocab["d2t"], R, S, max_len=T,
+                     argmax_weight=tc.argmax_weight)
     net.load_tensors(init if init is not None else initial_tensors(dcfg, tc.seed, used, tc.init, cfg, tensors))
     ts = TrainStep(net, grad_reduce=dist.grad_reduce())
     start, cursor = 0, 0
@@ -440,7 +445,7 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistC
                                                                                   for i in range(n_train))),
         "vd": tc.vd, "vocab_mass_data": round(mass[0], 4), "vocab_mass_teacher_argmax": round(mass[1], 4),
         "ttt_length": S, "steps": tc.steps, "resumed_from": start, "max_len": T, "lr": tc.lr, "warmup": warmup,
-        "schedule": tc.schedule, "batch_size": tc.batch_size, "pack_len": tc.pack_len, "row_len": R,
+        "schedule": tc.schedule, "argmax_weight": tc.argmax_weight, "batch_size": tc.batch_size, "pack_len": tc.pack_len, "row_len": R,
         "world_size": dist.world,
         "init": tc.init if not tc.init_from else "init_from", "drafter": dcfg.to_json(),
         "train_acc_last100": acc_train, "train_loss_last100": float(np.mean(win_l)) if win_l else None,

@@ -25,7 +25,9 @@ Math (docs/design.md, "Drafter architecture" and "Drafter training"; E ``eagle/t
 * Loss of one sample: ``p = softmax(teacher_logits restricted to the draft vocab)`` (rows of the frozen teacher
   head at the draft ids, SF TargetHead), ``pos_mask = loss_mask * t2d[teacher argmax]``,
   ``L_s = -sum_t pos_mask * sum_v p log_softmax(logits_s) / max_len`` (mean over **all** max_len positions,
-  as E), total = sum_s 0.8^s L_s. Loss of a batch = the mean over its ``n_samples`` samples (the sums run over
+  as E), total = sum_s 0.8^s L_s. With ``argmax_weight`` a > 0 the target is ``(1 - a) p + a onehot(argmax p)``:
+  part of the loss is the cross-entropy on the teacher's greedy token, the token that greedy verification
+  accepts (issue "suffix candidates ... drafter retrained", part 3; a = 0 is the EAGLE-3 loss). Loss of a batch = the mean over its ``n_samples`` samples (the sums run over
   all rows, divided by max_len * n_samples), so its gradient is the mean of the per-sample gradients.
   Accuracy: d2t-mapped draft argmax == teacher argmax on loss-masked positions (positions whose teacher argmax
   lies outside the draft vocab count as misses, as in E).
@@ -98,13 +100,15 @@ class TTTDrafter(nn.Cell):
         embed: teacher embedding float32 [V, H] (frozen). head_rows: teacher lm_head rows at the draft ids,
         float32 [Vd, H] (frozen; SF TargetHead restricted to the draft vocab). d2t: int [Vd] offsets.
         T: row length; S: ttt_length; max_len: the per-sample loss normaliser (default T; the sample length
-        limit when rows are packed longer than one sample); kmax: top-k width of ``eval_topk``.
+        limit when rows are packed longer than one sample); kmax: top-k width of ``eval_topk``;
+        argmax_weight: a in [0, 1], the share of the target on the teacher's argmax (module docstring).
     Raises:
-        ValueError: H differs from the embedding width, max_len outside 1..T, or kmax outside 1..Vd.
+        ValueError: H differs from the embedding width, max_len outside 1..T, kmax outside 1..Vd, or
+            argmax_weight outside [0, 1].
     """
 
     def __init__(self, cfg: DrafterConfig, embed: np.ndarray, head_rows: np.ndarray, d2t: np.ndarray,
-                 T: int, S: int = 7, max_len: int | None = None, kmax: int = 4):
+                 T: int, S: int = 7, max_len: int | None = None, kmax: int = 4, argmax_weight: float = 0.0):
         super().__init__()
         H, F, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         if embed.shape[1] != H:
@@ -114,7 +118,10 @@ class TTTDrafter(nn.Cell):
             raise ValueError(f"max_len {max_len} must be in 1..T = {T}")
         if not 1 <= kmax <= cfg.draft_vocab_size:
             raise ValueError(f"kmax {kmax} must be in 1..Vd = {cfg.draft_vocab_size}")
+        if not 0.0 <= argmax_weight <= 1.0:
+            raise ValueError(f"argmax_weight {argmax_weight} must be in [0, 1]")
         self.cfg, self.T, self.S, self.max_len, self.kmax = cfg, T, S, max_len, kmax
+        self.argmax_weight = float(argmax_weight)
         self.nh, self.nkv, self.hd, self.ffn = cfg.num_attention_heads, cfg.num_key_value_heads, hd, F
         self.group = self.nh // self.nkv
         self.embed = Parameter(Tensor(np.asarray(embed, np.float32)), name="embed", requires_grad=False)
@@ -213,6 +220,10 @@ class TTTDrafter(nn.Cell):
             h, kvs = self._mid(e, h, pos, s, kvs, bias)
             logp = ops.log_softmax(self._lin(self.norm(h), self.lm_head), -1)   # [B, T, Vd]
             ce = -(tp[:, s + 1:s + 1 + T] * logp).sum(-1)                     # [B, T]
+            if self.argmax_weight > 0.0:                                       # part of the target on the argmax
+                top = ops.argmax(tl[:, s + 1:s + 1 + T], -1).astype(ms.int32)  # draft index of the teacher's pick
+                nll = -ops.gather_elements(logp, -1, top.expand_dims(-1)).squeeze(-1)
+                ce = (1.0 - self.argmax_weight) * ce + self.argmax_weight * nll
             loss_s = (ce * pos_mask[s]).sum() / denom
             am = ops.argmax(logp, -1).astype(ms.int32)
             hit = ops.cast(ops.equal(am + ops.gather(self.d2t, am, 0), tgt[s]), ms.float32)

@@ -38,7 +38,7 @@ def kern(ms_runtime):
     return cpu.CpuKernels()
 
 
-@pytest.mark.parametrize("k", [1, 2, 5, 8, 11, 32])
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 7, 8, 11, 32])   # every tile mix of k < 8, then 8-row tiles
 def test_linear(kern, k):
     rng = np.random.default_rng(k)
     K, N = 44, 10

@@ -30,9 +30,10 @@ def test_ttt_layout_matches_hand_written_t4_s3():
     np.testing.assert_array_equal(causal_bias(T) == 0, ttt_layout(T, 0)[0])
 
 
-def _numpy_ttt_losses(t, embed, head_rows, b, cfg, S):
+def _numpy_ttt_losses(t, embed, head_rows, b, cfg, S, argmax_weight=0.0):
     """Expanded-form reference of the TTT forward (ttt_layout masks over all keys of steps 0..s), float64; layer 0
-    takes concat(norm(embed), hidden_norm(h)), layers 1.. (``layers.{i}.*``) norm the residual stream."""
+    takes concat(norm(embed), hidden_norm(h)), layers 1.. (``layers.{i}.*``) norm the residual stream;
+    ``argmax_weight`` a: target (1 - a) p + a onehot(argmax p)."""
     T = b.ids.shape[2]
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     W = {k: np.asarray(v, np.float64) for k, v in t.items() if k not in ("d2t", "t2d")}
@@ -72,7 +73,9 @@ def _numpy_ttt_losses(t, embed, head_rows, b, cfg, S):
         lg = rms(h, W["norm.weight"]) @ W["lm_head.weight"].T
         logp = lg - lg.max(-1, keepdims=True)
         logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
-        out.append(float((-(tp[s + 1:s + 1 + T] * logp).sum(-1) * pos_mask[s]).sum() / T))
+        ce = -(tp[s + 1:s + 1 + T] * logp).sum(-1)
+        nll = -np.take_along_axis(logp, np.argmax(tp[s + 1:s + 1 + T], -1)[:, None], -1)[:, 0]
+        out.append(float((((1 - argmax_weight) * ce + argmax_weight * nll) * pos_mask[s]).sum() / T))
     return np.array(out)
 
 
@@ -97,8 +100,10 @@ def _nontrivial(t, rng):
     return out
 
 
-@pytest.mark.parametrize("layers", [1, 2, 3])
-def test_ttt_cell_matches_expanded_numpy_reference(ms_runtime, layers):
+@pytest.mark.parametrize("layers,argmax_weight", [(1, 0.0), (2, 0.0), (3, 0.0), (1, 0.3), (1, 1.0)])
+def test_ttt_cell_matches_expanded_numpy_reference(ms_runtime, layers, argmax_weight):
+    """The TTT Cell's per-step losses against the expanded numpy reference, with the EAGLE-3 target and with part
+    (or all) of the target on the teacher's argmax token."""
     import mindspore as ms
 
     from mindspore_eagle.models.eagle3 import init_drafter_tensors
@@ -112,10 +117,13 @@ def test_ttt_cell_matches_expanded_numpy_reference(ms_runtime, layers):
     T, S, n = 8, 3, 8                        # teacher argmax tokens in the draft vocab: every step has a loss
     b = make_batch(rng.integers(0, 50, n), np.ones(n), rng.normal(size=(n, 96)).astype(np.float32),
                    rng.normal(size=(n, 32)).astype(np.float32), used[rng.integers(0, 20, n)], t["t2d"], T, S)
-    net = TTTDrafter(cfg, embed, embed[used], t["d2t"], T, S)
+    net = TTTDrafter(cfg, embed, embed[used], t["d2t"], T, S, argmax_weight=argmax_weight)
     net.load_tensors(t)
     loss, losses, _ = ms.jit(net.construct)(*b.tensors())
-    want = _numpy_ttt_losses(t, embed.astype(np.float64), embed[used].astype(np.float64), b, cfg, S)
+    want = _numpy_ttt_losses(t, embed.astype(np.float64), embed[used].astype(np.float64), b, cfg, S, argmax_weight)
+    if argmax_weight:                                            # the mix changes the loss: the flag is used
+        plain = _numpy_ttt_losses(t, embed.astype(np.float64), embed[used].astype(np.float64), b, cfg, S)
+        assert np.abs(plain - want).max() > 1e-3                 # > 5x the comparison tolerance below
     assert want.min() > 0.1                                      # every step has loss-masked positions
     np.testing.assert_allclose(losses.asnumpy(), want, rtol=2e-4, atol=1e-5)
     assert abs(float(loss.asnumpy()) - sum(0.8 ** s * want[s] for s in range(S))) < 1e-4
