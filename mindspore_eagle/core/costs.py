@@ -145,7 +145,12 @@ class RunningCosts:
     models). Per entry (decode, each budget), in log space:
 
     - an entry observed in this process is a running estimate of its own steps: the n-th observation moves it by
-      ``max(rate, 1 / n)`` of the residual (clipped to a factor 4 each way), so the first one replaces a prior;
+      ``max(rate, 1 / (n + PRIOR_WEIGHT))`` of the residual (clipped to a factor 4 each way): its starting value
+      counts as PRIOR_WEIGHT steps, so one moderately slow step (a burst of load) does not lock a budget out: with
+      the first step replacing the starting value, a budget whose first step was slow could land at a larger
+      budget's cost, where the cap below holds it and the policy, finding the larger budget as cheap, never picks
+      it again (m = 4 verified 24 of ~2,400 trees in a 240-turn run on the 2-core VM, m = 2 879 and m = 8 1,502,
+      while a 4-row forward costs 0.9x an 8-row one: docs/results.md, "2026-12-02, evening").
     - an entry not observed yet is its starting value (stored table or prior) times the machine's speed factor,
       the count-weighted geometric mean of observed / starting value over the observed entries (other processes,
       frequency: the whole machine is slower or faster than when the table was stored);
@@ -160,6 +165,7 @@ class RunningCosts:
     """
 
     CLIP = float(np.log(4.0))
+    PRIOR_WEIGHT = 2
 
     def __init__(self, table: CostTable, rate: float = 0.15):
         self.table, self.rate = table, float(rate)
@@ -190,7 +196,7 @@ class RunningCosts:
         n = self.counts.get(m, 0) + 1
         now = self.log_est.get(m, float(np.log(self.start[m] * self.speed())))
         r = float(np.clip(np.log(cost_ms) - now, -self.CLIP, self.CLIP))
-        self.log_est[m] = now + max(self.rate, 1.0 / n) * r
+        self.log_est[m] = now + max(self.rate, 1.0 / (n + self.PRIOR_WEIGHT)) * r
         self.counts[m] = n
         self._write()
 

@@ -215,8 +215,10 @@ def test_seeded_sampling_gives_the_same_text_on_every_path(ms_runtime, tiny_dir,
 
 # ------------------------------------------------------------------ the cost table: stored, prior, running
 def test_running_costs_follow_the_steps_and_scale_what_was_not_seen():
-    """core.costs.RunningCosts: the first step of an entry replaces its prior value; entries not observed follow
-    the machine's speed factor; one outlier step moves an entry by at most a factor 4 ** rate."""
+    """core.costs.RunningCosts: an entry's steps pull it from its starting value, which counts as PRIOR_WEIGHT steps
+    (the n-th step moves it by 1 / (n + PRIOR_WEIGHT) of the log residual, then by ``rate``); entries not observed
+    follow the machine's speed factor; one slow step cannot make a budget cost as much as a larger one; one
+    outlier step late on moves an entry by at most a factor 4 ** rate."""
     from types import SimpleNamespace
 
     from mindspore_eagle.core.costs import RunningCosts, prior_table, prior_verify_ratio
@@ -224,18 +226,29 @@ def test_running_costs_follow_the_steps_and_scale_what_was_not_seen():
     t = prior_table([2, 4, 8])
     assert t.decode_ms == 50.0 and t.verify_ms[8] == 50.0 * prior_verify_ratio(8)
     run = RunningCosts(t)
+    w = run.PRIOR_WEIGHT
     run.observe_step(SimpleNamespace(budget=1, total_ms=190.0, draft_ms=10.0))   # a plain step, drafter ran
-    assert np.isclose(t.decode_ms, 180.0) and np.isclose(run.speed(), 180.0 / 50.0)
-    assert np.isclose(t.verify_ms[4], 180.0 * prior_verify_ratio(4)) and np.isclose(t.draft_ctx_ms, 180 * 0.12)
+    first = 50.0 * (180.0 / 50.0) ** (1 / (1 + w))                     # geometric: 1 of 1 + w "steps" observed
+    assert np.isclose(t.decode_ms, first) and np.isclose(run.speed(), first / 50.0)
+    assert np.isclose(t.verify_ms[4], first * prior_verify_ratio(4)) and np.isclose(t.draft_ctx_ms, first * 0.12)
+    for _ in range(30):
+        run.observe(1, 180.0)
+    assert abs(t.decode_ms / 180.0 - 1) < 1e-2                         # many steps: the starting value fades
+    # a first m = 4 step 30 % slower than m = 8's cost (1.6x its own starting value) leaves m = 4 below m = 8; with
+    # the first step replacing the starting value it was capped at m = 8's cost, where the policy never picks it
+    run.observe(8, 300.0), run.observe(2, 200.0)
+    v8 = t.verify_ms[8]
+    run.observe(4, 1.3 * v8)
+    assert t.verify_ms[2] < t.verify_ms[4] < v8
     for _ in range(40):
         run.observe(8, 300.0)
-    assert np.isclose(t.verify_ms[8], 300.0) and np.isclose(t.decode_ms, 180.0)
+    assert np.isclose(t.verify_ms[8], 300.0, rtol=1e-3) and np.isclose(t.decode_ms, 180.0, rtol=1e-2)
     assert t.verify_ms[8] / t.decode_ms > prior_verify_ratio(8)
     before = t.verify_ms[8]
     run.observe(8, 1e6)                                                   # a burst of load: clipped
     assert before < t.verify_ms[8] < before * 4 ** run.rate * 1.001
     run.observe(16, 100.0), run.observe(2, float("nan")), run.observe(2, -1.0)   # not tracked / not a cost
-    assert run.counts == {1: 1, 8: 41}
+    assert run.counts == {1: 31, 2: 1, 4: 1, 8: 42}
 
 
 @pytest.mark.slow
