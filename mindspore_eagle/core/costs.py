@@ -146,15 +146,21 @@ class RunningCosts:
 
     - an entry observed in this process is a running estimate of its own steps: the n-th observation moves it by
       ``max(rate, 1 / (n + PRIOR_WEIGHT))`` of the residual (clipped to a factor 4 each way): its starting value
-      counts as PRIOR_WEIGHT steps, so one moderately slow step (a burst of load) does not lock a budget out: with
-      the first step replacing the starting value, a budget whose first step was slow could land at a larger
-      budget's cost, where the cap below holds it and the policy, finding the larger budget as cheap, never picks
-      it again (m = 4 verified 24 of ~2,400 trees in a 240-turn run on the 2-core VM, m = 2 879 and m = 8 1,502,
-      while a 4-row forward costs 0.9x an 8-row one: docs/results.md, "2026-12-02, evening").
+      counts as PRIOR_WEIGHT steps, so the first step of a budget, often its slowest (a burst of load), does not
+      replace it outright;
     - an entry not observed yet is its starting value (stored table or prior) times the machine's speed factor,
       the count-weighted geometric mean of observed / starting value over the observed entries (other processes,
       frequency: the whole machine is slower or faster than when the table was stored);
-    - a verification's cost is capped by every larger budget's (as ``Engine.measure_costs`` does).
+    - a verification's cost is capped by every larger budget's times the prior's ratio of the two
+      (``prior_verify_ratio(m) / prior_verify_ratio(m')``, < 1): a smaller tree never costs more than a larger one,
+      and a budget whose own steps were slow (a burst of load) stays strictly cheaper than the larger ones, so the
+      policy keeps choosing it where its nodes suffice and its estimate keeps learning. A cap at equality (as
+      ``Engine.measure_costs`` caps one measurement) was absorbing here: a budget held at a larger one's cost is
+      never chosen again, so never observed again (in a 240-turn run m = 2 verified ~310 trees per 20 turns over
+      the first 60 turns and 0-13 after turn 80, m = 4 2-21 per 20 turns throughout, m = 8 500-750, while on the
+      same machine a 4-row forward costs ~0.9x an 8-row one: docs/results.md, "2026-12-02, evening"). The ratio
+      assumes verification cost grows with m at least as the prior's curve does; where it is flatter (a fused
+      accelerator kernel), the cap makes a small budget look slightly cheaper than it is, never dearer.
 
     The drafter's context pass and expansion step are not separable in a step's ``draft_ms`` (the number of
     expansions is not traced), so they follow the speed factor.
@@ -208,10 +214,13 @@ class RunningCosts:
         t, f = self.table, self.speed()
         est = {m: float(np.exp(self.log_est[m])) if m in self.log_est else v * f for m, v in self.start.items()}
         t.decode_ms = est[1]
-        # a verification never costs more than a larger one (a burst of load on one budget's steps)
-        ms_ = sorted(t.verify_ms)
-        capped = np.minimum.accumulate([est[m] for m in ms_][::-1])[::-1]
-        t.verify_ms = {m: max(1e-6, float(v) - t.host_ms) for m, v in zip(ms_, capped)}
+        # a verification costs less than a larger one, by at least the prior's ratio (class docstring)
+        ms_ = sorted(t.verify_ms, reverse=True)
+        capped = {}
+        for i, m in enumerate(ms_):
+            capped[m] = est[m] if i == 0 else min(est[m], capped[ms_[i - 1]] * prior_verify_ratio(m)
+                                                  / prior_verify_ratio(ms_[i - 1]))
+        t.verify_ms = {m: max(1e-6, float(capped[m]) - t.host_ms) for m in sorted(capped)}
         t.draft_ctx_ms, t.draft_step_ms = self.start_draft[0] * f, self.start_draft[1] * f
 
 

@@ -217,8 +217,8 @@ def test_seeded_sampling_gives_the_same_text_on_every_path(ms_runtime, tiny_dir,
 def test_running_costs_follow_the_steps_and_scale_what_was_not_seen():
     """core.costs.RunningCosts: an entry's steps pull it from its starting value, which counts as PRIOR_WEIGHT steps
     (the n-th step moves it by 1 / (n + PRIOR_WEIGHT) of the log residual, then by ``rate``); entries not observed
-    follow the machine's speed factor; one slow step cannot make a budget cost as much as a larger one; one
-    outlier step late on moves an entry by at most a factor 4 ** rate."""
+    follow the machine's speed factor; a budget never costs as much as a larger one (at most the prior's ratio of
+    it); one outlier step late on moves an entry by at most a factor 4 ** rate."""
     from types import SimpleNamespace
 
     from mindspore_eagle.core.costs import RunningCosts, prior_table, prior_verify_ratio
@@ -249,6 +249,11 @@ def test_running_costs_follow_the_steps_and_scale_what_was_not_seen():
     assert before < t.verify_ms[8] < before * 4 ** run.rate * 1.001
     run.observe(16, 100.0), run.observe(2, float("nan")), run.observe(2, -1.0)   # not tracked / not a cost
     assert run.counts == {1: 31, 2: 1, 4: 1, 8: 42}
+    # steps of a smaller budget slower than a larger one's: held below the larger by the prior's ratio, not at it
+    for _ in range(40):
+        run.observe(2, 400.0)
+    assert np.isclose(t.verify_ms[2], t.verify_ms[4] * prior_verify_ratio(2) / prior_verify_ratio(4))
+    assert t.verify_ms[4] <= t.verify_ms[8] * prior_verify_ratio(4) / prior_verify_ratio(8) * (1 + 1e-9)
 
 
 @pytest.mark.slow
