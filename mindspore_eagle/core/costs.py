@@ -156,9 +156,10 @@ class RunningCosts:
       and a budget whose own steps were slow (a burst of load) stays strictly cheaper than the larger ones, so the
       policy keeps choosing it where its nodes suffice and its estimate keeps learning. A cap at equality (as
       ``Engine.measure_costs`` caps one measurement) was absorbing here: a budget held at a larger one's cost is
-      never chosen again, so never observed again (in a 240-turn run m = 2 verified ~310 trees per 20 turns over
-      the first 60 turns and 0-13 after turn 80, m = 4 2-21 per 20 turns throughout, m = 8 500-750, while on the
-      same machine a 4-row forward costs ~0.9x an 8-row one: docs/results.md, "2026-12-02, evening"). The ratio
+      never chosen again, so never observed again (in a 240-turn run, stopped at turn 138, m = 2 verified ~310
+      trees per 20 turns over the first 60 turns and 0-13 from turn 80 on, m = 4 2-21 per 20 turns throughout,
+      m = 8 400-750, while on the same machine a 4-row forward costs ~0.9x an 8-row one: docs/results.md,
+      "2026-12-02, evening"). The ratio
       assumes verification cost grows with m at least as the prior's curve does; where it is flatter (a fused
       accelerator kernel), the cap makes a small budget look slightly cheaper than it is, never dearer.
 

@@ -1,0 +1,50 @@
+"""Time of the CPU matmul kernel (``cpu.CpuKernels().linear``) on a teacher-sized MLP pair, by row count.
+
+    python scripts/bench_linear_rows.py [--rows 1,2,3,4,5,6,8,16] [--calls 30]
+
+Prints, per row count k, the kernel's own time (``cpu.kernel_stats``) of one gate/up (3072 x 576) plus one down
+(576 x 1536) call on random float32 data, and the FLOP rate. Figures in docs/results.md ("2026-12-02, evening")
+came from this script, alternating with the library of an older worktree (PYTHONPATH=<worktree>). Not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="1,2,3,4,5,6,8,16")
+    p.add_argument("--calls", type=int, default=30)
+    args = p.parse_args()
+    import mindspore as ms
+
+    from mindspore_eagle.kernels import cpu, runtime
+
+    runtime.configure()
+    kern = cpu.CpuKernels()
+    cpu.set_threads(runtime.kernel_threads())
+    rng = np.random.default_rng(0)
+    w_gu = ms.Tensor(rng.normal(size=(3072, 576)).astype(np.float32))
+    w_d = ms.Tensor(rng.normal(size=(576, 1536)).astype(np.float32))
+    flop_row = 2 * (3072 * 576 + 576 * 1536)
+    for k in (int(r) for r in args.rows.split(",")):
+        x = ms.Tensor(rng.normal(size=(k, 576)).astype(np.float32))
+        x2 = ms.Tensor(rng.normal(size=(k, 1536)).astype(np.float32))
+        for _ in range(3):
+            kern.linear(x, w_gu).asnumpy(), kern.linear(x2, w_d).asnumpy()
+        cpu.kernel_stats(reset=True)
+        for _ in range(args.calls):
+            kern.linear(x, w_gu).asnumpy(), kern.linear(x2, w_d).asnumpy()
+        ms_total, _ = cpu.kernel_stats()["linear"]
+        us = ms_total / args.calls * 1e3
+        print(f"rows {k:>3}: {us:7.0f} us per gate/up + down pair, {k * flop_row / us / 1e3:6.1f} GFLOP/s")
+
+
+if __name__ == "__main__":
+    main()
