@@ -371,7 +371,6 @@ class Eagle3Drafter(nn.Cell):
         dt = embed.dtype
         self.embed = embed
         self.d2t = Parameter(Tensor(np.zeros(cfg.draft_vocab_size, np.int32)), name="d2t", requires_grad=False)
-        self.scale = 1.0 / float(np.sqrt(hd))
         self.eps = cfg.rms_norm_eps
         # score factor 1: q carries 1/sqrt(hd) (fold_drafter_tensors), as the teacher's q does
         self.backend = make_backend(attention, num_blocks, block_size, self.nkv, self.nh, hd, dt, 1.0)
