@@ -287,8 +287,8 @@ def markdown(rep: dict) -> str:
                      f"{_f(a.get('suffix_share'), 3)} | {_f(a.get('both_share'), 3)} |")
         a = rep.get("accepted_from", {})
         if rep.get("by_category"):
-            L += ["", "### By category", "", "Accepted draft tokens by who proposed them (Figure 9: "
-                  f"{FIGURES[9]}).", "",
+            L += ["", "### By category", "",
+                  f"Accepted draft tokens by who proposed them (Figure 9: {FIGURES[9]}).", "",
                   "| category | turns | speedup mean | speedup p10 | L_k mean | from drafter | from suffix | from both |",
                   "|---|---|---|---|---|---|---|---|"]
             for cat, c in rep["by_category"].items():
@@ -550,4 +550,5 @@ def write_all(rep: dict, outdir: str) -> dict:
     return rep
 
 
-__all__ = ["PAPER", "FIGURES", "build_report", "by_category", "draw_accepted_by_category", "markdown", "write_figures", "write_json", "write_all", "overheads"]
+__all__ = ["PAPER", "FIGURES", "build_report", "by_category", "draw_accepted_by_category", "markdown",
+           "write_figures", "write_json", "write_all", "overheads"]

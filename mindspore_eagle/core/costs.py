@@ -159,8 +159,7 @@ class RunningCosts:
       never chosen again, so never observed again (in a 240-turn run, stopped at turn 138, m = 2 verified ~310
       trees per 20 turns over the first 60 turns and 0-13 from turn 80 on, m = 4 2-21 per 20 turns throughout,
       m = 8 400-750, while on the same machine a 4-row forward costs ~0.9x an 8-row one: docs/results.md,
-      "2026-12-02, evening"). The ratio
-      assumes verification cost grows with m at least as the prior's curve does; where it is flatter (a fused
+      "2026-12-02, evening"). The ratio assumes verification cost grows with m at least as the prior's curve does; where it is flatter (a fused
       accelerator kernel), the cap makes a small budget look slightly cheaper than it is, never dearer.
 
     The drafter's context pass and expansion step are not separable in a step's ``draft_ms`` (the number of

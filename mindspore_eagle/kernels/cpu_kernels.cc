@@ -120,11 +120,11 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 
 // ---------------------------------------------------------------------------------------------- Linear
 // x [k, K] f32, w [N, K] f32 (HF [out, in]) -> y [k, N] f32, y[r, n] = dot(x[r], w[n]).
-// Threads split N. k < 8: blocks of 4 weight rows, against 4 rows of x at a time (two 2 x 4 tiles), then 2 (a 4 x 2
-// tile), then 1: at least 8 independent accumulators where k allows, which the FMA latency needs (a 4 x 1 tile for
-// every row, 4 chains, made a 4-row call cost as much as an 8-row one; docs/cpu_kernels.md); k >= 8 (compute-bound
-// on a 2-core CPU): each weight row against 8 rows of x at a time. Every output is one dot product accumulated in
-// the same float order whatever the tile, so results do not depend on k (batch invariance).
+// Threads split N. k < 8: blocks of 4 weight rows, against 2 rows of x at a time (a 4 x 2 tile, 8 independent
+// accumulators, which the FMA latency needs; a 4 x 1 tile per row has 4), an odd last row in a 4 x 1 tile
+// (docs/cpu_kernels.md); k >= 8 (compute-bound on a 2-core CPU): each weight row against 8 rows of x at a time.
+// Every output is one dot product accumulated in the same float order whatever the tile, so results do not depend
+// on k (batch invariance).
 template <int NR, int KR>
 static inline void micro(const float *x, const float *w, float *y, int64_t K, int64_t N, int64_t r0, int64_t n0) {
   v8 acc[KR][NR];
@@ -163,7 +163,7 @@ static inline void micro(const float *x, const float *w, float *y, int64_t K, in
 }
 
 static void linear_into(const float *x, const float *w, float *y, int64_t k, int64_t K, int64_t N) {
-  if (k < 8) {  // few rows: 4 weight rows per block, tiles of 4, 2, then 1 query rows
+  if (k < 8) {  // few rows: 4 weight rows per block, tiles of 2 query rows, then 1
     const int64_t blocks = (N + 3) / 4;
 #pragma omp parallel for schedule(static) num_threads(g_threads)
     for (int64_t nb = 0; nb < blocks; ++nb) {
@@ -360,7 +360,8 @@ extern "C" int AttnBlock(int nparam, void **params, int *ndims, int64_t **shapes
   const int64_t half = hd / 2;
   const int64_t nh = heads[0], nkv = heads[1], R = shapes[7][0];
   const int64_t G = ndims[10] == 3 ? shapes[10][0] : 1, S = shapes[10][ndims[10] - 1];
-  if ((nh + 2 * nkv) * hd != width || hd % 2 || shapes[1][0] != k || shapes[2][1] != Hin || shapes[3][0] != H || shapes[3][1] != nh * hd ||
+  if ((nh + 2 * nkv) * hd != width || hd % 2 || shapes[1][0] != k || shapes[2][1] != Hin || shapes[3][0] != H ||
+      shapes[3][1] != nh * hd ||
       shapes[7][1] != hd || shapes[9][0] != k * nkv || shapes[10][ndims[10] - 2] != nkv || k % G ||
       shapes[11][0] != k || shapes[11][1] != S)
     return 2;

@@ -232,8 +232,8 @@ def main(argv=None) -> int:
 
         args.teacher = str(embedded_teacher_path())
     cfg, tensors, tok = load_teacher(args.teacher)
-    meta = {"teacher": teacher_identity(args.teacher), "max_len": args.max_len, "temperature": 0.0, "min_reply": args.min_reply,
-            "registry": reg.meta}
+    meta = {"teacher": teacher_identity(args.teacher), "max_len": args.max_len, "temperature": 0.0,
+            "min_reply": args.min_reply, "registry": reg.meta}
     store = ShardStore(args.out, meta)
     runner, _ = build_batch_runner(cfg, tensors, args.max_len, args.batch)
     features = None

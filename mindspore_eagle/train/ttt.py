@@ -27,8 +27,9 @@ Math (docs/design.md, "Drafter architecture" and "Drafter training"; E ``eagle/t
   ``L_s = -sum_t pos_mask * sum_v p log_softmax(logits_s) / max_len`` (mean over **all** max_len positions,
   as E), total = sum_s 0.8^s L_s. With ``argmax_weight`` a > 0 the target is ``(1 - a) p + a onehot(argmax p)``:
   part of the loss is the cross-entropy on the teacher's greedy token, the token that greedy verification
-  accepts (issue "suffix candidates ... drafter retrained", part 3; a = 0 is the EAGLE-3 loss). Loss of a batch = the mean over its ``n_samples`` samples (the sums run over
-  all rows, divided by max_len * n_samples), so its gradient is the mean of the per-sample gradients.
+  accepts (a = 0 is the EAGLE-3 loss; docs/training.md, ``--argmax-weight``). Loss of a batch = the mean over its
+  ``n_samples`` samples (the sums run over all rows, divided by max_len * n_samples), so its gradient is the mean
+  of the per-sample gradients.
   Accuracy: d2t-mapped draft argmax == teacher argmax on loss-masked positions (positions whose teacher argmax
   lies outside the draft vocab count as misses, as in E).
 
