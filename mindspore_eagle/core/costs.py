@@ -137,6 +137,27 @@ def prior_table(budgets, decode_ms: float = PRIOR_DECODE_MS) -> CostTable:
                      draft_ctx_ms=decode_ms * PRIOR_DRAFT_CTX_RATIO, draft_step_ms=decode_ms * PRIOR_DRAFT_STEP_RATIO)
 
 
+def cap_verify_costs(verify_ms: dict) -> dict:
+    """Verification costs made strictly increasing in the budget: each budget's cost is capped by every larger
+    budget's times the prior's ratio of the two (``prior_verify_ratio(m) / prior_verify_ratio(m')`` < 1).
+
+    A cap at equality is absorbing for the policy: a budget held at a larger one's cost is never chosen (the larger
+    one offers more nodes for the same cost), so never observed again (:class:`RunningCosts`, docs/results.md,
+    "2026-12-02, evening").
+
+    Args:
+        verify_ms: {budget m: cost in ms} (any units; only ratios are used).
+    Returns:
+        {m: float capped cost}, the same keys.
+    """
+    ms_ = sorted(verify_ms, reverse=True)
+    capped = {}
+    for i, m in enumerate(ms_):
+        v = float(verify_ms[m])
+        capped[m] = v if i == 0 else min(v, capped[ms_[i - 1]] * prior_verify_ratio(m) / prior_verify_ratio(ms_[i - 1]))
+    return capped
+
+
 class RunningCosts:
     """Keeps a CostTable current, in place, from the steps a turn runs (the policy holding the table sees it).
 
@@ -154,12 +175,12 @@ class RunningCosts:
     - a verification's cost is capped by every larger budget's times the prior's ratio of the two
       (``prior_verify_ratio(m) / prior_verify_ratio(m')``, < 1): a smaller tree never costs more than a larger one,
       and a budget whose own steps were slow (a burst of load) stays strictly cheaper than the larger ones, so the
-      policy keeps choosing it where its nodes suffice and its estimate keeps learning. A cap at equality (as
-      ``Engine.measure_costs`` caps one measurement) was absorbing here: a budget held at a larger one's cost is
-      never chosen again, so never observed again (in a 240-turn run, stopped at turn 138, m = 2 verified ~310
-      trees per 20 turns over the first 60 turns and 0-13 from turn 80 on, m = 4 2-21 per 20 turns throughout,
-      m = 8 400-750, while on the same machine a 4-row forward costs ~0.9x an 8-row one: docs/results.md,
-      "2026-12-02, evening"). The ratio assumes verification cost grows with m at least as the prior's curve does; where it is flatter (a fused
+      policy keeps choosing it where its nodes suffice and its estimate keeps learning (:func:`cap_verify_costs`).
+      A cap at equality was absorbing: a budget held at a larger one's cost is never chosen again, so never
+      observed again (in a 240-turn run, stopped at turn 138, m = 2 verified ~310 trees per 20 turns over the
+      first 60 turns and 0-13 from turn 80 on, m = 4 2-21 per 20 turns throughout, m = 8 400-750, while on the
+      same machine a 4-row forward costs ~0.9x an 8-row one: docs/results.md, "2026-12-02, evening"). The ratio
+      assumes verification cost grows with m at least as the prior's curve does; where it is flatter (a fused
       accelerator kernel), the cap makes a small budget look slightly cheaper than it is, never dearer.
 
     The drafter's context pass and expansion step are not separable in a step's ``draft_ms`` (the number of
@@ -214,14 +235,9 @@ class RunningCosts:
         t, f = self.table, self.speed()
         est = {m: float(np.exp(self.log_est[m])) if m in self.log_est else v * f for m, v in self.start.items()}
         t.decode_ms = est[1]
-        # a verification costs less than a larger one, by at least the prior's ratio (class docstring)
-        ms_ = sorted(t.verify_ms, reverse=True)
-        capped = {}
-        for i, m in enumerate(ms_):
-            capped[m] = est[m] if i == 0 else min(est[m], capped[ms_[i - 1]] * prior_verify_ratio(m)
-                                                  / prior_verify_ratio(ms_[i - 1]))
-        t.verify_ms = {m: max(1e-6, float(capped[m]) - t.host_ms) for m in sorted(capped)}
+        capped = cap_verify_costs({m: est[m] for m in t.verify_ms})
+        t.verify_ms = {m: max(1e-6, capped[m] - t.host_ms) for m in sorted(capped)}
         t.draft_ctx_ms, t.draft_step_ms = self.start_draft[0] * f, self.start_draft[1] * f
 
 
-__all__ = ["CostTable", "RunningCosts", "compiled_budgets", "prior_table", "prior_verify_ratio"]
+__all__ = ["CostTable", "RunningCosts", "cap_verify_costs", "compiled_budgets", "prior_table", "prior_verify_ratio"]

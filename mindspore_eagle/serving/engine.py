@@ -23,6 +23,7 @@ from mindspore_eagle.core.accept import accept_greedy, sample_token
 from mindspore_eagle.core.costs import (
     CostTable,
     RunningCosts,
+    cap_verify_costs,
     compiled_budgets,
     prior_table,
 )
@@ -136,9 +137,9 @@ class Engine:
 
         Every call runs once uncounted (it compiles its shape), then the calls take turns ``repeat`` times and each
         cost is the median of its turns, so a machine that drifts while this runs shifts all of them alike. A
-        verification cannot cost more than a larger one: a budget whose median exceeds a larger budget's (a burst
-        of load on a shared machine; measured once at 2.07x a decode for m = 2 against 1.24x for m = 4) takes the
-        larger budget's cost. Takes
+        verification costs less than a larger one (``core.costs.cap_verify_costs``, as the policy's running table):
+        a budget whose median exceeds a larger budget's (a burst of load on a shared machine; measured once at
+        2.07x a decode for m = 2 against 1.24x for m = 4) is capped below it by the prior's ratio. Takes
         about ``repeat`` x (sum of the costs) plus the compiles: ~3 s on the 2-core CPU after warm-up.
         Returns:
             CostTable (ms; host_ms = 0: host work is inside verify_ms).
@@ -187,7 +188,7 @@ class Engine:
             tg.free(sid)
             dr.free(dsid)
         med = {k: float(np.median(v)) for k, v in times.items()}
-        verify_ms = dict(zip(budgets, np.minimum.accumulate([med[m] for m in budgets][::-1])[::-1]))
+        verify_ms = cap_verify_costs({m: med[m] for m in budgets})
         return CostTable(decode_ms=med["decode"], verify_ms=verify_ms, draft_ctx_ms=med["ctx"],
                          draft_step_ms=max(0.0, med["tree2"] - med["tree1"]) if D > 1 else 0.0, host_ms=0.0)
 

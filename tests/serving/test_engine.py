@@ -256,6 +256,26 @@ def test_running_costs_follow_the_steps_and_scale_what_was_not_seen():
     assert t.verify_ms[4] <= t.verify_ms[8] * prior_verify_ratio(4) / prior_verify_ratio(8) * (1 + 1e-9)
 
 
+def test_cap_verify_costs_matches_a_brute_force_cap():
+    """core.costs.cap_verify_costs (the policy's running table and Engine.measure_costs share it): every budget's
+    cost is the minimum of its own and each larger budget's capped cost scaled by the prior's ratio, checked
+    against that definition evaluated directly; a table already increasing by more than the ratios is kept."""
+    from mindspore_eagle.core.costs import cap_verify_costs, prior_verify_ratio
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        ms_ = [2, 4, 8, 16][: rng.integers(1, 5)]
+        raw = {m: float(rng.uniform(10, 100)) for m in ms_}
+        got = cap_verify_costs(raw)
+        want = {}
+        for m in sorted(ms_, reverse=True):           # the definition, larger budgets first
+            want[m] = min([raw[m]] + [want[b] * prior_verify_ratio(m) / prior_verify_ratio(b) for b in want])
+        assert got.keys() == raw.keys() and all(np.isclose(got[m], want[m]) for m in ms_)
+        assert all(got[a] < got[b] for a, b in zip(ms_, ms_[1:]))            # strictly increasing in m
+    steep = {m: 10.0 * prior_verify_ratio(m) ** 2 for m in (2, 4, 8, 16)}
+    assert cap_verify_costs(steep) == steep
+
+
 @pytest.mark.slow
 def test_adaptive_engine_measures_nothing_up_front_and_keeps_its_table(ms_runtime, tiny_dir, drafter_dir, tmp_path,
                                                                         capsys):
