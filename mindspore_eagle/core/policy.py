@@ -117,9 +117,7 @@ class AdaptivePolicy:
         self.rho_ema, self.probe_every, self.explore = float(rho_ema), int(probe_every), int(explore)
         self.drafted = 0
         self.rho = self.plain_rate
-        # EMA of the drafter's predicted advantage (tokens per step), apart after a tree step and after a plain one
-        self.gain = {"tree": np.inf, "plain": np.inf}
-        self.prev = "tree"                         # the kind of the step before this one
+        self.gain = np.inf                         # EMA of the drafter's predicted advantage (tokens per step)
         self.skips = 0
         self.reach = np.zeros(CHILD_DEPTHS)        # decayed count: accepted path reached depth d with children
         self.cont = np.zeros(CHILD_DEPTHS)         # ... and went on to depth d + 1
@@ -143,19 +141,15 @@ class AdaptivePolicy:
 
         Value of information: after the context pass the policy can still decode plainly, so drafting is worth its
         cost when the expected advantage it enables, E[max(profit of the best tree - profit of plain decoding, 0)]
-        (an EMA over the steps that drafted), exceeds rho * draft_ctx_ms. The expectation is kept apart for steps
-        after a tree step and steps after a plain one (``prev``): in the slowest tenth of the 240 evaluation turns
-        a quarter of the steps ran the drafter and then decoded plainly, 3.6 % of their time (docs/results.md,
-        "2026-12-03, night"); where plain steps follow plain steps, the gate closes after them alone. The
-        teacher's own confidence in the root token did not predict acceptance on 3,672 replayed positions
-        (docs/results.md, "2026-11-30, evening"); a drafter that stops paying is probed every ``probe_every``
-        steps."""
+        (an EMA over the steps that drafted), exceeds rho * draft_ctx_ms. The teacher's own confidence in the root
+        token did not predict acceptance on 3,672 replayed positions (docs/results.md, "2026-11-30, evening"), so there is no
+        per-step feature here; a drafter that stops paying is probed every ``probe_every`` steps."""
         if max_m < 2:
             return False
         have = 0.0
         if fallback is not None and len(fallback) > 1:
             have = max(0.0, self.choose(fallback, max_m, left).profit - (1.0 - self.rho * self.costs.decode_ms))
-        if self.drafted < self.explore or self.gain[self.prev] - have > self.rho * self.costs.draft_ctx_ms:
+        if self.drafted < self.explore or self.gain - have > self.rho * self.costs.draft_ctx_ms:
             return True
         self.skips += 1
         return self.skips % self.probe_every == 0
@@ -208,13 +202,11 @@ class AdaptivePolicy:
         return L - self.rho * self.costs.step_ms(m)
 
     def after_draft(self, chosen: Choice) -> None:
-        """Fold the drafter's predicted advantage over plain decoding this step (>= 0) into the gate's EMA for the
-        kind of the step before (weight 0.02: a ~50-step memory; on the replay a 10-step memory closed the gate on
-        noise and cost 1.5 % speed)."""
+        """Fold the drafter's predicted advantage over plain decoding this step (>= 0) into the gate's EMA (weight
+        0.02: a ~50-step memory; on the replay a 10-step memory closed the gate on noise and cost 1.5 % speed)."""
         self.drafted += 1
         adv = chosen.profit - (1.0 - self.rho * self.costs.decode_ms)
-        g = self.gain[self.prev]
-        self.gain[self.prev] = adv if not np.isfinite(g) else 0.98 * g + 0.02 * adv
+        self.gain = adv if not np.isfinite(self.gain) else 0.98 * self.gain + 0.02 * adv
 
     def observe(self, tree: DraftTree | None, accepted_path, tokens: int, cost_ms: float) -> None:
         """After a step: calibrate on the verified ``tree`` (None for a plain step) and its accepted node indices,
@@ -230,11 +222,9 @@ class AdaptivePolicy:
                     self.cont[j - 1] += j < len(path) - 1
         rate = tokens / max(cost_ms, 1e-6)
         self.rho = max(self.plain_rate, (1 - self.rho_ema) * self.rho + self.rho_ema * rate)
-        self.prev = "tree" if tree is not None and len(tree) > 1 else "plain"
 
     def report(self) -> dict:
         """Cost table, earned rate rho and calibration table, for report.json."""
         return {"policy": self.name, "costs": self.costs.to_dict(), "rho_tokens_per_ms": self.rho,
-                "draft_gain": {k: (float(v) if np.isfinite(v) else None) for k, v in self.gain.items()},
                 "child_rate": [self.child_rate(d) for d in range(1, CHILD_DEPTHS + 1)],
                 "calibration": self.model.to_dict()}

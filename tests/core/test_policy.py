@@ -103,29 +103,6 @@ def test_expensive_verification_decodes_plainly_and_stops_drafting():
     assert not explorer.want_draft(1024)
 
 
-def test_the_draft_gate_learns_apart_after_plain_steps_and_after_tree_steps():
-    """Where a step after a plain step never has a tree worth verifying and a step after a tree step does, the
-    gate closes after plain steps only (probed every ``probe_every`` skips there) and stays open after trees;
-    the advantage folded in is the chosen profit minus plain decoding's (``after_draft``)."""
-    pol = AdaptivePolicy(costs(lambda m: 50.0 + m, ctx=5.0), BUDGETS, explore=0)
-    good = chain_with_alternatives(0.99, depth=4)
-    plain_profit = 1.0 - pol.rho * pol.costs.decode_ms
-    tree_choice = pol.choose(good, 1024, 100)
-    assert tree_choice.m > 1 and tree_choice.profit - plain_profit > pol.rho * pol.costs.draft_ctx_ms
-    pol.observe(good, [0, 1], 2, 60.0)                              # a tree step: the next one drafts and pays
-    assert pol.prev == "tree" and pol.want_draft(1024)
-    pol.after_draft(tree_choice)
-    pol.observe(None, [0], 1, 50.0)                                 # a plain step
-    assert pol.prev == "plain" and pol.want_draft(1024)             # nothing known after plain steps yet
-    pol.after_draft(pol.choose(DraftTree([7], [0]), 1024, 100))       # drafted, nothing worth verifying
-    assert pol.gain["plain"] == 0.0 and pol.gain["tree"] > pol.rho * pol.costs.draft_ctx_ms
-    ran = [pol.want_draft(1024) for _ in range(2 * pol.probe_every)]
-    assert sum(ran) == 2 and ran[pol.probe_every - 1]               # after a plain step: probes only
-    pol.observe(good, [0, 1], 2, 60.0)
-    assert pol.want_draft(1024)                                     # after a tree step: open
-    assert pol.report()["draft_gain"]["plain"] == 0.0
-
-
 def test_remaining_tokens_cap_the_tree():
     pol = AdaptivePolicy(costs(lambda m: 50.0 + 2 * m), BUDGETS)
     tree = chain_with_alternatives(0.99, depth=4)
