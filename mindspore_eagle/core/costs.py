@@ -154,7 +154,11 @@ def cap_verify_costs(verify_ms: dict) -> dict:
     capped = {}
     for i, m in enumerate(ms_):
         v = float(verify_ms[m])
-        capped[m] = v if i == 0 else min(v, capped[ms_[i - 1]] * prior_verify_ratio(m) / prior_verify_ratio(ms_[i - 1]))
+        if i == 0:
+            capped[m] = v
+        else:
+            bigger = ms_[i - 1]
+            capped[m] = min(v, capped[bigger] * prior_verify_ratio(m) / prior_verify_ratio(bigger))
     return capped
 
 
