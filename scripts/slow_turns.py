@@ -14,20 +14,20 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 
 import numpy as np
+
+from mindspore_eagle.bench.throughput import read_records
 
 
 def load_turns(run: str, setting: str) -> list:
     """The turns of ``run``/turns.jsonl that have ``setting``, as (baseline dict, setting dict) pairs.
 
-    Raises:
-        FileNotFoundError: no turns.jsonl in ``run``.
+    A missing file gives no turns (``main`` then exits with "error: no turn ..."); a torn last line of an
+    interrupted run is skipped (``read_records``).
     """
-    with open(os.path.join(run, "turns.jsonl")) as f:
-        rows = [json.loads(ln) for ln in f if ln.strip()]
+    rows = read_records(os.path.join(run, "turns.jsonl")).values()
     return [(r["baseline"], r["settings"][setting]) for r in rows if setting in r.get("settings", {})]
 
 
