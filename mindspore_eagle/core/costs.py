@@ -143,10 +143,11 @@ def cap_verify_costs(verify_ms: dict) -> dict:
 
     A cap at equality is absorbing for the policy: a budget held at a larger one's cost is never chosen (the larger
     one offers more nodes for the same cost), so never observed again (:class:`RunningCosts`, docs/results.md,
-    "2026-12-02, evening").
+    "2026-12-02, evening"). Budget 1 is a plain decode (``prior_verify_ratio(1)`` = 1): a decode is held below the
+    smallest verification by the prior's ratio, as :class:`RunningCosts` and ``Engine.measure_costs`` pass it.
 
     Args:
-        verify_ms: {budget m: cost in ms} (any units; only ratios are used).
+        verify_ms: {budget m: cost in ms} (m >= 1; any units, only ratios are used).
     Returns:
         {m: float capped cost}, the same keys.
     """
@@ -185,7 +186,13 @@ class RunningCosts:
       first 60 turns and 0-13 from turn 80 on, m = 4 2-21 per 20 turns throughout, m = 8 400-750, while on the
       same machine a 4-row forward costs ~0.9x an 8-row one: docs/results.md, "2026-12-02, evening"). The ratio
       assumes verification cost grows with m at least as the prior's curve does; where it is flatter (a fused
-      accelerator kernel), the cap makes a small budget look slightly cheaper than it is, never dearer.
+      accelerator kernel), the cap makes a small budget look slightly cheaper than it is, never dearer;
+    - a decode is capped the same way below the smallest verification (budget 1 in the chain). A decode inferred
+      from the speed factor alone can come out dearer than the verifications actually observed (the prior's flat
+      verification ratios, 1.08 / 1.6 decodes for m = 2 / 16 where the machine's were 1.2 / 2.8, made the speed
+      factor, so the inferred decode, ~35 % too high); the policy then decodes plainly almost never, so decode's
+      estimate is almost never observed again (4 plain steps in 240 turns: docs/results.md, "2026-12-03, night: ... a trap in the cost table").
+      ``AdaptivePolicy(plain_every=...)`` keeps it observed.
 
     The drafter's context pass and expansion step are not separable in a step's ``draft_ms`` (the number of
     expansions is not traced), so they follow the speed factor.
@@ -238,8 +245,8 @@ class RunningCosts:
     def _write(self) -> None:
         t, f = self.table, self.speed()
         est = {m: float(np.exp(self.log_est[m])) if m in self.log_est else v * f for m, v in self.start.items()}
-        t.decode_ms = est[1]
-        capped = cap_verify_costs({m: est[m] for m in t.verify_ms})
+        capped = cap_verify_costs({m: est[m] for m in (1, *t.verify_ms)})
+        t.decode_ms = capped.pop(1)
         t.verify_ms = {m: max(1e-6, capped[m] - t.host_ms) for m in sorted(capped)}
         t.draft_ctx_ms, t.draft_step_ms = self.start_draft[0] * f, self.start_draft[1] * f
 

@@ -35,6 +35,7 @@ from mindspore_eagle.core.costs import CostTable
 from mindspore_eagle.core.tree import DraftTree
 
 CHILD_DEPTHS = 4
+PLAIN_EVERY = 64     # AdaptivePolicy.plain_every under a running cost table (its docstring: why, what it costs)
 
 
 @dataclass
@@ -101,18 +102,29 @@ class AdaptivePolicy:
             this many steps, so drafts that became useful (code, lists, repeated text) are noticed.
         explore: the drafter runs on the first this many steps regardless, so the calibration has data before the
             gate may close (the identity prior underrates an under-confident drafter such as the embedded one).
+        plain_every: a plain step (no drafting) at least every this many steps, so a cost table kept current from
+            the steps taken (core.costs.RunningCosts) keeps observing a decode; 0: never forced (a table measured
+            up front). Where trees always look cheaper, a decode is otherwise never taken, so never measured, and
+            an estimate that came out too dear stays so (docs/results.md, "2026-12-03, night: ... a trap in the
+            cost table"). Each probe costs at most one step's speculative gain (~1/4 of a step at 1.3x, so ~0.4 %
+            of the time at 64).
     Raises:
-        ValueError: a budget has no verification cost in ``costs``.
+        ValueError: a budget has no verification cost in ``costs``, or ``plain_every`` is 1 or negative.
     """
 
     name = "adaptive"
 
     def __init__(self, costs: CostTable, budgets, model: AcceptanceModel | None = None, rho_ema: float = 0.05,
-                 probe_every: int = 8, explore: int = 64):
+                 probe_every: int = 8, explore: int = 64, plain_every: int = 0):
         self.costs, self.budgets = costs, sorted(int(m) for m in budgets)
         missing = [m for m in self.budgets if m not in costs.verify_ms]
         if missing:
             raise ValueError(f"CostTable has no verify cost for budgets {missing}")
+        if plain_every < 0 or plain_every == 1:
+            raise ValueError(f"AdaptivePolicy.plain_every = {plain_every} must be 0 (off) or >= 2 steps")
+        self.plain_every = int(plain_every)
+        self.since_plain = 0                       # steps since the last plain one
+        self.plain_probes = 0
         self.model = model or AcceptanceModel()
         self.rho_ema, self.probe_every, self.explore = float(rho_ema), int(probe_every), int(explore)
         self.drafted = 0
@@ -132,6 +144,11 @@ class AdaptivePolicy:
         d = min(depth, CHILD_DEPTHS) - 1
         return float((self.cont[d] + 4 * 0.4) / (self.reach[d] + 4))
 
+    @property
+    def plain_due(self) -> bool:
+        """This step is a plain probe (``plain_every`` steps without a plain one): no drafting, budget 1."""
+        return self.plain_every > 0 and self.since_plain >= self.plain_every - 1
+
     # ---------------------------------------------------------------------- the three questions
     def want_draft(self, max_m: int, fallback: DraftTree | None = None, left: int = 1 << 30) -> bool:
         """Run the drafter this step? ``max_m``: the largest budget the cache has room for (< 2: no tree fits);
@@ -143,8 +160,9 @@ class AdaptivePolicy:
         cost when the expected advantage it enables, E[max(profit of the best tree - profit of plain decoding, 0)]
         (an EMA over the steps that drafted), exceeds rho * draft_ctx_ms. The teacher's own confidence in the root
         token did not predict acceptance on 3,672 replayed positions (docs/results.md, "2026-11-30, evening"), so there is no
-        per-step feature here; a drafter that stops paying is probed every ``probe_every`` steps."""
-        if max_m < 2:
+        per-step feature here; a drafter that stops paying is probed every ``probe_every`` steps. False on a
+        plain probe (``plain_due``)."""
+        if max_m < 2 or self.plain_due:
             return False
         have = 0.0
         if fallback is not None and len(fallback) > 1:
@@ -170,9 +188,11 @@ class AdaptivePolicy:
 
     def choose(self, tree: DraftTree, max_m: int, left: int) -> Choice:
         """Budget m for this step's verification (1 = decode plainly) given the drafted ``tree``; ``left``:
-        tokens still to generate (caps the accepted length)."""
-        ranked = self._ranked(tree)
+        tokens still to generate (caps the accepted length). Budget 1 on a plain probe (``plain_due``)."""
         best = Choice(1, 1.0, 1.0 - self.rho * self.costs.decode_ms)
+        if self.plain_due:
+            return best
+        ranked = self._ranked(tree)
         for m in self.budgets:
             if m > max_m:
                 break
@@ -211,6 +231,11 @@ class AdaptivePolicy:
     def observe(self, tree: DraftTree | None, accepted_path, tokens: int, cost_ms: float) -> None:
         """After a step: calibrate on the verified ``tree`` (None for a plain step) and its accepted node indices,
         and fold the step's rate (``tokens`` over its modelled ``cost_ms``) into rho."""
+        if tree is None or len(tree) < 2:
+            self.plain_probes += self.plain_due
+            self.since_plain = 0
+        else:
+            self.since_plain += 1
         if tree is not None and len(tree) > 1:
             has_child = observe_tree(self.model, tree, accepted_path)
             path = np.asarray(accepted_path, np.int64)
@@ -226,5 +251,6 @@ class AdaptivePolicy:
     def report(self) -> dict:
         """Cost table, earned rate rho and calibration table, for report.json."""
         return {"policy": self.name, "costs": self.costs.to_dict(), "rho_tokens_per_ms": self.rho,
+                "plain_probes": self.plain_probes,
                 "child_rate": [self.child_rate(d) for d in range(1, CHILD_DEPTHS + 1)],
                 "calibration": self.model.to_dict()}

@@ -28,7 +28,7 @@ from mindspore_eagle.core.costs import (
     prior_table,
 )
 from mindspore_eagle.core.emit import Emitter
-from mindspore_eagle.core.policy import AdaptivePolicy, FixedPolicy
+from mindspore_eagle.core.policy import PLAIN_EVERY, AdaptivePolicy, FixedPolicy
 from mindspore_eagle.core.suffix import SuffixIndex
 from mindspore_eagle.core.trace import TraceWriter, TurnTrace
 from mindspore_eagle.core.tree import DraftTree, tensorize
@@ -116,7 +116,8 @@ class Engine:
         """The speculation policy (policy.py), built on first use. The adaptive one takes the CostTable given to
         the engine, else the one stored in ``cost_file`` for this machine and configuration, else the prior
         (``core.costs.prior_table``), and then keeps its own table current from the steps it runs (``Engine``
-        docstring); nothing is measured up front. It lives as long as the engine, so its calibration carries over
+        docstring), with a plain step at least every ``core.policy.PLAIN_EVERY`` steps so a decode's cost stays
+        observed; nothing is measured up front. It lives as long as the engine, so its calibration carries over
         from turn to turn."""
         if self._policy is None:
             if self.spec.policy == "adaptive":
@@ -125,7 +126,8 @@ class Engine:
                     stored = CostTable.load(self.cost_file) if self.cost_file else None
                     self.costs = stored.with_budgets(budgets) if stored else prior_table(budgets)
                     self.running_costs = RunningCosts(self.costs)
-                self._policy = AdaptivePolicy(self.costs, budgets)
+                probe = PLAIN_EVERY if self.running_costs is not None else 0
+                self._policy = AdaptivePolicy(self.costs, budgets, plain_every=probe)
             else:
                 self._policy = FixedPolicy(self.spec.M, self.spec.D_max)
         return self._policy
@@ -188,8 +190,8 @@ class Engine:
             tg.free(sid)
             dr.free(dsid)
         med = {k: float(np.median(v)) for k, v in times.items()}
-        verify_ms = cap_verify_costs({m: med[m] for m in budgets})
-        return CostTable(decode_ms=med["decode"], verify_ms=verify_ms, draft_ctx_ms=med["ctx"],
+        verify_ms = cap_verify_costs({1: med["decode"], **{m: med[m] for m in budgets}})
+        return CostTable(decode_ms=verify_ms.pop(1), verify_ms=verify_ms, draft_ctx_ms=med["ctx"],
                          draft_step_ms=max(0.0, med["tree2"] - med["tree1"]) if D > 1 else 0.0, host_ms=0.0)
 
     @property

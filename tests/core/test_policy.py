@@ -371,3 +371,35 @@ def test_rate_gate_probes_a_slow_kind_within_its_time_share():
     fresh = RateGate(("tree", "plain"), probe_every=4, warm=2, probe_share=0.05)
     fresh.seed_from(g)
     assert [fresh.choose() for _ in range(3)] == ["plain"] * 3
+
+
+def test_plain_probe_keeps_a_decode_observed():
+    """AdaptivePolicy(plain_every=n): where every tree looks profitable, the n-th step after a plain one is plain
+    (no drafting, budget 1, even with a suffix tree at hand); a plain step the policy chose itself restarts the
+    count; plain_every = 0 never forces one."""
+    tree = chain_with_alternatives(0.99, depth=4)
+    cheap = costs(lambda m: 1e-3, ctx=0.0, step=0.0, host=0.0)
+    pol = AdaptivePolicy(cheap, BUDGETS, plain_every=8)
+    kinds = []
+    for _ in range(40):
+        if pol.want_draft(1024, tree, 100):
+            ch = pol.choose(tree, 1024, 100)
+            pol.after_draft(ch)
+        else:
+            ch = pol.choose(tree, 1024, 100)       # the suffix fallback alone: still plain on a probe
+        kinds.append(ch.m)
+        pol.observe(None if ch.m == 1 else tree, [0] if ch.m == 1 else [0, 1], 1 if ch.m == 1 else 2, 1.0)
+    assert [i for i, m in enumerate(kinds) if m == 1] == [7, 15, 23, 31, 39]
+    assert all(m == 16 for m in kinds if m != 1) and pol.plain_probes == 5
+    assert pol.report()["plain_probes"] == 5
+    # a plain step taken for its own reasons (no room for a tree) restarts the count
+    pol.observe(tree, [0, 1], 2, 1.0)
+    pol.observe(None, [0], 1, 1.0)
+    assert pol.since_plain == 0 and not pol.plain_due and pol.plain_probes == 5
+    never = AdaptivePolicy(cheap, BUDGETS)
+    for _ in range(200):
+        assert never.want_draft(1024) and never.choose(tree, 1024, 100).m == 16
+        never.observe(tree, [0, 1], 2, 1.0)
+    for bad in (1, -3):
+        with pytest.raises(ValueError, match="plain_every"):
+            AdaptivePolicy(cheap, BUDGETS, plain_every=bad)

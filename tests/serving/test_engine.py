@@ -264,7 +264,7 @@ def test_cap_verify_costs_matches_a_brute_force_cap():
 
     rng = np.random.default_rng(0)
     for _ in range(50):
-        ms_ = [2, 4, 8, 16][: rng.integers(1, 5)]
+        ms_ = [1, 2, 4, 8, 16][: rng.integers(1, 6)]
         raw = {m: float(rng.uniform(10, 100)) for m in ms_}
         got = cap_verify_costs(raw)
         want = {}
@@ -276,6 +276,26 @@ def test_cap_verify_costs_matches_a_brute_force_cap():
     assert cap_verify_costs(steep) == steep
 
 
+def test_running_costs_hold_an_inferred_decode_below_the_smallest_verification():
+    """The 240-turn trap (docs/results.md, "2026-12-03, night: ... a trap in the cost table"): verifications
+    observed at this machine's ratios (1.2 / 1.5 / 1.85 / 2.8 decodes of 22.6 ms, steeper than the prior's), decode
+    never observed: the speed factor alone would infer decode dearer than a 2-token verification; the table holds
+    it below by the prior's ratio, and a decode's own steps then pull it to its cost."""
+    from mindspore_eagle.core.costs import RunningCosts, prior_table, prior_verify_ratio
+
+    t = prior_table([2, 4, 8, 16])
+    run = RunningCosts(t)
+    decode = 22.6
+    for _ in range(20):
+        for m, ratio in ((2, 1.2), (4, 1.5), (8, 1.85), (16, 2.8)):
+            run.observe(m, decode * ratio)
+    assert run.start[1] * run.speed() > t.verify_ms[2]                 # the trap: inferred decode > a verification
+    assert np.isclose(t.decode_ms, t.verify_ms[2] / prior_verify_ratio(2))
+    for _ in range(30):
+        run.observe(1, decode)
+    assert np.isclose(t.decode_ms, decode, rtol=1e-2) and t.decode_ms < t.verify_ms[2]
+
+
 @pytest.mark.slow
 def test_adaptive_engine_measures_nothing_up_front_and_keeps_its_table(ms_runtime, tiny_dir, drafter_dir, tmp_path,
                                                                         capsys):
@@ -283,6 +303,7 @@ def test_adaptive_engine_measures_nothing_up_front_and_keeps_its_table(ms_runtim
     it (steps that made a graph are left out) and it is stored; a second engine starts from the stored table,
     which holds every budget. A table given to the engine stays as given."""
     from mindspore_eagle.core.costs import CostTable
+    from mindspore_eagle.core.policy import PLAIN_EVERY
 
     eng, cfg = tiny_engine(tiny_dir, drafter_dir, "fused", ["speculative.policy=adaptive", "speculative.M=8",
                                                             "speculative.D_max=3"])
@@ -308,3 +329,5 @@ def test_adaptive_engine_measures_nothing_up_front_and_keeps_its_table(ms_runtim
                                                            "speculative.D_max=3"])
     eng3.costs = fixed
     assert eng3.policy.costs is fixed and eng3.running_costs is None
+    # a table kept from the steps keeps observing a decode (plain probes); a table given stays as given
+    assert eng.policy.plain_every == eng2.policy.plain_every == PLAIN_EVERY and eng3.policy.plain_every == 0
