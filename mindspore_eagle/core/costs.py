@@ -191,8 +191,8 @@ class RunningCosts:
       from the speed factor alone can come out dearer than the verifications actually observed (the prior's flat
       verification ratios, 1.08 / 1.6 decodes for m = 2 / 16 where the machine's were 1.2 / 2.8, made the speed
       factor, so the inferred decode, ~35 % too high); the policy then decodes plainly almost never, so decode's
-      estimate is almost never observed again (4 plain steps in 240 turns: docs/results.md, "2026-12-03, night: ... a trap in the cost table").
-      ``AdaptivePolicy(plain_every=...)`` keeps it observed.
+      estimate is almost never observed again (4 plain steps in 240 turns: docs/results.md, "2026-12-03, night:
+      ... a trap in the cost table"). ``AdaptivePolicy(plain_every=...)`` keeps it observed.
 
     The drafter's context pass and expansion step are not separable in a step's ``draft_ms`` (the number of
     expansions is not traced), so they follow the speed factor.

@@ -236,7 +236,6 @@ class AdaptivePolicy:
             self.since_plain = 0
         else:
             self.since_plain += 1
-        if tree is not None and len(tree) > 1:
             has_child = observe_tree(self.model, tree, accepted_path)
             path = np.asarray(accepted_path, np.int64)
             self.reach *= self.model.decay
