@@ -78,15 +78,24 @@ class ContextConfig:
             raise ConfigError("context.graph_cache must be true or false")
 
 
+WEIGHT_DTYPES = ("auto", "float32", "float16")   # model.weight_dtype
+
+
 @dataclass
 class ModelSection:
     """Teacher and drafter locations. ``teacher: embedded`` / ``drafter: embedded`` are the shipped defaults
     (SmolLM2-135M-Instruct GGUF fetched from PyPI, and the drafter trained for it in mindspore_eagle/assets);
     ``drafter: none`` disables speculative decoding; ``drafter: random`` is an untrained drafter (lossless but slow).
+    ``dtype``: the compute dtype. ``weight_dtype``: how the matrices are stored on the CPU kernels (compute stays
+    float32): float32 | float16 (teacher and drafter; the teacher's logits move by the rounding, so its tokens
+    may differ from a float32 teacher's; speculation stays exact against the teacher as loaded) | auto (the
+    drafter's matrices float16, the teacher's float32: drafts only, output unchanged); other backends hold them
+    in ``dtype`` (``serving.pipeline.weight_dtypes``).
     """
     teacher: str = "embedded"
     drafter: str = "embedded"
     dtype: str = "float32"
+    weight_dtype: str = "auto"
 
     def validate(self):
         if not isinstance(self.teacher, str) or not self.teacher:
@@ -95,6 +104,11 @@ class ModelSection:
             raise ConfigError("model.drafter must be a path, 'embedded', 'random' or 'none'")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ConfigError(f"model.dtype = {self.dtype!r}: must be float32, float16 or bfloat16")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ConfigError(f"model.weight_dtype = {self.weight_dtype!r}: must be one of {', '.join(WEIGHT_DTYPES)}")
+        if self.weight_dtype == "float16" and self.dtype != "float32":
+            raise ConfigError(f"model.weight_dtype = float16 needs model.dtype float32 (the CPU kernels widen half "
+                              f"weights into float32 arithmetic), got model.dtype {self.dtype}")
 
 
 METHODS = ("eagle3", "suffix", "hybrid")     # speculative.method

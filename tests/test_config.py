@@ -113,6 +113,10 @@ def test_unknown_section(tmp_path):
     ("model.dtype=bfloat16", "model.dtype = 'bfloat16' needs context.device_target: Ascend (MindSpore 2.9's CPU "
                              "backend has no bfloat16 MatMul); use float16 or float32 on CPU"),
     ("model.dtype=float64", "model.dtype = 'float64': must be float32, float16 or bfloat16"),
+    ("model.weight_dtype=int8", "model.weight_dtype = 'int8': must be one of auto, float32, float16"),
+    ("model.dtype=float16,model.weight_dtype=float16", "model.weight_dtype = float16 needs model.dtype float32 (the "
+                                                      "CPU kernels widen half weights into float32 arithmetic), got "
+                                                      "model.dtype float16"),
     ("generation.max_new_tokens=0", "generation.max_new_tokens = 0 is out of range: must be an int in [1, 1048576]"),
     ("generation.temperature=-1", "generation.temperature = -1.0 is out of range: must be a number in [0.0, 100.0]"),
     ("generation.top_p=0", "generation.top_p = 0.0 is out of range: must be a number in (0.0, 1.0]"),
@@ -123,7 +127,7 @@ def test_unknown_section(tmp_path):
 ])
 def test_bad_values_name_key_and_range(override, message):
     with pytest.raises(ConfigError) as e:
-        load_config(None, [override])
+        load_config(None, override.split(","))
     assert str(e.value) == message
 
 

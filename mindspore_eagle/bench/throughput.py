@@ -128,12 +128,13 @@ class EnginePool:
         """A DrafterRunner with top_k = K sharing the teacher's embedding (as pipeline.build_engine builds it)."""
         from mindspore_eagle.models.eagle3 import Eagle3Drafter
         from mindspore_eagle.runners.drafter import DrafterRunner
+        from mindspore_eagle.serving.pipeline import weight_dtypes
 
         c = self.cfg.cache
         scratch = K * max(0, self.d_max - 1)
         d_len = -(-(c.max_seq_len + scratch) // c.block_size) * c.block_size
         cell = Eagle3Drafter(self.loaded.drafter_cfg, self.teacher.model.embed, K, d_len // c.block_size,
-                             c.block_size, d_len)
+                             c.block_size, d_len, weight_dtype=weight_dtypes(self.cfg)[1])
         cell.load_tensors(self.loaded.drafter_tensors)
         return DrafterRunner(cell, d_len // c.block_size, c.block_size, d_len, self.cfg.exec_mode, 0,
                              c.prefill_chunk)

@@ -254,6 +254,20 @@ class PortableLayerMath:
         """rms(x) [k, H], no weight (``dense.rms_norm``)."""
         return dense.rms_norm(x, eps)
 
+    def head_topk(self, h, w, d2t, K: int):
+        """A draft head's K best log-probs: h [r, H] (normed rows), w [V, H], d2t [V] i32 -> (top_logp [r, K] f32,
+        log-softmax over V in float32, descending; top_ids [r, K] i32 = index + d2t[index]). ``self.linear``, then
+        log_softmax, topk and the d2t gather as graph ops."""
+        logits = self.linear(h, w)
+        if logits.dtype != ms.float32:
+            logits = logits.astype(ms.float32)
+        top_logp, top_idx = ops.topk(ops.log_softmax(logits, -1), K)
+        return top_logp, top_idx + ops.gather(d2t, top_idx.reshape(-1), 0).reshape(top_idx.shape)
+
+    def head_kernel(self, K: int):
+        """A primitive computing :meth:`head_topk` for K in one call, or None (graph ops only)."""
+        return None
+
     def rope_rows(self, cos, sin):
         """cos / sin_signed [k, hd] -> [k, 1, hd] (broadcast over heads)."""
         return cos.expand_dims(1), sin.expand_dims(1)
@@ -402,16 +416,36 @@ CPU_LINEAR_MAX_ROWS = 32
 MatMul, whose packed GEMM is faster there, and the portable ops around it (docs/cpu_kernels.md, "What runs")."""
 
 
+def _wide(w):
+    """A float16 matrix widened to float32 (MatMul and the portable ops take one dtype); float32 as it is."""
+    return w.astype(ms.float32) if w.dtype == ms.float16 else w
+
+
+def check_weight_dtype(backend, weight_dtype, dtype) -> None:
+    """Raise ValueError unless ``backend`` can hold matrices in ``weight_dtype`` under compute ``dtype``: the same
+    dtype always; float16 under float32 on a backend with ``half_weights`` (the CPU kernels)."""
+    if weight_dtype == dtype:
+        return
+    if not (weight_dtype == ms.float16 and dtype == ms.float32 and getattr(backend, "half_weights", False)):
+        raise ValueError(f"model.weight_dtype {weight_dtype} under model.dtype {dtype} needs the cpu backend "
+                         f"(float16 under float32 only), this model runs on the {backend.name} backend")
+
+
 class CpuBackend(PortableBackend):
     """The portable cache layout and write, with the layer math and attention in the C++ kernels of ``cpu.py``.
 
-    float32 only. Calls of at most CPU_LINEAR_MAX_ROWS rows are batch-invariant end to end (every row's result is
-    the same whatever the other rows). Args: geometry as :class:`PortableBackend`, plus nh (query heads).
+    float32 compute. The matrices may be held in float16 (``half_weights``; a model's ``weight_dtype``): the
+    kernels widen each half weight to exactly one float as they read it, so the arithmetic is that of the float32
+    kernels on the widened weights and a decode reads half the bytes; calls over CPU_LINEAR_MAX_ROWS rows widen the
+    whole matrix before MatMul. Calls of at most CPU_LINEAR_MAX_ROWS rows are batch-invariant end to end (every
+    row's result is the same whatever the other rows). Args: geometry as :class:`PortableBackend`, plus nh (query
+    heads).
     Raises:
         KernelBuildError: the kernels cannot be built here (``select_backend`` checks first).
     """
 
     name = "cpu"
+    half_weights = True     # matrices may be float16 under float32 compute (``cpu_kernels.cc``, load8w)
 
     def __init__(self, num_blocks: int, block_size: int, n_kv: int, nh: int, hd: int):
         from mindspore_eagle.kernels import cpu, runtime
@@ -429,7 +463,13 @@ class CpuBackend(PortableBackend):
 
     def linear(self, x, w):
         """x [k, K] @ w [N, K].T -> [k, N]: the C++ kernel up to CPU_LINEAR_MAX_ROWS rows, else MatMul."""
-        return self.kernels.linear(x, w) if self._fused(x) else self.mm_t(x, w)
+        return self.kernels.linear(x, w) if self._fused(x) else self.mm_t(x, _wide(w))
+
+    def head_kernel(self, K: int):
+        """The one-call form of :meth:`PortableLayerMath.head_topk` for K (``cpu.ref_head_topk``: the same ids and
+        order, log-probs within float rounding), for calls of at most CPU_LINEAR_MAX_ROWS rows; made outside any
+        graph (a model's ``__init__``)."""
+        return self.kernels.head_topk(K)
 
     def norm(self, x, eps: float):
         """rms(x) [k, H] (the add + norm kernel with a zero addend: y = 0 + x = x exactly)."""
@@ -443,7 +483,7 @@ class CpuBackend(PortableBackend):
         """One kernel call, which writes the K/V rows in place (``cpu.ref_attn_block``); prefill chunks over
         CPU_LINEAR_MAX_ROWS rows take MatMul and the portable composition."""
         if not self._fused(h):
-            return PortableLayerMath.attention_block(self, x, h, wqkv, bqkv, wo, bo, cos.expand_dims(1),
+            return PortableLayerMath.attention_block(self, x, h, _wide(wqkv), bqkv, _wide(wo), bo, cos.expand_dims(1),
                                                      sin.expand_dims(1), key_cache, value_cache, meta, eps)
         write_idx, read_idx, mask = meta
         args = (x, h, wqkv, wo, cos, sin, self.heads, key_cache, value_cache, write_idx, read_idx, mask,
@@ -457,7 +497,7 @@ class CpuBackend(PortableBackend):
     def mlp_add_norm(self, h, w_gate_up, w_down, resid, eps: float):
         """One kernel call (``cpu.ref_mlp_add_norm``); MatMul + portable ops over CPU_LINEAR_MAX_ROWS rows."""
         if not self._fused(h):
-            return PortableLayerMath.mlp_add_norm(self, h, w_gate_up, w_down, resid, eps)
+            return PortableLayerMath.mlp_add_norm(self, h, _wide(w_gate_up), _wide(w_down), resid, eps)
         return self.kernels.mlp_add_norm(h, w_gate_up, w_down, resid, ops.scalar_to_tensor(eps, ms.float32))
 
     def attend(self, q, k, v, key_cache, value_cache, meta, scale=None):

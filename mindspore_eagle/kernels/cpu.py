@@ -17,7 +17,9 @@ per decoder layer). A decoder layer is two kernel calls:
     mlp_add_norm(h [k, H], w_gate_up [2F, H], w_down [H, F], resid [k, H], eps [1]) -> (y = resid +
         down(silu(gate) * up), rms(y))                                                         (ref_mlp_add_norm)
 
-plus ``linear(x [k, K], w [N, K]) -> x @ w.T`` (the head; ref_linear), ``add_rms_norm(x, d, eps) -> (x + d,
+plus ``linear(x [k, K], w [N, K]) -> x @ w.T`` (the head; ref_linear), ``head_topk(K)(h [k, H], w [V, H], d2t [V]
+i32) -> (top_logp [k, K] f32, top_ids [k, K] i32)`` (a draft head's log-softmax and its K best, ids + d2t;
+ref_head_topk), ``add_rms_norm(x, d, eps) -> (x + d,
 rms(x + d))`` (the first layer's norm; ref_add_rms_norm) and ``paged_attention(q [k, nh, hd], key_cache,
 value_cache, read_rows, mask, scale [1]) -> [k, nh hd]`` (the drafter's attention; ref_paged_attention). rms(y) =
 y / sqrt(mean(y^2) + eps), unweighted (the norm weights are folded into the next matmul, models/llama.py);
@@ -28,9 +30,11 @@ that one call per graph, and graphs run one after another (``runtime.configure``
 reads a cache out of order; a depend on a ScatterUpdate's output, the alternative, made MindSpore copy the whole
 cache into every reader (docs/cpu_kernels.md).
 
-All float32. Every output row is computed by the same float operations whatever the other rows of the call
-(``cpu_kernels.cc``, "Batch invariance"), so a token's logits are bit-identical in decode, tree verification and
-batched steps. Threads: ``set_threads(n)`` (the runtime's kernel thread count, ``runtime.configure``).
+All float32, except that the matrices (``w``, ``wqkv``, ``wo``, ``w_gate_up``, ``w_down``) may be float16: a half
+widens to exactly one float as it is read, so the result equals the float32 call on the widened matrix, bit for bit
+(``attention.CpuBackend``, a model's ``weight_dtype``). Every output row is computed by the same float operations
+whatever the other rows of the call (``cpu_kernels.cc``, "Batch invariance"), so a token's logits are bit-identical
+in decode, tree verification and batched steps. Threads: ``set_threads(n)`` (the runtime's kernel thread count, ``runtime.configure``).
 
 :func:`status` says whether the kernels can run here and, if not, why in one line (no g++, a compile error, a
 platform other than Linux); the ``auto`` backend then stays portable (``attention.select_backend``).
@@ -155,6 +159,7 @@ def set_threads(n: int) -> None:
 
 
 KERNEL_NAMES = ("linear", "add_rms_norm", "paged_attention", "attn_block", "mlp_add_norm")
+"""Names of :func:`kernel_stats` (``linear`` includes ``head_topk``)."""
 
 
 def kernel_stats(reset: bool = False) -> dict:
@@ -197,14 +202,33 @@ class CpuKernels:
             self.paged_attention = _custom(
                 "PagedAttention", lambda q, kc, vc, rows, mask, scale: [q[0], q[1] * q[2]],
                 lambda q, kc, vc, rows, mask, scale: q)
+            self._heads = {}
             cls._instance = self
         return cls._instance
+
+    def head_topk(self, K: int):
+        """The ``head_topk`` primitive for K best (one per K: K is its output's width), made on first use."""
+        if K not in self._heads:
+            prim = _custom("HeadTopK", lambda h, w, d2t: ([h[0], K], [h[0], K]), lambda h, w, d2t: (h, d2t))
+            prim.add_prim_attr("top_k", K)      # part of MindSpore's op cache key: the shape depends on it
+            self._heads[K] = prim
+        return self._heads[K]
 
 
 # ------------------------------------------------------------------------------------------ numpy references
 def ref_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """x [k, K] @ w [N, K].T in float64, returned float32 [k, N]."""
     return (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32)
+
+
+def ref_head_topk(h: np.ndarray, w: np.ndarray, d2t: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray]:
+    """(top_logp float32 [k, K], top_ids int32 [k, K]) of :func:`head_topk`: log-softmax of h @ w.T in float64, the
+    K largest by value descending then index ascending, ids + d2t[index]."""
+    x = h.astype(np.float64) @ w.astype(np.float64).T
+    m = x.max(-1, keepdims=True)
+    lp = x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+    idx = np.stack([np.lexsort((np.arange(x.shape[1]), -row))[:K] for row in x])
+    return np.take_along_axis(lp, idx, -1).astype(np.float32), (idx + d2t[idx]).astype(np.int32)
 
 
 def ref_add_rms_norm(x: np.ndarray, d: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:

@@ -2,7 +2,8 @@
 //
 // Every entry point has MindSpore's AOT signature
 //     int Name(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream, void *extra)
-// with params = inputs then outputs, all float32 / int32 and C-contiguous; a nonzero return makes MindSpore raise.
+// with params = inputs then outputs, float32 / int32 (matmul weights float32 or float16) and C-contiguous; a nonzero
+// return makes MindSpore raise.
 // The tensor contracts are in kernels/cpu.py (the numpy references of the same math are there too).
 //
 // Batch invariance: every output row is computed by the same sequence of float operations whatever the number of
@@ -23,7 +24,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__FMA__) && defined(__AVX__)
+#if (defined(__FMA__) || defined(__F16C__)) && defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -40,6 +41,29 @@ static inline v8 load_tail(const float *p, int64_t n) {
   return v;
 }
 static inline void store8(float *p, v8 v) { *(v8u *)p = v; }
+// Weights may be stored as IEEE half floats (_Float16): a half converts to exactly one float, so a half-weight call
+// runs the same float operations as a float32 call on the widened weights, and batch invariance holds unchanged.
+// Activations, accumulators and caches stay float32. Eight halves widen in one F16C vcvtph2ps where the CPU has it
+// (GCC 12 turns __builtin_convertvector of a half vector into eight scalar inserts, 1.7x slower than float32
+// weights on the teacher's head: docs/cpu_kernels.md).
+static inline v8 load8w(const float *p) { return load8(p); }
+static inline v8 load8w(const _Float16 *p) {
+#if defined(__F16C__) && defined(__AVX__)
+  return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+  v8 v;
+  for (int i = 0; i < 8; ++i) v[i] = (float)p[i];
+  return v;
+#endif
+}
+static inline v8 load_tailw(const float *p, int64_t n) { return load_tail(p, n); }
+static inline v8 load_tailw(const _Float16 *p, int64_t n) {
+  v8 v = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t i = 0; i < n; ++i) v[i] = (float)p[i];
+  return v;
+}
+// true when MindSpore's dtype string of an AOT argument names a half float (the weight may be float16)
+static inline bool is_half(const char *dtype) { return dtype && std::strcmp(dtype, "float16") == 0; }
 static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 // a * b + c: one fused multiply-add where the CPU has FMA, else a multiply then an add. Built with
 // -ffp-contract=off, so the compiler fuses nothing by itself: whether a product is fused must not depend on how a
@@ -125,8 +149,8 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 // (docs/cpu_kernels.md); k >= 8 (compute-bound on a 2-core CPU): each weight row against 8 rows of x at a time.
 // Every output is one dot product accumulated in the same float order whatever the tile, so results do not depend
 // on k (batch invariance).
-template <int NR, int KR>
-static inline void micro(const float *x, const float *w, float *y, int64_t K, int64_t N, int64_t r0, int64_t n0) {
+template <int NR, int KR, typename W>
+static inline void micro(const float *x, const W *w, float *y, int64_t K, int64_t N, int64_t r0, int64_t n0) {
   v8 acc[KR][NR];
 #pragma GCC unroll 8
   for (int a = 0; a < KR; ++a)
@@ -136,7 +160,7 @@ static inline void micro(const float *x, const float *w, float *y, int64_t K, in
   for (; i + 8 <= K; i += 8) {
     v8 wv[NR];
 #pragma GCC unroll 8
-    for (int b = 0; b < NR; ++b) wv[b] = load8(w + (n0 + b) * K + i);
+    for (int b = 0; b < NR; ++b) wv[b] = load8w(w + (n0 + b) * K + i);
 #pragma GCC unroll 8
     for (int a = 0; a < KR; ++a) {
       const v8 xv = load8(x + (r0 + a) * K + i);
@@ -148,7 +172,7 @@ static inline void micro(const float *x, const float *w, float *y, int64_t K, in
     const int64_t t = K - i;
     v8 wv[NR];
 #pragma GCC unroll 8
-    for (int b = 0; b < NR; ++b) wv[b] = load_tail(w + (n0 + b) * K + i, t);
+    for (int b = 0; b < NR; ++b) wv[b] = load_tailw(w + (n0 + b) * K + i, t);
 #pragma GCC unroll 8
     for (int a = 0; a < KR; ++a) {
       const v8 xv = load_tail(x + (r0 + a) * K + i, t);
@@ -162,8 +186,20 @@ static inline void micro(const float *x, const float *w, float *y, int64_t K, in
     for (int b = 0; b < NR; ++b) y[(r0 + a) * N + n0 + b] = fold8(acc[a][b]);
 }
 
-static void linear_into(const float *x, const float *w, float *y, int64_t k, int64_t K, int64_t N) {
-  if (k < 8) {  // few rows: 4 weight rows per block, tiles of 2 query rows, then 1
+template <typename W>
+static void linear_into(const float *x, const W *w, float *y, int64_t k, int64_t K, int64_t N) {
+  if (k == 1) {  // one row (a decode): 8 weight rows per block, 8 independent accumulators
+    const int64_t blocks = (N + 7) / 8;
+#pragma omp parallel for schedule(static) num_threads(g_threads)
+    for (int64_t nb = 0; nb < blocks; ++nb) {
+      const int64_t n0 = nb * 8;
+      if (n0 + 8 > N) {
+        for (int64_t n = n0; n < N; ++n) micro<1, 1>(x, w, y, K, N, 0, n);
+        continue;
+      }
+      micro<8, 1>(x, w, y, K, N, 0, n0);
+    }
+  } else if (k < 8) {  // few rows: 4 weight rows per block, tiles of 2 query rows, then 1
     const int64_t blocks = (N + 3) / 4;
 #pragma omp parallel for schedule(static) num_threads(g_threads)
     for (int64_t nb = 0; nb < blocks; ++nb) {
@@ -213,13 +249,80 @@ static inline void swiglu_row(const float *gu, float *out, int64_t F) {
   }
 }
 
-// x [k, K] f32, w [N, K] f32 (HF [out, in]) -> y [k, N] f32, y[r, n] = dot(x[r], w[n]).
+// x [k, K] f32, w [N, K] f32 or f16 (HF [out, in]) -> y [k, N] f32, y[r, n] = dot(x[r], w[n]).
 extern "C" int Linear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
                       void *extra) {
   Timed timed(K_LINEAR);
   if (nparam != 3 || ndims[0] != 2 || ndims[1] != 2 || shapes[0][1] != shapes[1][1]) return 1;
-  linear_into((const float *)params[0], (const float *)params[1], (float *)params[2], shapes[0][0], shapes[0][1],
-              shapes[1][0]);
+  const float *x = (const float *)params[0];
+  float *y = (float *)params[2];
+  if (is_half(dtypes[1]))
+    linear_into(x, (const _Float16 *)params[1], y, shapes[0][0], shapes[0][1], shapes[1][0]);
+  else
+    linear_into(x, (const float *)params[1], y, shapes[0][0], shapes[0][1], shapes[1][0]);
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------- HeadTopK
+// h [k, H] f32, w [V, H] f32 or f16, d2t [V] i32 -> top_logp [k, K] f32, top_ids [k, K] i32: the head's logits
+// x = h @ w.T (linear_into), their log-softmax x - m - log(sum(exp(x - m))) with m = max(x) (exp8 over the row in
+// index order, 8 partial sums folded by fold8), and the K largest, value descending then index ascending (ops.topk
+// on CPU orders exact ties otherwise), each id mapped to i + d2t[i] (the EAGLE-3 draft-to-target offset,
+// models/eagle3.py). One call instead of the head, log_softmax, topk and gather graph ops (~0.5 ms a call on a
+// 2-core CPU, docs/cpu_kernels.md).
+template <typename W>
+static void head_topk(const float *h, const W *w, const int32_t *d2t, float *top_logp, int32_t *top_ids,
+                      int64_t k, int64_t H, int64_t V, int64_t K) {
+  std::vector<float> logits(k * V);
+  linear_into(h, w, logits.data(), k, H, V);
+#pragma omp parallel for schedule(static) num_threads(g_threads)
+  for (int64_t r = 0; r < k; ++r) {
+    const float *x = logits.data() + r * V;
+    float m = -INFINITY;
+    for (int64_t i = 0; i < V; ++i) m = x[i] > m ? x[i] : m;
+    v8 acc = splat8(0.f);
+    int64_t i = 0;
+    for (; i + 8 <= V; i += 8) acc = acc + exp8(load8(x + i) - splat8(m));
+    if (i < V) {                                      // the tail's missing lanes at -inf: exp8 clamps them to 0
+      v8 t = splat8(-INFINITY);
+      for (int64_t j = 0; j < V - i; ++j) t[j] = x[i + j];
+      acc = acc + exp8(t - splat8(m));
+    }
+    const float lse = m + std::log(fold8(acc));
+    float *tv = top_logp + r * K;
+    int32_t *ti = top_ids + r * K;
+    int64_t n = 0;                                    // insertion into the best K so far (sorted, ties: lower id)
+    for (int64_t j = 0; j < V; ++j) {
+      const float v = x[j];
+      if (n == K && !(v > tv[K - 1])) continue;
+      int64_t pos = n < K ? n++ : K - 1;
+      while (pos > 0 && v > tv[pos - 1]) {
+        tv[pos] = tv[pos - 1], ti[pos] = ti[pos - 1];
+        --pos;
+      }
+      tv[pos] = v, ti[pos] = (int32_t)j;
+    }
+    for (int64_t j = 0; j < K; ++j) {
+      tv[j] = tv[j] - lse;
+      ti[j] = ti[j] + d2t[ti[j]];
+    }
+  }
+}
+
+extern "C" int HeadTopK(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                        void *extra) {
+  Timed timed(K_LINEAR);
+  if (nparam != 5 || ndims[0] != 2 || ndims[1] != 2 || ndims[3] != 2) return 1;
+  const int64_t k = shapes[0][0], H = shapes[0][1], V = shapes[1][0], K = shapes[3][1];
+  if (shapes[1][1] != H || shapes[2][0] != V || shapes[3][0] != k || K < 1 || K > V) return 2;
+  const float *h = (const float *)params[0];
+  const int32_t *d2t = (const int32_t *)params[2];
+  float *tv = (float *)params[3];
+  int32_t *ti = (int32_t *)params[4];
+  if (is_half(dtypes[1]))
+    head_topk(h, (const _Float16 *)params[1], d2t, tv, ti, k, H, V, K);
+  else
+    head_topk(h, (const float *)params[1], d2t, tv, ti, k, H, V, K);
   return 0;
 }
 
@@ -238,23 +341,33 @@ extern "C" int AddRmsNorm(int nparam, void **params, int *ndims, int64_t **shape
 }
 
 // ---------------------------------------------------------------------------------------------- MlpAddNorm
-// h [k, H], w_gate_up [2F, H], w_down [H, F], resid [k, H], eps [1] -> y = resid + down(silu(gate) * up),
-// h' = rms(y): the SwiGLU MLP (silu(g) = g / (1 + exp(-g)), exp8), the residual add and the next norm.
+// h [k, H], w_gate_up [2F, H], w_down [H, F] (both f32 or both f16), resid [k, H], eps [1] -> y = resid +
+// down(silu(gate) * up), h' = rms(y): the SwiGLU MLP (silu(g) = g / (1 + exp(-g)), exp8), the residual add and the
+// next norm.
+template <typename W>
+static void mlp_add_norm(const float *x, const W *wgu, const W *wd, const float *res, float eps, float *y, float *hn,
+                         int64_t k, int64_t H, int64_t F) {
+  std::vector<float> gu(k * 2 * F), act(k * F), d(k * H);
+  linear_into(x, wgu, gu.data(), k, H, 2 * F);
+  for (int64_t r = 0; r < k; ++r) swiglu_row(gu.data() + r * 2 * F, act.data() + r * F, F);
+  linear_into(act.data(), wd, d.data(), k, F, H);
+  for (int64_t r = 0; r < k; ++r) add_norm_row(res + r * H, d.data() + r * H, nullptr, eps, y + r * H, hn + r * H, H);
+}
+
 extern "C" int MlpAddNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                           void *stream, void *extra) {
   Timed timed(K_MLP);
   if (nparam != 7) return 1;
-  const float *x = (const float *)params[0], *wgu = (const float *)params[1], *wd = (const float *)params[2];
-  const float *res = (const float *)params[3];
+  const float *x = (const float *)params[0], *res = (const float *)params[3];
   const float eps = ((const float *)params[4])[0];
   float *y = (float *)params[5], *hn = (float *)params[6];
   const int64_t k = shapes[0][0], H = shapes[0][1], F2 = shapes[1][0], F = F2 / 2;
-  if (shapes[1][1] != H || shapes[2][0] != H || shapes[2][1] != F) return 2;
-  std::vector<float> gu(k * F2), act(k * F), d(k * H);
-  linear_into(x, wgu, gu.data(), k, H, F2);
-  for (int64_t r = 0; r < k; ++r) swiglu_row(gu.data() + r * F2, act.data() + r * F, F);
-  linear_into(act.data(), wd, d.data(), k, F, H);
-  for (int64_t r = 0; r < k; ++r) add_norm_row(res + r * H, d.data() + r * H, nullptr, eps, y + r * H, hn + r * H, H);
+  if (shapes[1][1] != H || shapes[2][0] != H || shapes[2][1] != F || is_half(dtypes[1]) != is_half(dtypes[2]))
+    return 2;
+  if (is_half(dtypes[1]))
+    mlp_add_norm(x, (const _Float16 *)params[1], (const _Float16 *)params[2], res, eps, y, hn, k, H, F);
+  else
+    mlp_add_norm(x, (const float *)params[1], (const float *)params[2], res, eps, y, hn, k, H, F);
   return 0;
 }
 
@@ -333,7 +446,8 @@ extern "C" int PagedAttention(int nparam, void **params, int *ndims, int64_t **s
 // ---------------------------------------------------------------------------------------------- AttnBlock
 // The attention half of a decoder layer in one call:
 //   x [k, H] residual, h [k, Hin] normed input (rms(x) in a teacher layer, Hin = H; the EAGLE-3 drafter's first
-//   layer feeds [rms(embedding), rms(feature)], Hin = 2 H), wqkv [(nh + 2 n_kv) hd, Hin], wo [H, nh hd],
+//   layer feeds [rms(embedding), rms(feature)], Hin = 2 H), wqkv [(nh + 2 n_kv) hd, Hin], wo [H, nh hd] (both
+//   f32 or both f16; biases f32),
 //   cos / sin_signed [k, hd],
 //   heads [2] i32 = (nh, n_kv), key_cache / value_cache [R, hd] (written in place), write_rows [k n_kv] i32 (row
 //   of token r, KV head j at r n_kv + j), read_rows [(G,) n_kv, S] i32, mask [k, S], eps [1][, bqkv[, bo]]
@@ -341,13 +455,11 @@ extern "C" int PagedAttention(int nparam, void **params, int *ndims, int64_t **s
 // Steps: q/k/v = h @ wqkv.T (+ bqkv) split by head, NeoX RoPE on q and k; k / v rows written into the caches (in
 // row order: padding rows that share a pad slot leave the last one); attention of q over read_rows as
 // PagedAttention (scale 1: q carries 1/sqrt(hd)); output projection, residual add, norm.
-extern "C" int AttnBlock(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
-                         void *extra) {
-  Timed timed(K_BLOCK);
-  if (nparam < 15 || nparam > 17) return 1;
+template <typename W>
+static int attn_block(int nparam, void **params, int *ndims, int64_t **shapes) {
   const int nb = nparam - 15;
   const float *x = (const float *)params[0], *hin = (const float *)params[1];
-  const float *wqkv = (const float *)params[2], *wo = (const float *)params[3];
+  const W *wqkv = (const W *)params[2], *wo = (const W *)params[3];
   const float *cs = (const float *)params[4], *sn = (const float *)params[5];
   const int32_t *heads = (const int32_t *)params[6];
   float *kc = (float *)params[7], *vc = (float *)params[8];
@@ -388,4 +500,12 @@ extern "C" int AttnBlock(int nparam, void **params, int *ndims, int64_t **shapes
   linear_into(ctx.data(), wo, o.data(), k, nh * hd, H);
   for (int64_t r = 0; r < k; ++r) add_norm_row(x + r * H, o.data() + r * H, bo, eps, y + r * H, hout + r * H, H);
   return 0;
+}
+
+extern "C" int AttnBlock(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                         void *extra) {
+  Timed timed(K_BLOCK);
+  if (nparam < 15 || nparam > 17 || is_half(dtypes[2]) != is_half(dtypes[3])) return 1;
+  return is_half(dtypes[2]) ? attn_block<_Float16>(nparam, params, ndims, shapes)
+                            : attn_block<float>(nparam, params, ndims, shapes);
 }

@@ -34,7 +34,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from mindspore_eagle.errors import MsEagleError
-from mindspore_eagle.kernels.attention import make_backend
+from mindspore_eagle.kernels.attention import CPU_LINEAR_MAX_ROWS, check_weight_dtype, make_backend
 from mindspore_eagle.kernels.dense import rms_norm
 from mindspore_eagle.models.llama import (
     RMSNorm,
@@ -346,8 +346,9 @@ class Eagle3Drafter(nn.Cell):
     ``top_logp`` are log-softmax values over the draft vocabulary in fp32 (docs/design.md, "Tree expansion"),
     ``top_ids`` already mapped to teacher ids through d2t. ``h`` / ``h_out`` are in the compute dtype.
 
-    Compute dtype = the shared embedding's dtype (``model.dtype``): weights, matmuls, residual and KV cache in it;
-    RMSNorm, RoPE, softmax and the logits in float32 (as the teacher, models/llama.py); float32 adds no cast.
+    Compute dtype = the shared embedding's dtype (``model.dtype``): matmuls, residual and KV cache in it, the
+    matrices too unless ``weight_dtype`` says otherwise; RMSNorm, RoPE, softmax and the logits in float32 (as the
+    teacher, models/llama.py); float32 adds no cast.
 
     The layer math is the backend's, as in the teacher's decoder layer (``attention.py``: ``attention_block`` then
     ``mlp_add_norm``, one C++ kernel call each on the CPU backend), so the weights are held as the teacher holds
@@ -359,22 +360,31 @@ class Eagle3Drafter(nn.Cell):
         the drafter's compute dtype);
         top_k: K; num_blocks / block_size / max_seq_len: the drafter cache geometry;
         attention: cache / attention backend (``attention.py``): auto | portable | fused | a built backend.
+        weight_dtype: storage dtype of the matrices (fc, q/k/v, o, gate/up, down, lm_head); None = the compute
+            dtype. float16 under float32 compute on the cpu backend: each folded matrix is rounded once to float16
+            and the kernels widen it exactly as they read it (float32 arithmetic, half the bytes a draft call
+            reads; the committed drafter is a float16 checkpoint).
+    Raises:
+        ValueError: a ``weight_dtype`` the backend cannot hold (``attention.check_weight_dtype``).
     """
 
     def __init__(self, cfg: DrafterConfig, embed: Parameter, top_k: int, num_blocks: int, block_size: int,
-                 max_seq_len: int, attention="auto"):
+                 max_seq_len: int, attention="auto", weight_dtype=None):
         super().__init__()
         hd = cfg.head_dim
         self.cfg, self.top_k = cfg, top_k
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, hd
         self.group = self.nh // self.nkv
-        dt = embed.dtype
+        dt = self.dtype = embed.dtype
         self.embed = embed
         self.d2t = Parameter(Tensor(np.zeros(cfg.draft_vocab_size, np.int32)), name="d2t", requires_grad=False)
         self.eps = cfg.rms_norm_eps
         # score factor 1: q carries 1/sqrt(hd) (fold_drafter_tensors), as the teacher's q does
         self.backend = make_backend(attention, num_blocks, block_size, self.nkv, self.nh, hd, dt, 1.0)
-        declare_drafter_weights(self, cfg, dt, self.backend)
+        self.weight_dtype = dt if weight_dtype is None else weight_dtype
+        check_weight_dtype(self.backend, self.weight_dtype, dt)
+        declare_drafter_weights(self, cfg, self.weight_dtype, self.backend)
+        self.head_kernel = self.backend.head_kernel(top_k)        # the head, log-softmax and top-K in one call
         self.key_cache = self.backend.make_cache("draft_key_cache")
         self.value_cache = self.backend.make_cache("draft_value_cache")
         cos, sin = rope_tables(hd, max_seq_len, cfg.rope_theta)
@@ -384,8 +394,8 @@ class Eagle3Drafter(nn.Cell):
 
     def fuse(self, aux):
         """aux f32 [k, 3Ht] -> fc(aux) [k, H] in the compute dtype."""
-        if aux.dtype != self.fc.dtype:
-            aux = aux.astype(self.fc.dtype)
+        if aux.dtype != self.dtype:
+            aux = aux.astype(self.dtype)
         return self.backend.linear(aux, self.fc)
 
     def construct(self, h, tokens, positions, slots, block_table, mask):
@@ -417,13 +427,9 @@ class Eagle3Drafter(nn.Cell):
 
     def _top(self, h_normed):
         """rms(h_out) [r, H] -> (top_logp [r, K] f32 log-softmax over Vd, top_ids [r, K] i32 teacher ids via d2t)."""
-        logits = self.backend.linear(h_normed, self.lm_head)
-        if logits.dtype != ms.float32:
-            logits = logits.astype(ms.float32)
-        logp = ops.log_softmax(logits, -1)
-        top_logp, top_idx = ops.topk(logp, self.top_k)
-        top_ids = top_idx + ops.gather(self.d2t, top_idx.reshape(-1), 0).reshape(top_idx.shape)
-        return top_logp, top_ids
+        if self.head_kernel is not None and h_normed.shape[0] <= CPU_LINEAR_MAX_ROWS:
+            return self.head_kernel(h_normed, self.lm_head, self.d2t)
+        return self.backend.head_topk(h_normed, self.lm_head, self.d2t, self.top_k)
 
     def attention_probs(self, h, tokens, positions, block_table, mask):
         """Attention weights [k, S] (mean over heads) of the first layer for ``h``/``tokens`` against its cache.
@@ -434,7 +440,7 @@ class Eagle3Drafter(nn.Cell):
         e = ops.gather(self.embed, tokens, 0)
         x = ops.concat((rms_norm(e, self.eps), rms_norm(h, self.eps)), -1)
         nq = self.nh * self.hd
-        q = self.matmul_t(x, self.wqkv[:nq])                                     # carries 1/sqrt(hd)
+        q = self.matmul_t(x, self.wqkv[:nq].astype(x.dtype))                     # carries 1/sqrt(hd)
         cos = ops.gather(self.cos, positions, 0).expand_dims(1)
         sin = ops.gather(self.sin, positions, 0).expand_dims(1)
         q = apply_rope(q.reshape(k_len, self.nh, self.hd), cos, sin, self.swap)

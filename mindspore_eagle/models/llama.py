@@ -34,7 +34,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from mindspore_eagle.kernels.attention import make_backend, paged_attention  # noqa: F401  (paged_attention re-exported)
+from mindspore_eagle.kernels.attention import (  # noqa: F401  (paged_attention re-exported)
+    check_weight_dtype, make_backend, paged_attention)
 from mindspore_eagle.kernels.dense import (  # noqa: F401  (re-exported: the portable forms of the layer math)
     WEIGHT_LEFT_ROWS,
     apply_rope,
@@ -107,18 +108,19 @@ class DecoderLayer(nn.Cell):
     backend does the math (``attention.py``): the attention block (which writes the cache), then the MLP block.
     """
 
-    def __init__(self, cfg: ModelConfig, backend, layer: int, dtype=ms.float32):
+    def __init__(self, cfg: ModelConfig, backend, layer: int, dtype=ms.float32, weight_dtype=None):
         super().__init__()
         self.backend = backend
         self.eps = cfg.rms_norm_eps
         nh, nkv, hd, H, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
         qkv_out = (nh + 2 * nkv) * hd
-        self.wqkv = zeros_param((qkv_out, H), dtype, "wqkv")
+        wdt = dtype if weight_dtype is None else weight_dtype       # the matrices; biases in the compute dtype
+        self.wqkv = zeros_param((qkv_out, H), wdt, "wqkv")
         self.bqkv = zeros_param((qkv_out,), dtype, "bqkv") if cfg.qkv_bias else None
-        self.wo = zeros_param((H, nh * hd), dtype, "wo")
+        self.wo = zeros_param((H, nh * hd), wdt, "wo")
         self.bo = zeros_param((H,), dtype, "bo") if cfg.o_bias else None
-        self.w_gate_up = zeros_param((2 * F, H), dtype, "w_gate_up")
-        self.w_down = zeros_param((H, F), dtype, "w_down")
+        self.w_gate_up = zeros_param((2 * F, H), wdt, "w_gate_up")
+        self.w_down = zeros_param((H, F), wdt, "w_down")
         self.key_cache = backend.make_cache(f"key_cache_{layer}")
         self.value_cache = backend.make_cache(f"value_cache_{layer}")
 
@@ -146,20 +148,31 @@ class LlamaModel(nn.Cell):
             (fused kernels on Ascend in half precision, the CPU kernels on CPU in float32 when they build, else
             portable), portable, fused, cpu, or a built backend Cell.
             The fused backend's PagedAttention gets ``scale_value`` 1.0: the q weights carry 1/sqrt(hd).
+        weight_dtype: storage dtype of the matrices (q/k/v, o, gate/up, down, the head); None = ``dtype``.
+            float16 under float32 compute on the cpu backend (``attention.CpuBackend``): each matrix is rounded
+            once to float16 and the kernels widen it exactly as they read it, so a decode reads half the bytes and
+            computes in float32; the embedding stays in ``dtype`` (rows are gathered, not streamed; the drafter
+            shares it), and a tied head gets its own float16 copy.
+    Raises:
+        ValueError: a ``weight_dtype`` the backend cannot hold (``attention.check_weight_dtype``).
     """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, max_seq_len: int, dtype=ms.float32,
-                 attention="auto"):
+                 attention="auto", weight_dtype=None):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
+        self.weight_dtype = dtype if weight_dtype is None else weight_dtype
         self.backend = make_backend(attention, num_blocks, block_size, cfg.num_kv_heads, cfg.num_heads,
                                     cfg.head_dim, dtype, 1.0)
+        check_weight_dtype(self.backend, self.weight_dtype, dtype)
         self.eps = cfg.rms_norm_eps
         self.embed = zeros_param((cfg.vocab_size, cfg.hidden_size), dtype, "embed")
-        self.layers = nn.CellList([DecoderLayer(cfg, self.backend, i, dtype) for i in range(cfg.num_layers)])
+        self.layers = nn.CellList([DecoderLayer(cfg, self.backend, i, dtype, self.weight_dtype)
+                                   for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else zeros_param((cfg.vocab_size, cfg.hidden_size), dtype,
-                                                                         "lm_head")
+        own_head = not cfg.tie_word_embeddings or self.weight_dtype != dtype
+        self.lm_head = zeros_param((cfg.vocab_size, cfg.hidden_size), self.weight_dtype, "lm_head") if own_head \
+            else None
         cos, sin = rope_tables(cfg.head_dim, max_seq_len, cfg.rope_theta)
         self.cos, self.sin = Tensor(cos), Tensor(sin)
         self.aux_layers = tuple(int(i) for i in cfg.aux_layers)
@@ -228,6 +241,8 @@ class LlamaModel(nn.Cell):
         """
         cfg, dt = self.cfg, self.dtype
         T = ms.Tensor if dt == ms.float32 else (lambda arr: ms.Tensor(arr, dt))   # one rounding to dt
+        wdt = self.weight_dtype
+        W = T if wdt == dt else (lambda arr: ms.Tensor(arr.astype(np.float16)))   # matrices: one rounding to wdt
 
         def get(name, shape):
             if name not in tensors:
@@ -242,26 +257,27 @@ class LlamaModel(nn.Cell):
         self.embed.set_data(T(get("model.embed_tokens.weight", (cfg.vocab_size, H))))
         self.norm.weight.set_data(ms.Tensor(get("model.norm.weight", (H,))))
         if self.lm_head is not None:
-            self.lm_head.set_data(T(get("lm_head.weight", (cfg.vocab_size, H))))
+            head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+            self.lm_head.set_data(W(get(head, (cfg.vocab_size, H))))
         scale = np.float32(1.0 / np.sqrt(hd))           # softmax(q k^T / sqrt(hd)): folded into q
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = layer
             g_in = get(p + "input_layernorm.weight", (H,))
             g_post = get(p + "post_attention_layernorm.weight", (H,))
-            a.wqkv.set_data(T(np.concatenate([get(p + "self_attn.q_proj.weight", (qo, H)) * scale,
+            a.wqkv.set_data(W(np.concatenate([get(p + "self_attn.q_proj.weight", (qo, H)) * scale,
                                                    get(p + "self_attn.k_proj.weight", (kvo, H)),
                                                    get(p + "self_attn.v_proj.weight", (kvo, H))], 0) * g_in))
             if a.bqkv is not None:
                 a.bqkv.set_data(T(np.concatenate([get(p + "self_attn.q_proj.bias", (qo,)) * scale,
                                                        get(p + "self_attn.k_proj.bias", (kvo,)),
                                                        get(p + "self_attn.v_proj.bias", (kvo,))], 0)))
-            a.wo.set_data(T(get(p + "self_attn.o_proj.weight", (H, qo))))
+            a.wo.set_data(W(get(p + "self_attn.o_proj.weight", (H, qo))))
             if a.bo is not None:
                 a.bo.set_data(T(get(p + "self_attn.o_proj.bias", (H,))))
-            layer.w_gate_up.set_data(T(np.concatenate([get(p + "mlp.gate_proj.weight", (F, H)),
+            layer.w_gate_up.set_data(W(np.concatenate([get(p + "mlp.gate_proj.weight", (F, H)),
                                                                 get(p + "mlp.up_proj.weight", (F, H))], 0) * g_post))
-            layer.w_down.set_data(T(get(p + "mlp.down_proj.weight", (H, F))))
+            layer.w_down.set_data(W(get(p + "mlp.down_proj.weight", (H, F))))
 
     def caches(self) -> list:
         """[(key_cache, value_cache)] per layer: the Parameters the cache manager compacts on commit."""

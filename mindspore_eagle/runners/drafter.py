@@ -86,7 +86,8 @@ class DrafterRunner:
 
     def _run(self, sid, h, tokens, positions, slots, mask):
         table = self.bm.block_table(sid)[: mask.shape[1] // self.B]
-        return self._step(h, ms.Tensor(np.asarray(tokens, np.int32)), ms.Tensor(np.asarray(positions, np.int32)),
+        return self._step(ms.Tensor(h), ms.Tensor(np.asarray(tokens, np.int32)),
+                          ms.Tensor(np.asarray(positions, np.int32)),
                           ms.Tensor(np.asarray(slots, np.int32)), ms.Tensor(table),
                           ms.Tensor(mask))
 
@@ -98,7 +99,7 @@ class DrafterRunner:
             aux: float32 [n, 3Ht] teacher features of the committed tokens (n >= 1).
             next_tokens: int [n], the token that follows each of them.
         Returns:
-            (top_logp float32 [K], top_ids int64 [K] teacher ids, h_last mindspore.Tensor [1, H]).
+            (top_logp float32 [K], top_ids int64 [K] teacher ids, h_last float32 [1, H]).
 
         One graph call per chunk of at most ``chunk`` pairs (``Eagle3Drafter.context``: fc, the layer, and the head
         on the chunk's last pair only).
@@ -126,7 +127,7 @@ class DrafterRunner:
                 ms.Tensor(np.asarray(slots, np.int32)), ms.Tensor(table), ms.Tensor(mask),
                 ms.Tensor(np.array([m - 1], np.int32)))
             self.bm.advance(sid, m)
-        return top_logp.asnumpy()[0], top_ids.asnumpy()[0].astype(np.int64), h_last
+        return top_logp.asnumpy()[0], top_ids.asnumpy()[0].astype(np.int64), h_last.asnumpy()
 
     # ------------------------------------------------------------------ tree expansion
     def build_tree(self, sid: int, root: int, first, M: int, D: int, grow=None) -> DraftTree:
@@ -141,7 +142,7 @@ class DrafterRunner:
         """
         K = self.K
         e = _Expansion(root, first, K)
-        cur_h = ms.ops.tile(first[2], (K, 1))
+        cur_h = np.repeat(first[2], K, 0)           # host arrays: a PyNative tile / gather costs 70-130 us each
         n_ctx = self.bm.length(sid)
         steps = max(0, D - 1)
         if steps:
@@ -155,7 +156,8 @@ class DrafterRunner:
             mask = e.mask(i, n_ctx, window, self._width(n_ctx + K * steps))
             lp, ids, h_out = self._run(sid, cur_h, e.cur_tok, positions, slots, mask)
             row = e.advance(i, lp.asnumpy(), ids.asnumpy())
-            cur_h = ms.ops.gather(h_out, ms.Tensor(row.astype(np.int32)), 0)
+            if i < steps:
+                cur_h = h_out.asnumpy()[row]
         if steps:
             self.bm.rollback(sid)
         return e.tree(M)
@@ -226,6 +228,7 @@ class DrafterRunner:
         for sid, m in zip(sids, ms_):
             self.bm.advance(sid, m)
         top_logp, top_ids = top_logp.asnumpy(), top_ids.asnumpy().astype(np.int64)
+        h_last = h_last.asnumpy()
         return [(top_logp[g], top_ids[g], h_last[g:g + 1]) for g in range(len(ms_))]
 
     def _build_trees(self, sids, roots, firsts, M: int, D: int, groups: int) -> list:
@@ -244,10 +247,9 @@ class DrafterRunner:
         for g, sid in enumerate(sids):
             table[g] = self.bm.block_table(sid)[: w // self.B]
         rows = groups * K
-        h_rows = [ms.ops.tile(f[2], (K, 1)) for f in firsts]
-        if groups > n:
-            h_rows.append(ms.ops.zeros(((groups - n) * K, h_rows[0].shape[1]), h_rows[0].dtype))
-        cur_h = ms.ops.concat(h_rows, 0)
+        cur_h = np.zeros((rows, firsts[0][2].shape[1]), firsts[0][2].dtype)      # pad groups: zeros
+        for g, f in enumerate(firsts):
+            cur_h[g * K:(g + 1) * K] = f[2]
         for i in range(1, steps + 1):
             tokens, positions = np.zeros(rows, np.int64), np.zeros(rows, np.int64)
             slots = self.bm.pad_slots(rows)
@@ -258,14 +260,15 @@ class DrafterRunner:
                 tokens[r], positions[r] = e.cur_tok, c + i - 1
                 slots[r] = self.bm.slots(sid, c + (i - 1) * K + np.arange(K))
                 mask[r] = e.mask(i, c, windows[g], w)
-            lp, ids, h_out = self._step(cur_h, ms.Tensor(tokens.astype(np.int32)),
+            lp, ids, h_out = self._step(ms.Tensor(cur_h), ms.Tensor(tokens.astype(np.int32)),
                                         ms.Tensor(positions.astype(np.int32)), ms.Tensor(slots), ms.Tensor(table),
                                         ms.Tensor(mask))
             lp, ids = lp.asnumpy(), ids.asnumpy()
             sel = np.zeros(rows, np.int32)                 # pad groups keep gathering row 0
             for g, e in enumerate(es):
                 sel[g * K:(g + 1) * K] = g * K + e.advance(i, lp[g * K:(g + 1) * K], ids[g * K:(g + 1) * K])
-            cur_h = ms.ops.gather(h_out, ms.Tensor(sel), 0)
+            if i < steps:
+                cur_h = h_out.asnumpy()[sel]
         for sid in sids:
             self.bm.rollback(sid)
         return [e.tree(M) for e in es]

@@ -107,8 +107,9 @@ def build_engine(cfg: Config, loaded: Loaded | None = None, trace=None, log=None
                   after_s=1.0):
             loaded = load_models(cfg)
     c, sp, mode = cfg.cache, cfg.speculative, cfg.exec_mode
+    teacher_wdt, drafter_wdt = weight_dtypes(cfg)
     teacher = LlamaModel(loaded.teacher_cfg, c.num_blocks, c.block_size, c.max_seq_len,
-                           COMPUTE_DTYPES[cfg.model.dtype])
+                           COMPUTE_DTYPES[cfg.model.dtype], weight_dtype=teacher_wdt)
     teacher.load_hf_weights(loaded.teacher_tensors)
     target = TeacherRunner(teacher, c.num_blocks, c.block_size, c.max_seq_len, mode, c.prefill_chunk)
     drafter = None
@@ -117,7 +118,8 @@ def build_engine(cfg: Config, loaded: Loaded | None = None, trace=None, log=None
         d_len = -(-(c.max_seq_len + scratch) // c.block_size) * c.block_size
         seqs = max(1, c.num_blocks // (c.max_seq_len // c.block_size))     # full sequences the teacher pool holds
         d_blocks = seqs * (d_len // c.block_size)
-        cell = Eagle3Drafter(loaded.drafter_cfg, teacher.embed, sp.top_k, d_blocks, c.block_size, d_len)
+        cell = Eagle3Drafter(loaded.drafter_cfg, teacher.embed, sp.top_k, d_blocks, c.block_size, d_len,
+                             weight_dtype=drafter_wdt)
         cell.load_tensors(loaded.drafter_tensors)
         drafter = DrafterRunner(cell, d_blocks, c.block_size, d_len, mode, sp.window, c.prefill_chunk)
     if trace is None:
@@ -125,6 +127,26 @@ def build_engine(cfg: Config, loaded: Loaded | None = None, trace=None, log=None
     return Engine(target, loaded.tokenizer, loaded.teacher_cfg.eos_token_ids, drafter, sp, trace,
                   cost_file=cost_file(cfg) if sp.policy == "adaptive" and (drafter is not None or sp.method == "suffix")
                   else None)
+
+
+def weight_dtypes(cfg: Config) -> tuple:
+    """(teacher, drafter) storage dtypes of the matrices (MindSpore dtypes) for ``cfg.model.weight_dtype``.
+
+    float32 / float16: both models (float16 needs the cpu backend, else the models raise ValueError naming the
+    key). auto: the drafter's float16 where its backend holds half weights under float32 compute (the cpu
+    backend: ``attention.CpuBackend``; drafts change by the rounding only, the output not at all), else
+    ``model.dtype``; the teacher's ``model.dtype``.
+    """
+    import mindspore as ms
+
+    from mindspore_eagle.kernels.attention import select_backend
+    from mindspore_eagle.models.llama import COMPUTE_DTYPES
+
+    dt, name = COMPUTE_DTYPES[cfg.model.dtype], cfg.model.weight_dtype
+    if name != "auto":
+        return (COMPUTE_DTYPES[name],) * 2
+    half = dt == ms.float32 and select_backend("auto", dt) == "cpu"
+    return dt, (ms.float16 if half else dt)
 
 
 def prepare(engine, cfg, gen, mode: str = "full", log=None, drafters=None, graph_cache: bool = True,
@@ -163,8 +185,8 @@ def prepare(engine, cfg, gen, mode: str = "full", log=None, drafters=None, graph
 def cost_file(cfg: Config) -> str:
     """Where the adaptive policy's CostTable of this machine and config is kept (read at the first speculative
     step, written after every turn with what the turn measured, ``Engine.policy``): $MSEAGLE_CACHE/costs/<key>.json,
-    keyed by CPU, core count, MindSpore version, teacher, drafter, dtype, mode, threads, cache geometry and
-    M / D_max / top_k (anything that changes a call's cost)."""
+    keyed by CPU, core count, MindSpore version, teacher, drafter, dtype, weight dtype, mode, threads, cache
+    geometry and M / D_max / top_k (anything that changes a call's cost)."""
     import hashlib
     import platform
 
@@ -176,10 +198,11 @@ def cost_file(cfg: Config) -> str:
         if os.path.exists("/proc/cpuinfo") else platform.processor()
     sp = cfg.speculative
     key = repr((cpu, os.cpu_count(), mindspore.__version__, cfg.model.teacher, cfg.model.drafter, cfg.model.dtype,
-                cfg.exec_mode, cfg.context.threads, os.environ.get("MSEAGLE_THREADS"), cfg.context.device_target,
+                cfg.model.weight_dtype, cfg.exec_mode, cfg.context.threads, os.environ.get("MSEAGLE_THREADS"),
+                cfg.context.device_target,
                 cfg.cache.block_size, cfg.cache.max_seq_len, sp.M, sp.D_max, sp.top_k))
     return str(cache_dir() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json"))
 
 
-__all__ = ["build_engine", "load_models", "random_drafter", "resolve_teacher", "EMBEDDED_DRAFTER",
+__all__ = ["build_engine", "load_models", "random_drafter", "resolve_teacher", "weight_dtypes", "EMBEDDED_DRAFTER",
            "CheckpointError", "DrafterCheckpointError"]

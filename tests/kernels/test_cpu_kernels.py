@@ -4,6 +4,8 @@
   multiple of 4, odd row counts), and each contract shown able to fail: a transposed weight, a wrong RoPE sign,
   an off-by-one cache row, a shifted mask all differ from the reference beyond the tolerance;
 - batch invariance: every row of a k-row call equals, bit for bit, the same row computed alone;
+- float16 weights: a call with half-float matrices equals, bit for bit, the float32 call on the same weights
+  widened (a half converts to exactly one float), and a half weight is really read as half (not as float bits);
 - the teacher on the CPU backend against the portable backend (chunked prefill, decode, tree verification,
   commit, rollback; logits, features and the cache), eager and fused;
 - end to end: the logits of a tree's nodes in one verification equal, bit for bit, the logits of the same tokens
@@ -122,6 +124,93 @@ def test_mlp_add_norm(kern):
     assert np.array_equal(alone[0][0], y[1]) and np.array_equal(alone[1][0], hn[1])
 
 
+@pytest.mark.parametrize("k", [1, 2, 3, 8, 11])
+def test_half_weights_equal_their_widened_float32(kern, k):
+    """Linear, MlpAddNorm and AttnBlock (no bias, both biases) with float16 weights against the float32 kernels on
+    w.astype(float32): bit-identical outputs and cache writes, and different from the float32 weights the halves
+    were rounded from (the halves are read as halves)."""
+    from mindspore_eagle.models.llama import rope_tables
+
+    rng = np.random.default_rng(10 + k)
+    H, F, K, N = 20, 21, 44, 10
+    x = rng.normal(size=(k, K)).astype(np.float32)
+    w = rng.normal(size=(N, K)).astype(np.float32)
+    w16 = w.astype(np.float16)
+    y16 = call(kern.linear, x, w16)
+    assert np.array_equal(y16, call(kern.linear, x, w16.astype(np.float32)))
+    assert 1e-6 < rel(y16, cpu.ref_linear(x, w)) < 2e-3
+
+    h, resid = rng.normal(size=(2, k, H)).astype(np.float32)
+    wgu, wd = rng.normal(size=(2 * F, H)).astype(np.float16), rng.normal(size=(H, F)).astype(np.float16)
+    eps = np.array([1e-5], np.float32)
+    half = call(kern.mlp_add_norm, h, wgu, wd, resid, eps)
+    full = call(kern.mlp_add_norm, h, wgu.astype(np.float32), wd.astype(np.float32), resid, eps)
+    assert all(np.array_equal(a, b) for a, b in zip(half, full))
+    with pytest.raises(RuntimeError):                                  # one matrix half, the other float32
+        call(kern.mlp_add_norm, h, wgu, wd.astype(np.float32), resid, eps)
+
+    nh, nkv, hd, R, S = 4, 2, 12, 40, 10
+    cos, sin = rope_tables(hd, 64, 10000.0)
+    pos = np.arange(k) % S
+    wqkv = rng.normal(size=((nh + 2 * nkv) * hd, 2 * H)).astype(np.float16)
+    wo = rng.normal(size=(H, nh * hd)).astype(np.float16)
+    hin = rng.normal(size=(k, 2 * H)).astype(np.float32)
+    bqkv, bo = rng.normal(size=(wqkv.shape[0],)).astype(np.float32), rng.normal(size=(H,)).astype(np.float32)
+    write = (np.arange(k)[:, None] + np.array([0, R // 2])[None]).reshape(-1).astype(np.int32)
+    read = np.stack([np.arange(S) + j * (R // 2) for j in range(nkv)]).astype(np.int32)
+    mask = np.where(np.arange(S)[None] <= np.arange(k)[:, None] % S, 0.0, -1e9).astype(np.float32)
+    kc0, vc0 = rng.normal(size=(2, R, hd)).astype(np.float32)
+    for b in ((), (bqkv, bo)):
+        outs = []
+        for wq, wout in ((wqkv, wo), (wqkv.astype(np.float32), wo.astype(np.float32))):
+            kc, vc = ms.Parameter(ms.Tensor(kc0.copy()), name="kc"), ms.Parameter(ms.Tensor(vc0.copy()), name="vc")
+            args = [ms.Tensor(a) for a in (resid, hin, wq, wout, cos[pos], sin[pos], np.array([nh, nkv], np.int32))]
+            args += [kc, vc] + [ms.Tensor(a) for a in (write, read, mask, eps) + b]
+            outs.append([o.asnumpy() for o in kern.attn_block[len(b)](*args)] + [kc.asnumpy(), vc.asnumpy()])
+        assert all(np.array_equal(a, c) for a, c in zip(*outs))
+
+
+@pytest.mark.parametrize("k,K", [(1, 4), (3, 1), (4, 4), (9, 3)])
+def test_head_topk(kern, k, K):
+    """Log-softmax and top-K of a draft head in one call against the float64 reference: the same ids in the same
+    order (ties: lower index first), log-probs within TOL, ids offset by d2t; each row alone equals
+    it in the call; float16 weights equal their widened float32."""
+    rng = np.random.default_rng(20 + k)
+    H, V = 20, 61                                                       # V not a multiple of 8: the tail
+    h = rng.normal(size=(k, H)).astype(np.float32)
+    w = rng.normal(size=(V, H)).astype(np.float32)
+    w[7] = w[3]                                                         # a tie between index 3 and 7 in every row
+    w[3] += 0.5 * np.sign(h[0]) * np.abs(w[3]).mean()                   # ... placed near the top of row 0
+    w[7] = w[3]
+    d2t = rng.integers(0, 1000, V).astype(np.int32)
+    lp, ids = call(kern.head_topk(K), h, w, d2t)
+    rlp, rids = cpu.ref_head_topk(h, w, d2t, K)
+    assert lp.shape == (k, K) and ids.dtype == np.int32
+    assert np.array_equal(ids, rids) and np.abs(lp - rlp).max() < 1e-5 * max(1.0, np.abs(rlp).max())
+    assert np.all(np.diff(lp, axis=1) <= 0)
+    assert not np.array_equal(ids, cpu.ref_head_topk(h, w, 0 * d2t, K)[1])     # d2t is applied
+    for r in range(k):
+        alone = call(kern.head_topk(K), h[r:r + 1], w, d2t)
+        assert np.array_equal(alone[0][0], lp[r]) and np.array_equal(alone[1][0], ids[r])
+    w16 = w.astype(np.float16)
+    a, b = call(kern.head_topk(K), h, w16, d2t), call(kern.head_topk(K), h, w16.astype(np.float32), d2t)
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+
+
+def test_head_topk_ties_keep_index_order(kern):
+    """Equal logits come out lowest index first (MindSpore's CPU TopK orders exact ties otherwise, e.g. 2, 5, 17
+    here: the two paths may differ on exact ties only); the log-probs equal the graph ops' within 1e-5 (exp8)."""
+    from mindspore import ops
+
+    h = np.ones((2, 8), np.float32)
+    w = np.zeros((24, 8), np.float32)
+    w[[5, 2, 17, 9]] = 1.0                                              # four equal maxima
+    lp, ids = call(kern.head_topk(3), h, w, np.zeros(24, np.int32))
+    assert ids.tolist() == [[2, 5, 9]] * 2
+    ref = ops.topk(ops.log_softmax(ms.Tensor(h @ w.T), -1), 3)[0].asnumpy()
+    assert np.allclose(ref, lp, atol=1e-5, rtol=0)
+
+
 def attention_case(seed, G=1):
     rng = np.random.default_rng(seed)
     nh, nkv, hd, S, R, kg = 4, 2, 12, 20, 64, 3
@@ -200,6 +289,88 @@ def test_cpu_backend_equals_portable(ms_runtime, tiny, mode):
             a, b = a.asnumpy().reshape(cfg.num_kv_heads, -1, cfg.head_dim), b.asnumpy().reshape(
                 cfg.num_kv_heads, -1, cfg.head_dim)
             assert rel(b[:, slots], a[:, slots]) < TOL
+
+
+def _round_matrices(net, names):
+    """Round every Parameter of ``net`` whose name ends with one of ``names`` to float16 values (kept float32)."""
+    for p in net.get_parameters():
+        if p.name.split(".")[-1] in names:
+            p.set_data(ms.Tensor(p.asnumpy().astype(np.float16).astype(np.float32)))
+
+
+@pytest.mark.parametrize("chunk", [32, 64])
+def test_half_weight_teacher_equals_float32_on_the_rounded_matrices(ms_runtime, tiny, chunk):
+    """LlamaModel(weight_dtype=float16): prefill (a 40-token chunk over CPU_LINEAR_MAX_ROWS takes MatMul on the
+    widened matrices at chunk 64), decodes and a tree verification give, bit for bit, the logits and features of the
+    float32 model whose folded matrices are rounded to float16 (the embedding itself is float16-exact here, so the
+    tied head's own half copy equals it); the matrices are stored as float16, the embedding as float32."""
+    from mindspore_eagle.models.llama import LlamaModel
+    from mindspore_eagle.runners.teacher import TeacherRunner
+
+    cfg, tensors, tok = tiny
+    tensors = dict(tensors)
+    tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].astype(np.float16).astype(np.float32)
+    half = LlamaModel(cfg, 32, 8, 128, ms.float32, attention="cpu", weight_dtype=ms.float16)
+    ref = LlamaModel(cfg, 32, 8, 128, ms.float32, attention="cpu")
+    for net in (half, ref):
+        net.load_hf_weights(tensors)
+    _round_matrices(ref, {"wqkv", "wo", "w_gate_up", "w_down", "lm_head", "embed"})
+    assert half.layers[0].wqkv.dtype == ms.float16 and half.head_weight().dtype == ms.float16
+    assert half.embed.dtype == ms.float32
+    rh, rr = (TeacherRunner(n, 32, 8, 128, "fused", chunk) for n in (half, ref))
+    sh, sr = rh.new_seq(), rr.new_seq()
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France? " * 3}]))
+    a, b = rh.prefill(sh, ids[:40]), rr.prefill(sr, ids[:40])
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    last = a[0]
+    for _ in range(3):
+        token = int(np.argmax(last))
+        a, b = rh.decode(sh, token), rr.decode(sr, token)
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
+        last = a[0]
+    tt = tensorize(tiny_tree(np.random.default_rng(1), int(np.argmax(last)), 12, 4, cfg.vocab_size), 12, 4)
+    assert all(np.array_equal(x, y) for x, y in zip(rh.verify(sh, tt), rr.verify(sr, tt)))
+    full = LlamaModel(cfg, 32, 8, 128, ms.float32, attention="cpu")
+    full.load_hf_weights(tensors)
+    rf = TeacherRunner(full, 32, 8, 128, "fused", chunk)
+    logits = rf.prefill(rf.new_seq(), ids[:40])[0]
+    assert 0 < np.abs(logits - rh.prefill(rh.new_seq(), ids[:40])[0]).max() < 0.05 * np.abs(logits).max()
+
+
+def test_half_weight_drafter_equals_float32_on_the_rounded_matrices(ms_runtime, tiny, tmp_path):
+    """Eagle3Drafter(weight_dtype=float16): the context pass and an expansion step give, bit for bit, the top-K
+    log-probs, ids and hidden rows of the float32 drafter whose folded matrices are rounded to float16; a backend
+    without half weights refuses it with the key's name."""
+    from tiny_engines import tiny_drafter_dir
+
+    from mindspore_eagle.models.eagle3 import Eagle3Drafter, load_drafter
+
+    tcfg = tiny[0]
+    dcfg, t = load_drafter(str(tiny_drafter_dir(tmp_path, tcfg, seed=4)))
+    embed = ms.Parameter(ms.Tensor(np.random.default_rng(0).normal(size=(tcfg.vocab_size, tcfg.hidden_size))
+                                   .astype(np.float32)), name="e")
+    half = Eagle3Drafter(dcfg, embed, 3, 4, 8, 32, attention="cpu", weight_dtype=ms.float16)
+    ref = Eagle3Drafter(dcfg, embed, 3, 4, 8, 32, attention="cpu")
+    for net in (half, ref):
+        net.load_tensors(t)
+    _round_matrices(ref, {"fc", "wqkv", "wo", "w_gate_up", "w_down", "lm_head"})
+    assert half.lm_head.dtype == ms.float16 and half.fc.dtype == ms.float16
+    rng = np.random.default_rng(2)
+    aux = ms.Tensor(rng.normal(size=(4, 3 * tcfg.hidden_size)).astype(np.float32))
+    tokens, positions = ms.Tensor(np.array([5, 9, 2, 7], np.int32)), ms.Tensor(np.arange(4, dtype=np.int32))
+    table = ms.Tensor(np.arange(4, dtype=np.int32))
+    mask = np.where(np.arange(32)[None] <= np.arange(4)[:, None], 0.0, -1e9).astype(np.float32)
+    outs = [net.context(aux, tokens, positions, positions, table, ms.Tensor(mask), ms.Tensor(np.array([3], np.int32)))
+            for net in (half, ref)]
+    assert all(np.array_equal(x.asnumpy(), y.asnumpy()) for x, y in zip(*outs))
+    h = ms.Tensor(np.repeat(outs[0][2].asnumpy(), 3, 0))
+    step_mask = np.where(np.arange(32)[None] <= 4, 0.0, -1e9).astype(np.float32).repeat(3, 0)
+    slots = ms.Tensor(np.array([4, 5, 6], np.int32))
+    outs = [net(h, tokens[:3], ms.Tensor(np.full(3, 4, np.int32)), slots, table, ms.Tensor(step_mask))
+            for net in (half, ref)]
+    assert all(np.array_equal(x.asnumpy(), y.asnumpy()) for x, y in zip(*outs))
+    with pytest.raises(ValueError, match="model.weight_dtype .* needs the cpu backend"):
+        Eagle3Drafter(dcfg, embed, 3, 4, 8, 32, attention="portable", weight_dtype=ms.float16)
 
 
 def test_tree_verification_is_bitwise_decode(ms_runtime, tiny):

@@ -103,6 +103,28 @@ def test_two_layer_drafter_lossless_and_fused_equals_eager(ms_runtime, tiny_dir,
     assert trees["two_fused"] != trees["one_fused"]
 
 
+def test_half_weights_stay_lossless_and_auto_halves_the_drafter_only(ms_runtime, tiny_dir, drafter_dir):
+    """model.weight_dtype: auto holds the drafter's matrices in float16 and the teacher's in float32 on the CPU
+    backend; float16 holds both, and speculative greedy output still equals teacher-only decoding of that teacher
+    (speculation is exact against the teacher as loaded)."""
+    import mindspore as ms
+
+    from mindspore_eagle.config import load_config
+    from mindspore_eagle.serving.pipeline import weight_dtypes
+
+    assert weight_dtypes(load_config(None, [])) == (ms.float32, ms.float16)
+    assert weight_dtypes(load_config(None, ["model.weight_dtype=float32"])) == (ms.float32, ms.float32)
+    eng, cfg = tiny_engine(tiny_dir, drafter_dir, "fused", ["model.weight_dtype=float16", "speculative.M=8",
+                                                             "speculative.D_max=3", "speculative.top_k=3"])
+    assert eng.teacher.model.layers[0].w_down.dtype == ms.float16 and eng.drafter.drafter.lm_head.dtype == ms.float16
+    gen = cfg.generation
+    gen.max_new_tokens = 16
+    for p in PROMPTS:
+        spec = eng.generate(p, gen, speculative=True)
+        assert spec.token_ids == eng.generate(p, gen, speculative=False).token_ids, p
+        assert len(spec.accept_lens) < len(spec.token_ids)            # trees were drafted and verified
+
+
 @pytest.mark.slow
 def test_fused_and_eager_identical(ms_runtime, tiny_dir, drafter_dir, tmp_path):
     results = {}
