@@ -99,7 +99,7 @@ class DrafterRunner:
             aux: float32 [n, 3Ht] teacher features of the committed tokens (n >= 1).
             next_tokens: int [n], the token that follows each of them.
         Returns:
-            (top_logp float32 [K], top_ids int64 [K] teacher ids, h_last float32 [1, H]).
+            (top_logp float32 [K], top_ids int64 [K] teacher ids, h_last numpy [1, H] in the compute dtype).
 
         One graph call per chunk of at most ``chunk`` pairs (``Eagle3Drafter.context``: fc, the layer, and the head
         on the chunk's last pair only).
