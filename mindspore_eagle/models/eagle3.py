@@ -391,6 +391,7 @@ class Eagle3Drafter(nn.Cell):
         self.cos, self.sin = Tensor(cos), Tensor(sin)
         self.swap = rope_swap_index(hd)
         self.matmul_t = ops.MatMul(transpose_b=True)
+        self.weights_version = 0                                  # bumped by load_tensors (eagle3_host.py)
 
     def fuse(self, aux):
         """aux f32 [k, 3Ht] -> fc(aux) [k, H] in the compute dtype."""
@@ -453,9 +454,11 @@ class Eagle3Drafter(nn.Cell):
 
     def load_tensors(self, t: dict) -> None:
         """Copy SpecForge-keyed float32 tensors into the fused Parameters, norms folded
-        (:func:`fold_drafter_tensors`; shapes checked by load_drafter)."""
+        (:func:`fold_drafter_tensors`; shapes checked by load_drafter), and bump ``weights_version`` (host views of
+        the Parameters, ``eagle3_host.HostDrafter``, are taken again)."""
         load_fused_weights(self, fold_drafter_tensors(self.cfg, t))
         self.d2t.set_data(Tensor(np.asarray(t["d2t"]).astype(np.int32)))
+        self.weights_version += 1
 
 
 def fold_drafter_tensors(cfg: DrafterConfig, t: dict) -> dict:

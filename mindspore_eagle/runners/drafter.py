@@ -25,6 +25,7 @@ from mindspore_eagle.core.tree import NEG_BIAS, DraftTree
 from mindspore_eagle.kernels.kv import BlockManager
 from mindspore_eagle.kernels.runtime import CompiledFn
 from mindspore_eagle.models.eagle3 import Eagle3Drafter
+from mindspore_eagle.models.eagle3_host import HostDrafter
 from mindspore_eagle.runners.shapes import context_widths, pow2_buckets
 
 
@@ -36,10 +37,13 @@ class DrafterRunner:
         (max_seq_len must hold the context plus the tree scratch K * (D - 1)). mode: fused | eager.
         window: W, the drafter attends to at most the last W context pairs (0 = all; paper Table 3).
         chunk: largest context-pass call (power of two).
+        host: run calls of at most ``HostDrafter.max_rows`` rows on the host (``models/eagle3_host.py``: the same
+            kernels without a graph launch, bit-identical outputs); None = whenever the drafter is on the cpu
+            backend. Longer calls (a prompt's context pass) stay compiled graphs.
     """
 
     def __init__(self, drafter: Eagle3Drafter, num_blocks: int, block_size: int, max_seq_len: int, mode: str,
-                 window: int = 0, chunk: int = 128):
+                 window: int = 0, chunk: int = 128, host: bool | None = None):
         self.drafter, self.K = drafter, drafter.top_k
         self.bm = BlockManager(num_blocks, block_size, max_seq_len)
         self.S, self.B, self.window = max_seq_len, block_size, int(window)
@@ -47,6 +51,9 @@ class DrafterRunner:
         self.widths = context_widths(max_seq_len, block_size)
         self._ctx = CompiledFn(drafter.context, mode)
         self._step = CompiledFn(drafter.construct, mode)
+        on_cpu = getattr(drafter.backend, "name", None) == "cpu"
+        self.host = HostDrafter(drafter) if (on_cpu if host is None else host) else None
+        """The :class:`HostDrafter` that runs the small calls, or None (every call a compiled graph)."""
 
     @property
     def compiles(self) -> int:
@@ -84,12 +91,23 @@ class DrafterRunner:
             mask[i, lo:hi] = 0.0
         return mask
 
+    def on_host(self, rows: int) -> bool:
+        """True when a call of ``rows`` rows runs on the host (so it has no graph to compile)."""
+        return self.host is not None and rows <= self.host.max_rows
+
+    def _call(self, which: str, *args: np.ndarray) -> tuple:
+        """One drafter call (``which`` = "context" or "construct" of :class:`Eagle3Drafter`) on numpy arguments
+        -> numpy (top_logp float32 [r, K], top_ids int [r, K], h_out [r, H]): on the host when it is on and the
+        call has at most ``HostDrafter.max_rows`` rows, else through the compiled graph."""
+        if self.on_host(args[0].shape[0]):
+            return getattr(self.host, which)(*args)
+        fn = self._ctx if which == "context" else self._step
+        return tuple(o.asnumpy() for o in fn(*(ms.Tensor(a) for a in args)))
+
     def _run(self, sid, h, tokens, positions, slots, mask):
         table = self.bm.block_table(sid)[: mask.shape[1] // self.B]
-        return self._step(ms.Tensor(h), ms.Tensor(np.asarray(tokens, np.int32)),
-                          ms.Tensor(np.asarray(positions, np.int32)),
-                          ms.Tensor(np.asarray(slots, np.int32)), ms.Tensor(table),
-                          ms.Tensor(mask))
+        return self._call("construct", h, np.asarray(tokens, np.int32), np.asarray(positions, np.int32),
+                          np.asarray(slots, np.int32), table, mask)
 
     # ------------------------------------------------------------------ context pass
     def extend(self, sid: int, aux: np.ndarray, next_tokens: np.ndarray):
@@ -122,12 +140,11 @@ class DrafterRunner:
             mask[m:, 0] = 0.0
             slots = self.bm.append(sid, m, k)
             table = self.bm.block_table(sid)[: mask.shape[1] // self.B]
-            top_logp, top_ids, h_last = self._ctx(
-                ms.Tensor(feats), ms.Tensor(tokens.astype(np.int32)), ms.Tensor(positions.astype(np.int32)),
-                ms.Tensor(np.asarray(slots, np.int32)), ms.Tensor(table), ms.Tensor(mask),
-                ms.Tensor(np.array([m - 1], np.int32)))
+            top_logp, top_ids, h_last = self._call(
+                "context", feats, tokens.astype(np.int32), positions.astype(np.int32), np.asarray(slots, np.int32),
+                table, mask, np.array([m - 1], np.int32))
             self.bm.advance(sid, m)
-        return top_logp.asnumpy()[0], top_ids.asnumpy()[0].astype(np.int64), h_last.asnumpy()
+        return top_logp[0], top_ids[0].astype(np.int64), h_last
 
     # ------------------------------------------------------------------ tree expansion
     def build_tree(self, sid: int, root: int, first, M: int, D: int, grow=None) -> DraftTree:
@@ -155,9 +172,9 @@ class DrafterRunner:
             slots = self.bm.slots(sid, n_ctx + (i - 1) * K + np.arange(K))
             mask = e.mask(i, n_ctx, window, self._width(n_ctx + K * steps))
             lp, ids, h_out = self._run(sid, cur_h, e.cur_tok, positions, slots, mask)
-            row = e.advance(i, lp.asnumpy(), ids.asnumpy())
+            row = e.advance(i, lp, ids)
             if i < steps:
-                cur_h = h_out.asnumpy()[row]
+                cur_h = h_out[row]
         if steps:
             self.bm.rollback(sid)
         return e.tree(M)
@@ -222,13 +239,12 @@ class DrafterRunner:
             table[g] = self.bm.block_table(sid)[: w // self.B]
         pick = np.zeros(groups, np.int32)                 # pad groups pick row 0 (ignored)
         pick[: len(ms_)] = [g * kg + m - 1 for g, m in enumerate(ms_)]
-        top_logp, top_ids, h_last = self._ctx(ms.Tensor(feats), ms.Tensor(tokens.astype(np.int32)),
-                                              ms.Tensor(positions.astype(np.int32)), ms.Tensor(slots),
-                                              ms.Tensor(table), ms.Tensor(mask), ms.Tensor(pick))
+        top_logp, top_ids, h_last = self._call("context", feats, tokens.astype(np.int32),
+                                               positions.astype(np.int32), np.asarray(slots, np.int32), table, mask,
+                                               pick)
         for sid, m in zip(sids, ms_):
             self.bm.advance(sid, m)
-        top_logp, top_ids = top_logp.asnumpy(), top_ids.asnumpy().astype(np.int64)
-        h_last = h_last.asnumpy()
+        top_logp, top_ids = top_logp, top_ids.astype(np.int64)
         return [(top_logp[g], top_ids[g], h_last[g:g + 1]) for g in range(len(ms_))]
 
     def _build_trees(self, sids, roots, firsts, M: int, D: int, groups: int) -> list:
@@ -260,15 +276,13 @@ class DrafterRunner:
                 tokens[r], positions[r] = e.cur_tok, c + i - 1
                 slots[r] = self.bm.slots(sid, c + (i - 1) * K + np.arange(K))
                 mask[r] = e.mask(i, c, windows[g], w)
-            lp, ids, h_out = self._step(ms.Tensor(cur_h), ms.Tensor(tokens.astype(np.int32)),
-                                        ms.Tensor(positions.astype(np.int32)), ms.Tensor(slots), ms.Tensor(table),
-                                        ms.Tensor(mask))
-            lp, ids = lp.asnumpy(), ids.asnumpy()
+            lp, ids, h_out = self._call("construct", cur_h, tokens.astype(np.int32), positions.astype(np.int32),
+                                        np.asarray(slots, np.int32), table, mask)
             sel = np.zeros(rows, np.int32)                 # pad groups keep gathering row 0
             for g, e in enumerate(es):
                 sel[g * K:(g + 1) * K] = g * K + e.advance(i, lp[g * K:(g + 1) * K], ids[g * K:(g + 1) * K])
             if i < steps:
-                cur_h = h_out.asnumpy()[sel]
+                cur_h = h_out[sel]
         for sid in sids:
             self.bm.rollback(sid)
         return [e.tree(M) for e in es]

@@ -8,7 +8,8 @@ configuration:
   row) and verification (k = each tree budget of ``engine.verify_budgets()``) at each width; the K/V compaction of
   a commit (D_max + 2 rows);
 - drafter: each context-pass bucket (1..prefill_chunk rows; feature fusion, layer and the head on the last row
-  in one graph) x each width; tree expansion (top_k rows) at each width.
+  in one graph) x each width; tree expansion (top_k rows) at each width; on the cpu backend only the buckets over
+  32 rows (smaller calls run on the host without a graph: ``models/eagle3_host.py``).
 
 :func:`warmup` visits them directly (synthetic ids on scratch sequences; the K/V written there is garbage and is
 released), always in the same order. With the graph store active (``kernels/graph_cache.py``,
@@ -137,7 +138,8 @@ def batch_shapes(teacher, rows: int, M: int, D: int, speculative: bool):
 def drafter_batch_shapes(drafter, groups: int, M: int, D: int, context_limit: int):
     """Yield (what, fn) calls compiling the drafter's batched graphs (``DrafterRunner.draft_batch``): context
     passes of ``groups`` x b rows for each bucket b <= BATCH_EXTEND_MAX and expansion steps of ``groups`` x K
-    rows, at each width. Nothing for one group or a backend without per-sequence block tables."""
+    rows, at each width, except those that run on the host. Nothing for one group or a backend without per-sequence
+    block tables."""
     from mindspore_eagle.runners.drafter import BATCH_EXTEND_MAX
 
     if groups <= 1 or not drafter.grouped:
@@ -148,10 +150,11 @@ def drafter_batch_shapes(drafter, groups: int, M: int, D: int, context_limit: in
     prev = 0
     for w in drafter.widths:
         for b, p0, n in _bucket_calls([b for b in drafter.buckets if b <= BATCH_EXTEND_MAX], prev, limit):
-            yield (f"drafter context {groups} x {b} x {w}",
-                   lambda p0=p0, n=n: _draft_batch(drafter, p0, n, groups, M, 1, width))
+            if not drafter.on_host(groups * b):
+                yield (f"drafter context {groups} x {b} x {w}",
+                       lambda p0=p0, n=n: _draft_batch(drafter, p0, n, groups, M, 1, width))
         p0 = _start(prev, 1 + scratch, limit + scratch)
-        if D > 1 and p0 is not None:
+        if D > 1 and p0 is not None and not drafter.on_host(groups * drafter.K):
             yield (f"drafter expansion {groups} x {drafter.K} x {w}",
                    lambda p0=p0: _draft_batch(drafter, p0, 1, groups, M, D, width))
         prev = w
@@ -175,7 +178,8 @@ def _verify_batch(teacher, p0: int, rows: int, M: int, D: int) -> None:
 
 
 def drafter_shapes(drafter, M: int, D: int, context_limit: int):
-    """Yield (what, fn) calls compiling every drafter graph: context-pass buckets and tree expansion per width.
+    """Yield (what, fn) calls compiling every drafter graph: context-pass buckets and tree expansion per width,
+    except the calls that run on the host (``DrafterRunner.on_host``: no graph).
 
     Args:
         drafter: DrafterRunner. M / D: tree budget and depth of the trees it will build.
@@ -187,9 +191,10 @@ def drafter_shapes(drafter, M: int, D: int, context_limit: int):
     prev = 0
     for w in drafter.widths:
         for b, p0, n in _bucket_calls(drafter.buckets, prev, limit):
-            yield f"drafter context {b} x {w}", lambda p0=p0, n=n: _extend(drafter, p0, n, width)
+            if not drafter.on_host(b):
+                yield f"drafter context {b} x {w}", lambda p0=p0, n=n: _extend(drafter, p0, n, width)
         p0 = _start(prev, 1 + scratch, limit + scratch)   # n_ctx = p0 + 1 pairs, then K (D - 1) scratch rows
-        if D > 1 and p0 is not None:
+        if D > 1 and p0 is not None and not drafter.on_host(drafter.K):
             yield f"drafter expansion {drafter.K} x {w}", lambda p0=p0: _expand(drafter, p0, M, D, width)
         prev = w
 

@@ -15,18 +15,13 @@ def test_drafter_window_truncation_masks_old_context(ms_runtime, tiny_dir, draft
     the teacher is unchanged, so the output stays identical."""
     eng, cfg = tiny_engine(tiny_dir, drafter_dir, "eager", ["speculative.window=8", "speculative.D_max=3"])
     seen = []
-    orig_run, orig_ctx = eng.drafter._run, eng.drafter._ctx
+    orig_call = eng.drafter._call
 
-    def spy_run(sid, h, tokens, positions, slots, mask):          # tree expansion steps
-        seen.append((np.asarray(positions).copy(), mask.copy()))
-        return orig_run(sid, h, tokens, positions, slots, mask)
+    def spy_call(which, *args):           # every drafter call: context passes and tree expansion steps
+        seen.append((np.asarray(args[2]).copy(), np.asarray(args[5]).copy()))       # positions, mask
+        return orig_call(which, *args)
 
-    def spy_ctx(aux, tokens, positions, slots, table, mask, pick):  # context passes
-        seen.append((positions.asnumpy().copy(), mask.asnumpy().copy()))
-        return orig_ctx(aux, tokens, positions, slots, table, mask, pick)
-
-    spy_ctx.compiles, spy_ctx.compile_ms = 0, 0.0                   # eager mode: nothing compiles
-    eng.drafter._run, eng.drafter._ctx = spy_run, spy_ctx
+    eng.drafter._call = spy_call
     gen = cfg.generation
     gen.max_new_tokens = 6
     g = eng.generate(PROMPTS[1], gen)
