@@ -194,8 +194,11 @@ class RunningCosts:
       estimate is almost never observed again (4 plain steps in 240 turns: docs/results.md, "2026-12-03, night:
       ... a trap in the cost table"). ``AdaptivePolicy(plain_every=...)`` keeps it observed.
 
-    The drafter's context pass and expansion step are not separable in a step's ``draft_ms`` (the number of
-    expansions is not traced), so they follow the speed factor.
+    The drafter's two costs are running estimates of their own, by the same rule, from the steps that ran the
+    drafter (:meth:`observe_draft`: a step's context pass, and its tree expansion divided by the expansion calls it
+    made); until observed they follow the speed factor. They do not enter the speed factor: the drafter's cost can
+    change without the teacher's (drafter calls on the host instead of a graph cost ~0.5x: docs/cpu_kernels.md,
+    "Host calls"), and a prior that assumed otherwise made the policy draft too little.
 
     Args:
         table: the CostTable to update (the budgets it holds are the ones tracked). rate: floor of an entry's
@@ -208,9 +211,11 @@ class RunningCosts:
     def __init__(self, table: CostTable, rate: float = 0.15):
         self.table, self.rate = table, float(rate)
         self.start = {1: table.decode_ms, **{m: v + table.host_ms for m, v in table.verify_ms.items()}}
-        self.start_draft = (table.draft_ctx_ms, table.draft_step_ms)
+        self.start_draft = {"ctx": table.draft_ctx_ms, "step": table.draft_step_ms}
         self.log_est: dict = {}
         self.counts: dict = {}
+        self.draft_log: dict = {}
+        self.draft_counts: dict = {}
 
     @property
     def observed(self) -> int:
@@ -238,9 +243,33 @@ class RunningCosts:
         self.counts[m] = n
         self._write()
 
+    def observe_draft(self, which: str, cost_ms: float) -> None:
+        """Fold one drafter call's cost into the table: ``which`` = "ctx" (a context pass) or "step" (one
+        expansion call); a non-finite or non-positive cost is ignored.
+
+        Raises:
+            ValueError: ``which`` is neither.
+        """
+        if which not in self.start_draft:
+            raise ValueError(f"observe_draft: which must be 'ctx' or 'step', got {which!r}")
+        if not (np.isfinite(cost_ms) and cost_ms > 0):
+            return
+        n = self.draft_counts.get(which, 0) + 1
+        start = self.start_draft[which] * self.speed()
+        now = self.draft_log.get(which, float(np.log(start)) if start > 0 else float(np.log(cost_ms)))
+        r = float(np.clip(np.log(cost_ms) - now, -self.CLIP, self.CLIP))
+        self.draft_log[which] = now + max(self.rate, 1.0 / (n + self.PRIOR_WEIGHT)) * r
+        self.draft_counts[which] = n
+        self._write()
+
     def observe_step(self, step) -> None:
-        """:meth:`observe` a core.trace.StepTrace (its budget, ``total_ms - draft_ms``)."""
+        """:meth:`observe` a core.trace.StepTrace (its budget, ``total_ms - draft_ms``) and, when it ran the
+        drafter, :meth:`observe_draft` its context pass and its expansion calls (``draft_expand_ms / expansions``)."""
         self.observe(step.budget or 1, step.total_ms - step.draft_ms)
+        if step.drafted and step.draft_ctx_ms > 0:
+            self.observe_draft("ctx", step.draft_ctx_ms)
+            if step.expansions > 0:
+                self.observe_draft("step", step.draft_expand_ms / step.expansions)
 
     def _write(self) -> None:
         t, f = self.table, self.speed()
@@ -248,7 +277,9 @@ class RunningCosts:
         capped = cap_verify_costs({m: est[m] for m in (1, *t.verify_ms)})
         t.decode_ms = capped.pop(1)
         t.verify_ms = {m: max(1e-6, capped[m] - t.host_ms) for m in sorted(capped)}
-        t.draft_ctx_ms, t.draft_step_ms = self.start_draft[0] * f, self.start_draft[1] * f
+        draft = {k: float(np.exp(self.draft_log[k])) if k in self.draft_log else v * f
+                 for k, v in self.start_draft.items()}
+        t.draft_ctx_ms, t.draft_step_ms = draft["ctx"], draft["step"]
 
 
 __all__ = ["CostTable", "RunningCosts", "cap_verify_costs", "compiled_budgets", "prior_table", "prior_verify_ratio"]

@@ -62,7 +62,10 @@ class StepTrace(_Record):
     accepted_suffix: int = 0  # accepted drafted nodes proposed by suffix candidates only (core/suffix.py)
     accepted_both: int = 0  # accepted drafted nodes proposed by both the drafter and suffix candidates
     predicted_len: float = 0.0  # the policy's expected L_k for the chosen budget (1.0 for plain decode)
-    draft_ms: float = 0.0  # drafter context pass + tree expansion
+    draft_ms: float = 0.0  # drafter context pass + tree expansion (+ suffix candidates and the merge)
+    draft_ctx_ms: float = 0.0  # of draft_ms: the drafter's context pass (single-sequence rounds)
+    draft_expand_ms: float = 0.0  # of draft_ms: the drafter's tree expansion, all its calls (single-sequence rounds)
+    expansions: int = 0  # drafter tree-expansion calls this step (single-sequence rounds)
     tensorize_ms: float = 0.0  # tree.tensorize
     mask_ms: float = 0.0  # attention bias / slot mapping for the tree
     verify_ms: float = 0.0  # teacher forward over the tree tokens

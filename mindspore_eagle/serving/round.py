@@ -258,14 +258,14 @@ class DecodeRound:
         if self.gate is not None:
             kind = "tree" if any(t is not None for t in trees) else "plain"
             self.gate.observe(kind, sum(len(t) for t in out), timer.total_ms)
-        for s, (path, tokens, _), tree, choice, drafted in zip(live, results, trees, choices, ran):
+        for s, (path, tokens, _), tree, choice, drafted, grown in zip(live, results, trees, choices, ran, expansions):
             src = tree.source[path[1:]] if tree is not None and tree.source is not None else np.zeros(0, np.int8)
             st = StepTrace(step=len(s.steps), accept_len=len(tokens), accepted=path.tolist(),
                            n_nodes=len(tree) if tree is not None else 1, budget=choice.m if choice else 1,
                            drafted=drafted, predicted_len=choice.predicted_len if choice else 1.0,
                            accepted_suffix=int((src == SOURCE_SUFFIX).sum()),
                            accepted_both=int((src == SOURCE_BOTH).sum()),
-                           total_ms=timer.total_ms, **timer.phase_kwargs())
+                           total_ms=timer.total_ms, **timer.phase_kwargs(), **self._draft_split(timer, grown))
             s.steps.append(st)
             if self.trace is not None:
                 self.trace.write(st)
@@ -273,6 +273,15 @@ class DecodeRound:
         if self.single and self.costs is not None and graph_stats() == made:
             self.costs.observe_step(live[0].steps[-1])
         return out
+
+    def _draft_split(self, timer: Timer, grown: int) -> dict:
+        """StepTrace fields of a single-sequence step's drafting: its context pass, its tree expansion and the
+        expansion calls run (``core.costs.RunningCosts`` learns the two drafter costs from them); zeros for a
+        batched round, whose drafting is one batched pass over every sequence."""
+        if not self.single:
+            return {}
+        return {"draft_ctx_ms": timer.ms.get("draft_ctx", 0.0), "draft_expand_ms": timer.ms.get("draft_expand", 0.0),
+                "expansions": int(grown)}
 
     # ------------------------------------------------------------------ plan + draft
     def _draft(self, live: list, timer: Timer):
@@ -295,8 +304,10 @@ class DecodeRound:
                     grown[0] += ok
                     return ok
                 with timer.phase("draft"):
-                    first = dr.extend(s.state.dsid, *_take_pending(s.state))
-                    drafted = dr.build_tree(s.state.dsid, s.next, first, self.M, self.D, grow=grow)
+                    with timer.phase("draft_ctx"):
+                        first = dr.extend(s.state.dsid, *_take_pending(s.state))
+                    with timer.phase("draft_expand"):
+                        drafted = dr.build_tree(s.state.dsid, s.next, first, self.M, self.D, grow=grow)
                     tree = drafted if self.suffix is None else merge_trees(drafted, tree)
                 ran[0] = True
             if tree is None:

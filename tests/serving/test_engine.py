@@ -249,7 +249,8 @@ def test_running_costs_follow_the_steps_and_scale_what_was_not_seen():
     assert t.decode_ms == 50.0 and t.verify_ms[8] == 50.0 * prior_verify_ratio(8)
     run = RunningCosts(t)
     w = run.PRIOR_WEIGHT
-    run.observe_step(SimpleNamespace(budget=1, total_ms=190.0, draft_ms=10.0))   # a plain step, drafter ran
+    run.observe_step(SimpleNamespace(budget=1, total_ms=190.0, draft_ms=10.0, drafted=False, draft_ctx_ms=0.0,
+                                     draft_expand_ms=0.0, expansions=0))   # a plain step (suffix drafting only)
     first = 50.0 * (180.0 / 50.0) ** (1 / (1 + w))                     # geometric: 1 of 1 + w "steps" observed
     assert np.isclose(t.decode_ms, first) and np.isclose(run.speed(), first / 50.0)
     assert np.isclose(t.verify_ms[4], first * prior_verify_ratio(4)) and np.isclose(t.draft_ctx_ms, first * 0.12)
@@ -276,6 +277,43 @@ def test_running_costs_follow_the_steps_and_scale_what_was_not_seen():
         run.observe(2, 400.0)
     assert np.isclose(t.verify_ms[2], t.verify_ms[4] * prior_verify_ratio(2) / prior_verify_ratio(4))
     assert t.verify_ms[4] <= t.verify_ms[8] * prior_verify_ratio(4) / prior_verify_ratio(8) * (1 + 1e-9)
+
+
+def test_running_costs_learn_the_drafter_costs_from_its_calls():
+    """The drafter's context-pass and expansion costs are running estimates of their own (the n-th observation moves
+    the log estimate by 1 / (n + PRIOR_WEIGHT) of the residual from the speed-scaled prior), fed by the steps that
+    ran the drafter (expansion = draft_expand_ms / expansions); they leave the speed factor alone, and a step
+    without the drafter, or without an expansion, moves nothing, or only the context pass."""
+    from mindspore_eagle.core.costs import PRIOR_DRAFT_CTX_RATIO, PRIOR_DRAFT_STEP_RATIO, RunningCosts, prior_table
+    from mindspore_eagle.core.trace import StepTrace
+
+    t = prior_table([2, 4, 8])
+    run = RunningCosts(t)
+    w = run.PRIOR_WEIGHT
+    for _ in range(40):
+        run.observe(1, 25.0)
+    f = run.speed()
+    ctx0, step0 = 50.0 * PRIOR_DRAFT_CTX_RATIO * f, 50.0 * PRIOR_DRAFT_STEP_RATIO * f
+    assert np.isclose(t.draft_ctx_ms, ctx0) and np.isclose(t.draft_step_ms, step0)
+    tree = dict(step=0, accept_len=2, budget=4, drafted=True, draft_ms=4.2, total_ms=45.0)
+    ref = RunningCosts(prior_table([2, 4, 8]))                          # the same teacher steps, no drafter
+    for _ in range(40):
+        ref.observe(1, 25.0)
+    ref.observe(4, 45.0 - 4.2)
+    run.observe_step(StepTrace(**tree, draft_ctx_ms=1.0, draft_expand_ms=3.0, expansions=2))
+    assert np.isclose(run.speed(), ref.speed()) and run.speed() != f  # drafter costs leave the speed factor
+    ctx0, step0 = ctx0 / f * run.speed(), step0 / f * run.speed()     # the starting values at the first draft
+    assert np.isclose(t.draft_ctx_ms, ctx0 * (1.0 / ctx0) ** (1 / (1 + w)))
+    assert np.isclose(t.draft_step_ms, step0 * (1.5 / step0) ** (1 / (1 + w)))
+    run.observe_step(StepTrace(**{**tree, "drafted": False}, draft_ctx_ms=5.0, draft_expand_ms=9.0, expansions=3))
+    run.observe_step(StepTrace(**tree, draft_ctx_ms=1.0, draft_expand_ms=0.1, expansions=0))
+    assert run.draft_counts == {"ctx": 2, "step": 1}
+    for _ in range(60):
+        run.observe_step(StepTrace(**tree, draft_ctx_ms=1.0, draft_expand_ms=3.0, expansions=2))
+    assert np.isclose(t.draft_ctx_ms, 1.0, rtol=1e-3) and np.isclose(t.draft_step_ms, 1.5, rtol=1e-3)
+    assert np.isclose(t.decode_ms, 25.0, rtol=1e-2)                    # the teacher's estimates did not move
+    with pytest.raises(ValueError, match="which must be 'ctx' or 'step'"):
+        run.observe_draft("head", 1.0)
 
 
 def test_cap_verify_costs_matches_a_brute_force_cap():
