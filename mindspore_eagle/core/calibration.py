@@ -27,26 +27,12 @@ class AcceptanceModel:
     estimate is ``(hits + w * prior) / (n + w)`` with the prior = the bin's mean drafter probability (identity
     calibration) and weight w = ``prior_weight``. Counts decay by ``decay`` per observed step, so the table
     follows a drafter whose reliability drifts (half-life ln 2 / (1 - decay) steps).
-
-    On top of the table, a **recent bias** per source: over the last steps (node counts decayed by ``recent_decay``
-    per step, ~20 steps), the nodes accepted against what the current table estimates for those same nodes,
-    ``(accepted + r) / (estimated + r)`` with ``r = recent_weight`` (1 when nothing was seen; estimated with the
-    table as it is now, so evidence the table has absorbed does not count twice), clipped to [``RECENT_MIN``,
-    ``RECENT_MAX``]; predictions are the table's times that factor (at most 1). ``recent_decay`` 0 turns it off. The table is calibrated over every turn, and turns differ: on the
-    24 first evaluation turns its predicted L_k of trees over all steps was 2.71 against 2.65 observed, but on the
-    slowest tenth of them, text with little to copy, trees of 8 were predicted 3.2-3.8 and accepted 2.0-2.3
-    (docs/results.md, "2026-12-03, afternoon"), so the policy verified trees that lose there.
     """
 
-    RECENT_MIN, RECENT_MAX = 0.2, 2.0
-
-    def __init__(self, prior_weight: float = 4.0, decay: float = 0.999, depth_groups: int = 3,
-                 recent_decay: float = 0.95, recent_weight: float = 5.0):
+    def __init__(self, prior_weight: float = 4.0, decay: float = 0.999, depth_groups: int = 3):
         self.w, self.decay, self.G = float(prior_weight), float(decay), int(depth_groups)
         shape = (len(SOURCES), self.G, 2, len(PROB_EDGES) - 1)
         self.n, self.hits, self.psum = np.zeros(shape), np.zeros(shape), np.zeros(shape)
-        self.recent_decay, self.recent_weight = float(recent_decay), float(recent_weight)
-        self.recent_n, self.recent_hits = np.zeros(shape), np.zeros(len(SOURCES))
 
     def _index(self, scores, depth, best, source=None):
         prob = np.exp(np.minimum(np.asarray(scores, np.float64), 0.0))
@@ -63,37 +49,20 @@ class AcceptanceModel:
         prior = np.where(self.n > 0, self.psum / np.maximum(self.n, 1e-12), centers)
         return (self.hits + self.w * prior) / (self.n + self.w)
 
-    def recent_factor(self, table: np.ndarray | None = None) -> np.ndarray:
-        """float64 [sources]: the recent bias of each source (see the class docstring); ``table`` = ``table()``
-        when the caller has it."""
-        if self.recent_decay <= 0:
-            return np.ones(len(SOURCES))
-        t = self.table() if table is None else table
-        est = (self.recent_n * t).sum(axis=(1, 2, 3))
-        r = self.recent_weight
-        return np.clip((self.recent_hits + r) / (est + r), self.RECENT_MIN, self.RECENT_MAX)
-
     def predict(self, scores, depth, best, source=None) -> np.ndarray:
         """Calibrated acceptance probability float64 [n] of nodes with cumulative log-prob ``scores`` [n] at
         ``depth`` [n] (>= 1); ``best`` bool [n]: the node is its parent's likeliest child; ``source`` int [n]
-        (``core.tree.SOURCE_*``, None = all drafter): the table's estimate times the source's recent bias, at
-        most 1."""
+        (``core.tree.SOURCE_*``, None = all drafter)."""
         idx, _ = self._index(scores, depth, best, source)
-        t = self.table()
-        return np.minimum(t[idx] * self.recent_factor(t)[idx[0]], 1.0)
+        return self.table()[idx]
 
     def observe(self, scores, depth, best, accepted, source=None) -> None:
         """Add one step's verified drafted nodes (arrays as ``predict``, plus ``accepted`` bool [n])."""
-        idx, prob = self._index(scores, depth, best, source)
-        acc = np.asarray(accepted, np.float64)
-        self.recent_n *= self.recent_decay
-        self.recent_hits *= self.recent_decay
-        np.add.at(self.recent_n, idx, 1.0)
-        np.add.at(self.recent_hits, idx[0], acc)
         for a in (self.n, self.hits, self.psum):
             a *= self.decay
+        idx, prob = self._index(scores, depth, best, source)
         np.add.at(self.n, idx, 1.0)
-        np.add.at(self.hits, idx, acc)
+        np.add.at(self.hits, idx, np.asarray(accepted, np.float64))
         np.add.at(self.psum, idx, prob)
 
     def to_dict(self) -> dict:

@@ -114,7 +114,7 @@ def test_remaining_tokens_cap_the_tree():
 def test_calibration_converges_on_a_synthetic_acceptance_process():
     """Nodes are accepted with probability 0.5 * p (an over-confident drafter): the table learns 0.5 * p."""
     rng = np.random.default_rng(1)
-    model = AcceptanceModel(decay=1.0, recent_decay=0.0)    # the table alone (no recent bias)
+    model = AcceptanceModel(decay=1.0)
     for _ in range(3000):
         p = rng.uniform(0.0, 1.0, 64)
         depth = rng.integers(1, 4, 64)
@@ -125,35 +125,6 @@ def test_calibration_converges_on_a_synthetic_acceptance_process():
                 assert model.predict(np.log([q]), np.array([d]), np.array([best]))[0] == pytest.approx(0.5 * q, abs=0.04)
     rows = model.to_dict()["bins"]
     assert len(rows) == 78 and all(abs(r["accepted"] - 0.5 * r["drafter_prob"]) < 0.04 for r in rows)
-
-
-def test_recent_bias_follows_a_turn_where_drafts_fail():
-    """The table learns a drafter accepted at 0.6 p over 2,000 steps; then 20 steps of a turn where its nodes are
-    accepted at 0.3 p pull its predictions to ~half (the recent bias), while the table itself hardly moves and the
-    suffix source keeps its factor; 80 steps back at 0.6 p bring the factor back to ~1. recent_decay 0: no bias."""
-    from mindspore_eagle.core.tree import SOURCE_DRAFTER, SOURCE_SUFFIX
-
-    rng = np.random.default_rng(5)
-    model, plain = AcceptanceModel(), AcceptanceModel(recent_decay=0.0)
-
-    def steps(n, rate):
-        for _ in range(n):
-            p = rng.uniform(0.05, 1.0, 8)
-            args = (np.log(p), rng.integers(1, 4, 8), rng.uniform(size=8) < 0.5, rng.uniform(size=8) < rate * p,
-                    np.full(8, SOURCE_DRAFTER))
-            model.observe(*args), plain.observe(*args)
-
-    q = (np.log([0.5]), np.array([1]), np.array([True]))
-    steps(2000, 0.6)
-    base = model.predict(*q)[0]
-    assert base == pytest.approx(0.3, abs=0.05) and model.recent_factor()[SOURCE_DRAFTER] == pytest.approx(1, abs=0.2)
-    steps(20, 0.3)
-    f = model.recent_factor()
-    assert 0.3 < f[SOURCE_DRAFTER] < 0.75 and f[SOURCE_SUFFIX] == 1.0
-    assert model.predict(*q)[0] == pytest.approx(model.table()[SOURCE_DRAFTER, 0, 0, 7] * f[SOURCE_DRAFTER])
-    assert abs(plain.predict(*q)[0] - base) < 0.05                     # the table alone barely moved
-    steps(80, 0.6)
-    assert model.recent_factor()[SOURCE_DRAFTER] == pytest.approx(1, abs=0.25)
 
 
 def test_child_rate_and_rho_follow_observations():
