@@ -4,7 +4,8 @@
 
 Prints, per row count k, the kernel's own time (``cpu.kernel_stats``) of one gate/up (3072 x 576) plus one down
 (576 x 1536) call on random float32 data, and the FLOP rate. Figures in docs/results.md ("2026-12-02, evening")
-came from this script, alternating with the library of an older worktree (PYTHONPATH=<worktree>). Not a test.
+came from this script, alternating with an older worktree's copy (``python <worktree>/scripts/...``: the script
+imports the package beside it, whatever PYTHONPATH says). Not a test.
 """
 from __future__ import annotations
 

@@ -244,7 +244,7 @@ class DrafterRunner:
                                                pick)
         for sid, m in zip(sids, ms_):
             self.bm.advance(sid, m)
-        top_logp, top_ids = top_logp, top_ids.astype(np.int64)
+        top_ids = top_ids.astype(np.int64)
         return [(top_logp[g], top_ids[g], h_last[g:g + 1]) for g in range(len(ms_))]
 
     def _build_trees(self, sids, roots, firsts, M: int, D: int, groups: int) -> list:
