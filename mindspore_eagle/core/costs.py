@@ -236,11 +236,16 @@ class RunningCosts:
         m = int(budget)
         if not (np.isfinite(cost_ms) and cost_ms > 0) or m not in self.start:
             return
-        n = self.counts.get(m, 0) + 1
-        now = self.log_est.get(m, float(np.log(self.start[m] * self.speed())))
+        self._fold(self.log_est, self.counts, m, self.start[m] * self.speed(), cost_ms)
+
+    def _fold(self, log_est: dict, counts: dict, key, start: float, cost_ms: float) -> None:
+        """One observation of entry ``key`` (starting value ``start``, used when it has no estimate yet; the
+        observation itself when ``start`` is not positive) in log space, then the table rewritten."""
+        n = counts.get(key, 0) + 1
+        now = log_est.get(key, float(np.log(start if start > 0 else cost_ms)))
         r = float(np.clip(np.log(cost_ms) - now, -self.CLIP, self.CLIP))
-        self.log_est[m] = now + max(self.rate, 1.0 / (n + self.PRIOR_WEIGHT)) * r
-        self.counts[m] = n
+        log_est[key] = now + max(self.rate, 1.0 / (n + self.PRIOR_WEIGHT)) * r
+        counts[key] = n
         self._write()
 
     def observe_draft(self, which: str, cost_ms: float) -> None:
@@ -254,13 +259,7 @@ class RunningCosts:
             raise ValueError(f"observe_draft: which must be 'ctx' or 'step', got {which!r}")
         if not (np.isfinite(cost_ms) and cost_ms > 0):
             return
-        n = self.draft_counts.get(which, 0) + 1
-        start = self.start_draft[which] * self.speed()
-        now = self.draft_log.get(which, float(np.log(start)) if start > 0 else float(np.log(cost_ms)))
-        r = float(np.clip(np.log(cost_ms) - now, -self.CLIP, self.CLIP))
-        self.draft_log[which] = now + max(self.rate, 1.0 / (n + self.PRIOR_WEIGHT)) * r
-        self.draft_counts[which] = n
-        self._write()
+        self._fold(self.draft_log, self.draft_counts, which, self.start_draft[which] * self.speed(), cost_ms)
 
     def observe_step(self, step) -> None:
         """:meth:`observe` a core.trace.StepTrace (its budget, ``total_ms - draft_ms``) and, when it ran the

@@ -22,6 +22,7 @@ import numpy as np
 
 from mindspore_eagle.kernels.attention import CPU_LINEAR_MAX_ROWS
 from mindspore_eagle.kernels.host import HostKernels
+from mindspore_eagle.kernels.kv import PortableKVOps
 
 
 class HostDrafter:
@@ -73,17 +74,8 @@ class HostDrafter:
         k = self.kernels
         x = np.concatenate([k.norm(self.embed[tokens], self.eps), k.norm(h, self.eps)], -1)
         cos, sin = self.cos[positions], self.sin[positions]
-        write = (slots.reshape(-1, 1) + self.head_base.reshape(1, -1)).reshape(-1)
-        B = self.offsets.shape[0]
-        if block_table.ndim == 2:                                   # grouped: [G, S/B] -> [G, n_kv, S]
-            G = block_table.shape[0]
-            cols = (block_table.reshape(G, -1, 1) * B + self.offsets.reshape(1, 1, -1)).reshape(G, 1, -1)
-            read = self.head_base.reshape(1, -1, 1) + cols
-        else:
-            cols = (block_table.reshape(-1, 1) * B + self.offsets.reshape(1, -1)).reshape(1, -1)
-            read = self.head_base.reshape(-1, 1) + cols
-        read = np.ascontiguousarray(read, np.int32)
-        write = np.ascontiguousarray(write, np.int32)
+        write, read = PortableKVOps.indices(slots, block_table, self.offsets, self.head_base)   # numpy in, numpy out
+        write, read = np.ascontiguousarray(write, np.int32), np.ascontiguousarray(read, np.int32)
         for wqkv, wo, wgu, wd, kc, vc in self.layers:
             h, x = k.attn_block(h, x, wqkv, wo, cos, sin, self.heads, kc, vc, write, read, mask, self.eps)
             h, x = k.mlp_add_norm(x, wgu, wd, h, self.eps)
