@@ -68,10 +68,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shard-size", type=int, default=32)
     p.add_argument("--regen-dir", default=None,
                    help="samples from a `regen` shard directory (teacher replies) instead of ShareGPT text")
+    p.add_argument("--regen-skip", type=int, default=0,
+                   help="with --regen-dir: pass over its first N records (registry prompts a drafter already saw)")
     a = p.parse_args(argv)
     for name, val, lo in (("--batch-size", a.batch_size, 1), ("--ttt-length", a.ttt_length, 1),
                           ("--steps", a.steps, 1), ("--checkpoint-every", a.checkpoint_every, 1),
-                          ("--max-len", a.max_len, 8), ("--n-eval", a.n_eval, 0), ("--num-layers", a.num_layers, 1)):
+                          ("--max-len", a.max_len, 8), ("--n-eval", a.n_eval, 0), ("--num-layers", a.num_layers, 1),
+                          ("--regen-skip", a.regen_skip, 0)):
         if val < lo:
             p.error(f"{name} must be >= {lo}, got {val}")
     if not 0.0 <= a.argmax_weight <= 1.0:
@@ -109,7 +112,7 @@ def prepare_features(args, cfg, tensors, tok) -> str:
     elif args.regen_dir:
         from mindspore_eagle.train.shards import samples_from_shards
 
-        samples, stats = samples_from_shards(args.regen_dir, args.max_len, args.samples)
+        samples, stats = samples_from_shards(args.regen_dir, args.max_len, args.samples, skip=args.regen_skip)
         stats["regen_dir"] = os.path.abspath(args.regen_dir)
         save_samples(spath, samples, stats)
         print(f"[data] {json.dumps(stats)}", flush=True)

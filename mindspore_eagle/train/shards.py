@@ -176,16 +176,26 @@ def keep_sample(rec: dict, mask: np.ndarray, min_assistant: int = 16) -> bool:
 
 
 def samples_from_shards(out_dir: str, max_len: int, n_samples: int | None = None,
-                        min_assistant: int = 16) -> tuple[list, dict]:
+                        min_assistant: int = 16, skip: int = 0) -> tuple[list, dict]:
     """Training samples (list of (ids, mask)) from a shard directory, in shard order, for ``--stage features``.
 
-    Records with fewer than ``min_assistant`` loss-masked tokens after the cut (and every "prompt_too_long"
-    record) are dropped. Returns (samples, stats) with stats {"read", "kept", "too_few_assistant", "tokens",
-    "masked_tokens", "kinds": {kind: kept}, "stops": {stop: kept}}.
+    The first ``skip`` records (registry prompts, answered or not) are passed over: ``--regen-skip``, for training
+    only on replies that a drafter has not seen (the registry order is fixed, so record k is the same prompt on
+    every machine). Records with fewer than ``min_assistant`` loss-masked tokens after the cut (and every
+    "prompt_too_long" record) are dropped. Returns (samples, stats) with stats {"skipped", "read", "kept",
+    "too_few_assistant", "tokens", "masked_tokens", "kinds": {kind: kept}, "stops": {stop: kept}}.
+
+    Raises:
+        ValueError: ``skip`` < 0.
     """
-    samples, st = [], {"read": 0, "kept": 0, "too_few_assistant": 0, "tokens": 0, "masked_tokens": 0,
-                       "kinds": {}, "stops": {}}
+    if skip < 0:
+        raise ValueError(f"skip must be >= 0, got {skip}")
+    samples, st = [], {"skipped": 0, "read": 0, "kept": 0, "too_few_assistant": 0, "tokens": 0,
+                       "masked_tokens": 0, "kinds": {}, "stops": {}}
     for rec in iter_records(out_dir):
+        if st["skipped"] < skip:
+            st["skipped"] += 1
+            continue
         if n_samples is not None and len(samples) >= n_samples:
             break
         st["read"] += 1

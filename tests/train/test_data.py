@@ -168,6 +168,29 @@ def test_shard_store_appends_adopts_orphans_and_checks_meta(tmp_path):
 
 
 @pytest.mark.slow
+
+def test_samples_from_shards_skips_the_first_records_then_caps(tmp_path):
+    """``--regen-skip N``: the first N records (answered or not) are passed over, then ``n_samples`` kept ones
+    follow in shard order; the same as filtering the record list by hand."""
+    from mindspore_eagle.train.shards import ShardStore, keep_sample, record_sample, samples_from_shards
+
+    st = ShardStore(str(tmp_path), {"teacher": "t", "max_len": 64, "temperature": 0.0, "min_reply": 1})
+    recs = [_rec(f"s/{i}", reply=tuple(range(10, 10 + i)), stop="eos" if i % 3 else "prompt_too_long")
+            for i in range(12)]
+    for k in range(0, 12, 5):
+        st.write(recs[k:k + 5])
+    for skip, n in ((0, None), (4, None), (4, 3), (11, None), (20, 2)):
+        want = [record_sample(r, 8) for r in recs[skip:]]
+        want = [s for r, s in zip(recs[skip:], want) if keep_sample(r, s[1], 2)][:n]
+        got, stats = samples_from_shards(str(tmp_path), 8, n, min_assistant=2, skip=skip)
+        assert stats["skipped"] == min(skip, 12) and stats["kept"] == len(got) == len(want)
+        for (gi, gm), (wi, wm) in zip(got, want):
+            np.testing.assert_array_equal(gi, wi)
+            np.testing.assert_array_equal(gm, wm)
+    assert samples_from_shards(str(tmp_path), 8, skip=4, min_assistant=2)[0][0][0].tolist()[:3] == [1, 3, 10]
+    with pytest.raises(ValueError, match="skip must be >= 0"):
+        samples_from_shards(str(tmp_path), 8, skip=-1)
+
 def test_regeneration_shards_resume_and_equal_one_sequence_greedy(tiny, ms_runtime, tmp_path):
     """Two runs over a growing prompt list: the second only answers the new prompts and appends shards; every
     greedy reply equals one-sequence decoding; the shards become loss-masked samples for the features stage."""
