@@ -40,18 +40,21 @@ def tiny_tree(rng, root, M, D, vocab):
     return DraftTree(tokens, parents)
 
 
-def tiny_drafter_dir(tmp_path, tcfg, seed=0, vd=96, layers=1):
+def tiny_drafter_dir(tmp_path, tcfg, seed=0, vd=96, layers=1, fc_norm=False):
     rng = np.random.default_rng(seed)
     used = np.sort(rng.choice(tcfg.vocab_size, vd, replace=False))
     dcfg = DrafterConfig(hidden_size=tcfg.hidden_size, intermediate_size=96, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=tcfg.vocab_size, draft_vocab_size=vd,
-                         target_hidden_size=tcfg.hidden_size, aux_layers=tcfg.aux_layers, num_hidden_layers=layers)
+                         target_hidden_size=tcfg.hidden_size, aux_layers=tcfg.aux_layers, num_hidden_layers=layers,
+                         fc_norm=fc_norm)
     t = init_drafter_tensors(dcfg, seed, used)
     t = {k: (v * 25 if k == "lm_head.weight" else v) for k, v in t.items()}   # spread draft logits
     for k in t:                                          # later layers: non-zero output projections (not identity)
         if k.startswith("layers.") and k.endswith(("o_proj.weight", "down_proj.weight")):
             t[k] = (rng.normal(size=t[k].shape) * 0.2).astype(np.float32)
-    d = tmp_path / f"drafter{seed}" if layers == 1 else tmp_path / f"drafter{seed}_l{layers}"
+    if fc_norm:                                          # unequal chunk weights (folded into fc at load)
+        t.update({f"fc_norm.{c}.weight": rng.uniform(0.5, 2.0, tcfg.hidden_size).astype(np.float32) for c in range(3)})
+    d = tmp_path / (f"drafter{seed}" + (f"_l{layers}" if layers > 1 else "") + ("_fcn" if fc_norm else ""))
     save_drafter(str(d), dcfg, t)
     return d
 

@@ -58,6 +58,8 @@ class DrafterConfig:
         aux_layers: teacher layers whose *inputs* are captured (docs/design.md, "Captured features": inputs, not
         outputs). draft_vocab_size: Vd; vocab_size: V (teacher vocabulary).
         num_hidden_layers: decoder layers (1 = the EAGLE-3 drafter; more = vLLM's multi-layer layout above).
+        fc_norm: one RMSNorm per captured layer (weights ``fc_norm.{0,1,2}.weight`` [Ht]) on the three chunks of
+        the features before ``fc`` (SF ``project_hidden_states``, config field ``fc_norm``; off in EAGLE-3).
     Raises:
         DrafterCheckpointError: num_hidden_layers < 1.
     """
@@ -74,6 +76,7 @@ class DrafterConfig:
     max_position_embeddings: int = 2048
     aux_layers: tuple = ()
     num_hidden_layers: int = 1
+    fc_norm: bool = False
 
     def __post_init__(self):
         if int(self.num_hidden_layers) < 1:
@@ -82,6 +85,7 @@ class DrafterConfig:
         if not self.head_dim:
             self.head_dim = self.hidden_size // self.num_attention_heads
         self.aux_layers = tuple(int(i) for i in self.aux_layers)
+        self.fc_norm = bool(self.fc_norm)
 
     def to_json(self) -> dict:
         """config.json content in the SpecForge / EAGLE-3 layout."""
@@ -95,7 +99,7 @@ class DrafterConfig:
             "target_hidden_size": self.target_hidden_size, "tie_word_embeddings": False,
             "hidden_act": "silu", "torch_dtype": "float16",
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.aux_layers]},
-        }
+        } | ({"fc_norm": True} if self.fc_norm else {})
 
     @classmethod
     def from_json(cls, d: dict) -> "DrafterConfig":
@@ -110,13 +114,14 @@ class DrafterConfig:
                        rope_theta=d.get("rope_theta", 10000.0),
                        max_position_embeddings=d.get("max_position_embeddings", 2048),
                        aux_layers=tuple(i + 1 for i in aux) if aux else (),
-                       num_hidden_layers=d.get("num_hidden_layers", 1))
+                       num_hidden_layers=d.get("num_hidden_layers", 1), fc_norm=bool(d.get("fc_norm", False)))
         except KeyError as e:
             raise DrafterCheckpointError(f"drafter config.json is missing field {e.args[0]!r}") from None
 
 
 def drafter_tensor_shapes(cfg: DrafterConfig) -> dict:
-    """Expected SpecForge key -> shape for ``cfg`` (t2d / d2t included; later layers ``layers.{i}.*``)."""
+    """Expected SpecForge key -> shape for ``cfg`` (t2d / d2t included; later layers ``layers.{i}.*``; with
+    ``cfg.fc_norm`` the three ``fc_norm.{c}.weight`` [Ht], last)."""
     H, F, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     qo, kvo = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     later = {}
@@ -136,7 +141,7 @@ def drafter_tensor_shapes(cfg: DrafterConfig) -> dict:
         "midlayer.hidden_norm.weight": (H,), "midlayer.input_layernorm.weight": (H,),
         "midlayer.post_attention_layernorm.weight": (H,), "norm.weight": (H,),
         "lm_head.weight": (cfg.draft_vocab_size, H), "d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,),
-    } | later
+    } | later | ({f"fc_norm.{c}.weight": (cfg.target_hidden_size,) for c in range(3)} if cfg.fc_norm else {})
 
 
 def init_drafter_tensors(cfg: DrafterConfig, seed: int = 0, used_ids: np.ndarray | None = None) -> dict:
@@ -154,7 +159,7 @@ def init_drafter_tensors(cfg: DrafterConfig, seed: int = 0, used_ids: np.ndarray
     for key, shape in shapes.items():                      # layer 0's keys first: its draws match a 1-layer config
         if key in ("d2t", "t2d"):
             continue
-        if key.endswith("norm.weight"):
+        if key.endswith("norm.weight") or key.startswith("fc_norm."):
             out[key] = np.ones(shape, np.float32)
         elif key.startswith("layers.") and key.endswith(("o_proj.weight", "down_proj.weight")):
             out[key] = np.zeros(shape, np.float32)
@@ -248,6 +253,8 @@ def load_fused_weights(cell, t: dict) -> None:
             getattr(c, name).weight.set_data(Tensor(f32(p + name + ".weight")))
 
     cell.fc.set_data(T(f32("fc.weight")))
+    if getattr(cell, "fc_norm", None) is not None:
+        cell.fc_norm.set_data(Tensor(np.concatenate([f32(f"fc_norm.{c}.weight") for c in range(3)])))
     layer(cell, "midlayer.")
     cell.hidden_norm.weight.set_data(Tensor(f32("midlayer.hidden_norm.weight")))
     for i, block in enumerate(cell.blocks, 1):
@@ -275,6 +282,8 @@ def export_fused_weights(cell) -> dict:
     out.update(layer(cell, "midlayer."))
     for i, block in enumerate(cell.blocks, 1):
         out.update(layer(block, f"layers.{i}."))
+    if getattr(cell, "fc_norm", None) is not None:
+        out.update({f"fc_norm.{c}.weight": g for c, g in enumerate(np.split(cell.fc_norm.asnumpy(), 3))})
     return {k: np.asarray(v, np.float32) for k, v in out.items()}
 
 
@@ -302,12 +311,15 @@ def _declare_layer(cell, cfg: DrafterConfig, dtype, in_width: int) -> None:
 
 def declare_drafter_weights(cell, cfg: DrafterConfig, dtype, backend=None) -> None:
     """The drafter's zero Parameters on ``cell``, shared by :class:`Eagle3Drafter` and ``train.ttt.TTTDrafter``
-    (the layout :func:`load_fused_weights` fills): ``fc`` [H, 3Ht], layer 0 (:func:`_declare_layer`, input 2H)
+    (the layout :func:`load_fused_weights` fills): ``fc`` [H, 3Ht], ``fc_norm`` float32 [3Ht] (the three
+    chunks' RMSNorm weights end to end; None without ``cfg.fc_norm``), layer 0 (:func:`_declare_layer`, input 2H)
     with ``hidden_norm``, final ``norm``, ``lm_head`` [Vd, H], and ``blocks``, one :class:`DraftBlock` per
     layer 1.. (with a KV cache each when ``backend`` is given)."""
     H = cfg.hidden_size
     z = lambda *s: _zeros(s, dtype)  # noqa: E731
     cell.fc = Parameter(z(H, 3 * cfg.target_hidden_size), name="fc")
+    cell.fc_norm = (Parameter(Tensor(np.ones(3 * cfg.target_hidden_size, np.float32)), name="fc_norm")
+                    if cfg.fc_norm else None)
     _declare_layer(cell, cfg, dtype, 2 * H)
     cell.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
     cell.norm = RMSNorm(H, cfg.rms_norm_eps)
@@ -394,9 +406,13 @@ class Eagle3Drafter(nn.Cell):
         self.weights_version = 0                                  # bumped by load_tensors (eagle3_host.py)
 
     def fuse(self, aux):
-        """aux f32 [k, 3Ht] -> fc(aux) [k, H] in the compute dtype."""
+        """aux f32 [k, 3Ht] -> fc(aux) [k, H] in the compute dtype; with ``cfg.fc_norm`` each Ht-wide chunk is
+        RMS-normed first (unweighted: the weights are folded into ``fc``'s columns, :func:`fold_drafter_tensors`)."""
         if aux.dtype != self.dtype:
             aux = aux.astype(self.dtype)
+        if self.cfg.fc_norm:                         # [k, 3Ht] -> [3k, Ht]: row 3i + c is chunk c of row i
+            k, w = aux.shape
+            aux = self.backend.norm(aux.reshape(3 * k, w // 3), self.eps).reshape(k, w)
         return self.backend.linear(aux, self.fc)
 
     def construct(self, h, tokens, positions, slots, block_table, mask):
@@ -469,7 +485,8 @@ def fold_drafter_tensors(cfg: DrafterConfig, t: dict) -> dict:
     the same function with unweighted norms (the teacher holds its weights the same way, models/llama.py
     ``load_hf_weights``). Folded: layer 0's q/k/v columns [:H] by ``input_layernorm`` (the embedding half) and [H:]
     by ``hidden_norm`` (the feature half), gate/up by ``post_attention_layernorm``; each later layer's q/k/v by its
-    ``input_layernorm`` and gate/up by its ``post_attention_layernorm``; ``lm_head`` by the final ``norm``.
+    ``input_layernorm`` and gate/up by its ``post_attention_layernorm``; ``lm_head`` by the final ``norm``; with
+    ``cfg.fc_norm`` the columns of ``fc`` by the three ``fc_norm.{c}.weight`` end to end.
     Returns a new dict (float32 arrays; d2t / t2d and anything else passed through). Raises KeyError naming a
     missing tensor.
     """
@@ -496,4 +513,7 @@ def fold_drafter_tensors(cfg: DrafterConfig, t: dict) -> dict:
         out[p + "input_layernorm.weight"] = np.ones(H, np.float32)
     out["lm_head.weight"] = f32("lm_head.weight") * f32("norm.weight")
     out["norm.weight"] = np.ones(H, np.float32)
+    if cfg.fc_norm:
+        out["fc.weight"] = f32("fc.weight") * np.concatenate([f32(f"fc_norm.{c}.weight") for c in range(3)])
+        out.update({f"fc_norm.{c}.weight": np.ones(cfg.target_hidden_size, np.float32) for c in range(3)})
     return out

@@ -94,7 +94,10 @@ class HostDrafter:
         """A context pass: aux float32 [k, 3Ht], the rest as :meth:`construct`, pick int32 [r] -> the outputs at the
         rows ``pick`` only (as :meth:`Eagle3Drafter.context`)."""
         self._check()
-        h = self.kernels.linear(np.ascontiguousarray(aux, np.float32), self.fc)
+        aux = np.ascontiguousarray(aux, np.float32)
+        if self.cell.cfg.fc_norm:                    # chunk-wise rms, as Eagle3Drafter.fuse
+            aux = self.kernels.norm(aux.reshape(3 * aux.shape[0], -1), self.eps).reshape(aux.shape)
+        h = self.kernels.linear(aux, self.fc)
         h_out, hn = self._layers(h, tokens, positions, slots, block_table, mask)
         lp, ids = self.kernels.head_topk(np.ascontiguousarray(hn[pick]), self.lm_head, self.d2t, self.K)
         return lp, ids, np.ascontiguousarray(h_out[pick])

@@ -68,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shard-size", type=int, default=32)
     p.add_argument("--regen-dir", default=None,
                    help="samples from a `regen` shard directory (teacher replies) instead of ShareGPT text")
+    p.add_argument("--fc-norm", action="store_true",
+                   help="one RMSNorm per captured teacher layer before fc (SpecForge's fc_norm; EAGLE-3: off)")
     p.add_argument("--regen-skip", type=int, default=0,
                    help="with --regen-dir: pass over its first N records (registry prompts a drafter already saw)")
     a = p.parse_args(argv)
@@ -218,7 +220,7 @@ def main(argv=None) -> int:
                      intermediate=args.intermediate, seed=args.seed, checkpoint_every=args.checkpoint_every,
                      init_from=args.init_from, batch_size=args.batch_size, pack_len=args.pack_len,
                      init=args.init, n_eval=args.n_eval, stop_at=args.stop_at, num_layers=args.num_layers,
-                     argmax_weight=args.argmax_weight,
+                     argmax_weight=args.argmax_weight, fc_norm=args.fc_norm,
                      command=" ".join(["python -m mindspore_eagle.train"] + list(sys.argv[1:] if argv is None
                                                                                   else argv)))
     try:

@@ -78,7 +78,9 @@ class TrainConfig:
     :func:`initial_tensors`; ignored with ``init_from``); ``num_layers`` drafter decoder layers (1 = EAGLE-3's;
     ``init_from`` a drafter with fewer layers grows it: the new layers start as the identity,
     ``init_drafter_tensors``); ``argmax_weight`` the share of the loss's target on the teacher's argmax
-    (``ttt.TTTDrafter``; 0 = the EAGLE-3 loss)."""
+    (``ttt.TTTDrafter``; 0 = the EAGLE-3 loss); ``fc_norm`` one RMSNorm per captured layer before ``fc``
+    (``DrafterConfig.fc_norm``; ``init_from`` a drafter without it: :func:`fc_norm_weights` starts it near that
+    drafter's function)."""
     out: str
     features_dir: str
     vd: int = 8192
@@ -102,6 +104,7 @@ class TrainConfig:
     init: str = "random"
     num_layers: int = 1
     argmax_weight: float = 0.0
+    fc_norm: bool = False
 
     def check(self) -> None:
         """Raise ValueError naming the first out-of-range option (CLI names)."""
@@ -121,7 +124,8 @@ class TrainConfig:
             raise ValueError("--steps and --checkpoint-every must be >= 1")
 
 
-def drafter_config(cfg, vd: int, intermediate: int | None = None, num_layers: int = 1) -> DrafterConfig:
+def drafter_config(cfg, vd: int, intermediate: int | None = None, num_layers: int = 1,
+                   fc_norm: bool = False) -> DrafterConfig:
     """Drafter config for teacher ``cfg``: H, heads, KV heads, head_dim and (default) FFN of the teacher,
     ``num_layers`` layers (EAGLE-3: one), RoPE theta 10000 (docs/design.md, "Drafter architecture"), aux layers = the
     teacher's capture layers."""
@@ -129,7 +133,24 @@ def drafter_config(cfg, vd: int, intermediate: int | None = None, num_layers: in
                          num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
                          head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, draft_vocab_size=vd,
                          target_hidden_size=cfg.hidden_size, rms_norm_eps=cfg.rms_norm_eps,
-                         aux_layers=tuple(cfg.aux_layers), num_hidden_layers=num_layers)
+                         aux_layers=tuple(cfg.aux_layers), num_hidden_layers=num_layers, fc_norm=fc_norm)
+
+
+def fc_norm_weights(fs: FeatureSet, idx, ht: int) -> dict:
+    """Starting ``fc_norm.{c}.weight`` [Ht] for a drafter trained without ``fc_norm``: every entry of chunk c =
+    the median RMS of chunk c over the rows of samples ``idx`` (each sample's first row left out: the attention
+    sink's residual stream is ~100-400x the others, docs/training.md, "Stage G"). Then
+    rmsnorm_c(x_c) * w_c = x_c * median / rms(x_c), so the drafter starts as before on rows of median scale.
+    Returns float32 arrays. Raises ValueError when the samples hold no row past the first."""
+    rms = [[] for _ in range(3)]
+    for i in idx:
+        aux = np.asarray(fs[i]["aux"][1:], np.float32)
+        for c in range(3):
+            x = aux[:, c * ht:(c + 1) * ht]
+            rms[c].append(np.sqrt((x * x).mean(-1)))
+    if not any(len(r) for r in rms[0]):
+        raise ValueError("fc_norm_weights: no feature rows past each sample's first")
+    return {f"fc_norm.{c}.weight": np.full(ht, np.median(np.concatenate(rms[c])), np.float32) for c in range(3)}
 
 
 def next_batch(fs: FeatureSet, cursor: int, lengths: np.ndarray, tc: "TrainConfig", t2d: np.ndarray,
@@ -296,6 +317,8 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistC
         got = 1 + len({k.split(".")[1] for k in state if k.startswith("w:layers.")})
         if got != tc.num_layers:
             raise ValueError(f"--resume: the run was started with --num-layers {got}, not {tc.num_layers}")
+        if ("w:fc_norm.0.weight" in state) != tc.fc_norm:
+            raise ValueError(f"--resume: the run was started {'with' if not tc.fc_norm else 'without'} --fc-norm")
     elif tc.init_from:
         from mindspore_eagle.models.eagle3 import load_drafter
 
@@ -327,12 +350,19 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistC
         np.add.at(tcount, d["argmax"][:-1][d["loss_mask"][1:].astype(bool)], 1)
     mass = (float(counts[used].sum() / max(counts.sum(), 1)), float(tcount[used].sum() / max(tcount.sum(), 1)))
 
-    dcfg = drafter_config(cfg, tc.vd, tc.intermediate, tc.num_layers)
+    dcfg = drafter_config(cfg, tc.vd, tc.intermediate, tc.num_layers, tc.fc_norm)
     if init is not None and dcfg.num_hidden_layers > icfg.num_hidden_layers:    # grow: new layers start as identity
         init = init_drafter_tensors(dcfg, tc.seed, used) | init
         if main:
             print(f"[init] layers {icfg.num_hidden_layers}..{dcfg.num_hidden_layers - 1} added (identity at start)",
                   flush=True)
+    if init is not None and dcfg.fc_norm and not icfg.fc_norm:
+        init = init | fc_norm_weights(fs, range(min(n_train, 64)), dcfg.target_hidden_size)
+        if main:
+            print("[init] fc_norm added: " + ", ".join(f"chunk {c} {init[f'fc_norm.{c}.weight'][0]:.3f}"
+                                                       for c in range(3)), flush=True)
+    if init is not None and icfg.fc_norm and not dcfg.fc_norm:
+        raise ValueError(f"--init-from {tc.init_from} has fc_norm: train it with --fc-norm")
     head = head_weight(cfg, tensors)
     R = tc.pack_len or T
     net = TTTDrafter(dcfg, tensors["model.embed_tokens.weight"], head[used], vocab["d2t"], R, S, max_len=T,
@@ -445,7 +475,7 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistC
                                                                                   for i in range(n_train))),
         "vd": tc.vd, "vocab_mass_data": round(mass[0], 4), "vocab_mass_teacher_argmax": round(mass[1], 4),
         "ttt_length": S, "steps": tc.steps, "resumed_from": start, "max_len": T, "lr": tc.lr, "warmup": warmup,
-        "schedule": tc.schedule, "argmax_weight": tc.argmax_weight, "batch_size": tc.batch_size,
+        "schedule": tc.schedule, "argmax_weight": tc.argmax_weight, "fc_norm": tc.fc_norm, "batch_size": tc.batch_size,
         "pack_len": tc.pack_len, "row_len": R,
         "world_size": dist.world,
         "init": tc.init if not tc.init_from else "init_from", "drafter": dcfg.to_json(),

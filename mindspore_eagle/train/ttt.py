@@ -7,7 +7,8 @@ KV heads / head dim, kmax = top-k width of the evaluation outputs.
 Math (docs/design.md, "Drafter architecture" and "Drafter training"; E ``eagle/traineagle3/cnets.py``, SF
 ``specforge/algorithms/eagle3/model.py``):
 
-* ``h = fc(aux)`` once; for s = 0..S-1: ``e = embed(ids_s)``, ``h_out = midlayer(e, h)`` then each later
+* ``h = fc(aux)`` once (with ``fc_norm``: ``fc(concat_c(rmsnorm_c(aux_c)))``, one weighted RMSNorm per captured
+  layer's Ht-wide chunk, SF ``project_hidden_states``); for s = 0..S-1: ``e = embed(ids_s)``, ``h_out = midlayer(e, h)`` then each later
   layer (``num_hidden_layers`` > 1, each with its own step-by-step keys) (same math as
   :class:`~mindspore_eagle.models.eagle3.Eagle3Drafter`), ``logits_s = lm_head(norm(h_out))`` over Vd,
   then ``h <- h_out`` (the **pre-norm** output) and ids/targets/mask move one position left. Step s thus
@@ -197,6 +198,16 @@ class TTTDrafter(nn.Cell):
         gu = self._lin(post_ln(h), w_gate_up)
         return h + self._lin(ops.silu(gu[..., :self.ffn]) * gu[..., self.ffn:], w_down), (ks, vs)
 
+    def _fc_in(self, aux):
+        """The input of ``fc``: aux [B, T, 3Ht] as it is, or with ``cfg.fc_norm`` each chunk RMS-normed (float32)
+        and scaled by its weight (``fc_norm`` [3Ht], the three chunks' weights end to end)."""
+        if self.fc_norm is None:
+            return aux
+        B, T, w = aux.shape
+        x = aux.reshape(B, T, 3, w // 3)
+        x = x * ops.rsqrt((x * x).mean(-1, keep_dims=True) + self.cfg.rms_norm_eps)
+        return x.reshape(B, T, w) * self.fc_norm
+
     def _no_kv(self):
         """Empty per-layer key / value history (before step 0)."""
         return tuple(((), ()) for _ in range(self.cfg.num_hidden_layers))
@@ -210,7 +221,7 @@ class TTTDrafter(nn.Cell):
         T = self.T
         tl = self._lin(ops.stop_gradient(hid), self.head_rows)          # teacher logits over Vd [B, T+S, Vd]
         tp = ops.stop_gradient(ops.softmax(tl, -1))
-        h = self._lin(aux, self.fc)
+        h = self._lin(self._fc_in(aux), self.fc)
         bias = self._bias(seg)
         denom = n_samples * self.max_len
         kvs = self._no_kv()
@@ -247,7 +258,7 @@ class TTTDrafter(nn.Cell):
     def step0_logp(self, aux, ids0):
         """Log-softmax over Vd of TTT step 0 for one unpacked row: aux [T, 3Ht] f32, ids0 [T] i32 -> [T, Vd]."""
         T = self.T
-        h = self._lin(aux.expand_dims(0), self.fc)
+        h = self._lin(self._fc_in(aux.expand_dims(0)), self.fc)
         pos = ops.arange(0, T, dtype=ms.int32).expand_dims(0)
         bias = self._bias(ops.zeros((1, T), ms.int32))
         h, _ = self._mid(ops.gather(self.embed, ids0.expand_dims(0), 0), h, pos, 0, self._no_kv(), bias)
@@ -255,13 +266,14 @@ class TTTDrafter(nn.Cell):
 
     # ------------------------------------------------------------------ tensors
     def trainable(self) -> list:
-        """The trained Parameters (fc, midlayer, norms, lm_head, then each later layer's), in a fixed order."""
+        """The trained Parameters (fc, midlayer, norms, lm_head, then each later layer's, then ``fc_norm`` when the
+        config has it), in a fixed order."""
         out = [self.fc, self.wqkv, self.wo, self.w_gate_up, self.w_down, self.hidden_norm.weight,
                self.input_layernorm.weight, self.post_attention_layernorm.weight, self.norm.weight, self.lm_head]
         for blk in self.blocks:
             out += [blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down, blk.input_layernorm.weight,
                     blk.post_attention_layernorm.weight]
-        return out
+        return out + ([self.fc_norm] if self.fc_norm is not None else [])
 
     def load_tensors(self, t: dict) -> None:
         """Copy SpecForge-keyed float tensors (as from init_drafter_tensors / load_drafter) into the Parameters."""

@@ -20,13 +20,13 @@ pytestmark = pytest.mark.skipif(not cpu.status()[0], reason=f"CPU kernels unavai
 B, NB, S = 8, 6, 48          # block size, blocks, slots per sequence
 
 
-def _pair(tiny, tmp_path, layers=1, weight_dtype=None, seed=4):
+def _pair(tiny, tmp_path, layers=1, weight_dtype=None, seed=4, fc_norm=False):
     """Two drafters with the same weights and their own caches: (graph Cell, Cell run by a HostDrafter, host)."""
     from mindspore_eagle.models.eagle3 import Eagle3Drafter, load_drafter
     from mindspore_eagle.models.eagle3_host import HostDrafter
 
     tcfg = tiny[0]
-    dcfg, t = load_drafter(str(tiny_drafter_dir(tmp_path, tcfg, seed=seed, layers=layers)))
+    dcfg, t = load_drafter(str(tiny_drafter_dir(tmp_path, tcfg, seed=seed, layers=layers, fc_norm=fc_norm)))
     embed = ms.Parameter(ms.Tensor(np.random.default_rng(0).normal(size=(tcfg.vocab_size, tcfg.hidden_size))
                                    .astype(np.float32)), name="e")
     cells = [Eagle3Drafter(dcfg, embed, 3, NB, B, S, attention="cpu", weight_dtype=weight_dtype) for _ in range(2)]
@@ -67,10 +67,12 @@ def _same(a, b):
     return all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("layers,half", [(1, False), (1, True), (2, True)])
-def test_host_calls_equal_the_graph_bit_for_bit(ms_runtime, tiny, tmp_path, layers, half):
-    """Each call's outputs and, afterwards, every K/V cache of every layer: bit for bit."""
-    g, c, host, dcfg = _pair(tiny, tmp_path, layers, ms.float16 if half else None)
+@pytest.mark.parametrize("layers,half,fc_norm", [(1, False, False), (1, True, False), (2, True, False),
+                                                  (1, True, True)])
+def test_host_calls_equal_the_graph_bit_for_bit(ms_runtime, tiny, tmp_path, layers, half, fc_norm):
+    """Each call's outputs and, afterwards, every K/V cache of every layer: bit for bit (also with ``fc_norm``:
+    the context pass's chunk-wise norm before fc)."""
+    g, c, host, dcfg = _pair(tiny, tmp_path, layers, ms.float16 if half else None, fc_norm=fc_norm)
     if half:
         assert host.lm_head.dtype == np.float16 and host.layers[0][0].dtype == np.float16
     for which, *args in _calls(3 * dcfg.target_hidden_size, dcfg.hidden_size):

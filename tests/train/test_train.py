@@ -79,11 +79,12 @@ def _numpy_ttt_losses(t, embed, head_rows, b, cfg, S, argmax_weight=0.0):
     return np.array(out)
 
 
-def _tiny_dcfg(layers=1):
+def _tiny_dcfg(layers=1, fc_norm=False):
     from mindspore_eagle.models.eagle3 import DrafterConfig
 
     return DrafterConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-                         vocab_size=50, draft_vocab_size=20, target_hidden_size=32, num_hidden_layers=layers)
+                         vocab_size=50, draft_vocab_size=20, target_hidden_size=32, num_hidden_layers=layers,
+                         fc_norm=fc_norm)
 
 
 def _nontrivial(t, rng):
@@ -680,11 +681,15 @@ def test_export_loads_and_inference_cell_matches_training_step0(tiny, tiny_featu
     np.testing.assert_array_equal(top_ids.asnumpy()[:, 0], used[want_idx[:, 0]])
 
 
-@pytest.mark.parametrize("attention", ["portable", "auto"])
-def test_multi_layer_inference_cell_matches_training_step0(ms_runtime, tmp_path, attention):
+@pytest.mark.parametrize("attention,layers,fc_norm", [("portable", 3, False), ("auto", 3, False),
+                                                      ("portable", 1, True), ("auto", 1, True)])
+def test_multi_layer_inference_cell_matches_training_step0(ms_runtime, tmp_path, attention, layers, fc_norm):
     """A 3-layer drafter saved and loaded (``layers.1.*``, ``layers.2.*``): the inference Cell over the paged
     cache (each layer its own cache, norms folded into its weights) gives the training Cell's step-0 log-probs
-    (top-K values and ids), on the portable backend and the default one (the C++ kernels where they build)."""
+    (top-K values and ids), on the portable backend and the default one (the C++ kernels where they build).
+    With ``fc_norm`` (SpecForge's per-chunk RMSNorm before fc; its weights folded into fc's columns at inference)
+    the same, on features whose three chunks differ in scale by 100x and rows by 1000x, and the norm changes the
+    result (the drafter without it, same other weights, gives other log-probs)."""
     import mindspore as ms
     from mindspore import Parameter, Tensor
 
@@ -696,15 +701,22 @@ def test_multi_layer_inference_cell_matches_training_step0(ms_runtime, tmp_path,
     )
     from mindspore_eagle.train.ttt import TTTDrafter
 
-    cfg = _tiny_dcfg(3)
+    cfg = _tiny_dcfg(layers, fc_norm)
     rng = np.random.default_rng(9)
     used = np.sort(rng.choice(50, 20, replace=False))
-    save_drafter(str(tmp_path / "d"), cfg, _nontrivial(init_drafter_tensors(cfg, 2, used), rng), dtype=np.float32)
+    t0 = _nontrivial(init_drafter_tensors(cfg, 2, used), rng)
+    if fc_norm:
+        t0.update({f"fc_norm.{c}.weight": (rng.uniform(0.2, 3.0, 32) * 0.1).astype(np.float32) for c in range(3)})
+    save_drafter(str(tmp_path / "d"), cfg, t0, dtype=np.float32)
     dcfg, t = load_drafter(str(tmp_path / "d"))
-    assert dcfg.num_hidden_layers == 3 and "layers.2.mlp.down_proj.weight" in t
+    assert dcfg.num_hidden_layers == layers and ("layers.2.mlp.down_proj.weight" in t) == (layers == 3)
+    assert dcfg.fc_norm == fc_norm and ("fc_norm.2.weight" in t) == fc_norm
     embed = rng.normal(size=(50, 32)).astype(np.float32)
     T, K, B, n = 16, 4, 4, 11
     aux = rng.normal(size=(T, 96)).astype(np.float32)
+    if fc_norm:
+        aux *= np.repeat(np.array([1.0, 10.0, 100.0], np.float32), 32) * rng.uniform(0.5, 2.0, (T, 1))
+        aux[0] *= 1000.0                                          # an attention-sink row
     ids = rng.integers(0, 50, T).astype(np.int32)
     train_net = TTTDrafter(dcfg, embed, embed[used], t["d2t"], T, 1)
     train_net.load_tensors(t)
@@ -719,6 +731,11 @@ def test_multi_layer_inference_cell_matches_training_step0(ms_runtime, tmp_path,
     want_idx = np.argsort(-ref, -1, kind="stable")[:, :K]
     np.testing.assert_allclose(top_logp.asnumpy(), np.take_along_axis(ref, want_idx, -1), atol=2e-4)
     np.testing.assert_array_equal(top_ids.asnumpy(), used[want_idx])
+    if fc_norm:
+        plain = TTTDrafter(_tiny_dcfg(layers), embed, embed[used], t["d2t"], T, 1)
+        plain.load_tensors({k: v for k, v in t.items() if not k.startswith("fc_norm.")})
+        other = ms.jit(plain.step0_logp)(Tensor(aux), Tensor(ids)).asnumpy()[:n]
+        assert np.abs(other - ref).max() > 0.1
 
 
 @pytest.mark.slow
@@ -745,6 +762,42 @@ def test_init_from_grows_a_one_layer_drafter(tiny, tiny_features, trained, tmp_p
     np.testing.assert_allclose(ev[0]["acc"], ev1[0]["acc"], atol=1e-6)
     with pytest.raises(ValueError, match="it has 2 layers, more than --num-layers 1"):
         train(_tc(tmp_path / "shrink", tiny_features, steps=2, init_from=str(grown)), cfg, tensors)
+
+
+@pytest.mark.slow
+def test_init_from_adds_fc_norm_at_the_median_scale(tiny, tiny_features, trained, tmp_path):
+    """--fc-norm --init-from a drafter without it: each chunk's weights start at the median RMS of that chunk's
+    rows (first rows left out; checked against a direct computation), the run trains the weights and exports
+    ``fc_norm.{c}.weight`` with ``"fc_norm": true`` in config.json; resuming without --fc-norm and fine-tuning
+    an fc_norm drafter without it are refused."""
+    from mindspore_eagle.models.eagle3 import load_drafter
+    from mindspore_eagle.train.features import FeatureSet
+    from mindspore_eagle.train.trainer import fc_norm_weights, train
+
+    cfg, tensors, _ = tiny
+    src, _ = trained
+    fs = FeatureSet(tiny_features)
+    H = cfg.hidden_size
+    w = fc_norm_weights(fs, range(3), H)
+    for c in range(3):
+        rows = np.concatenate([np.asarray(fs[i]["aux"][1:, c * H:(c + 1) * H], np.float64) for i in range(3)])
+        want = np.median(np.sqrt((rows ** 2).mean(1)))
+        assert w[f"fc_norm.{c}.weight"].shape == (H,)
+        np.testing.assert_allclose(w[f"fc_norm.{c}.weight"], want, rtol=1e-5)
+    out = tmp_path / "fcn"
+    train(_tc(out, tiny_features, steps=4, lr=1e-3, warmup=1, checkpoint_every=2, init_from=str(src),
+              fc_norm=True, stop_at=2), cfg, tensors)
+    with pytest.raises(ValueError, match="started with --fc-norm"):
+        train(_tc(out, tiny_features, steps=4, lr=1e-3, warmup=1, checkpoint_every=2), cfg, tensors, resume=True)
+    train(_tc(out, tiny_features, steps=4, lr=1e-3, warmup=1, checkpoint_every=2, fc_norm=True), cfg, tensors,
+          resume=True)
+    c1, t1 = load_drafter(str(out))
+    assert c1.fc_norm and json.loads((out / "config.json").read_text())["fc_norm"] is True
+    start = fc_norm_weights(fs, range(min(64, len(fs) - min(8, len(fs) // 4))), H)     # n_eval 8
+    moved = [np.abs(t1[f"fc_norm.{c}.weight"] - start[f"fc_norm.{c}.weight"]).max() for c in range(3)]
+    assert max(moved) > 0 and all(np.isfinite(t1[f"fc_norm.{c}.weight"]).all() for c in range(3))
+    with pytest.raises(ValueError, match="has fc_norm: train it with --fc-norm"):
+        train(_tc(tmp_path / "drop", tiny_features, steps=2, init_from=str(out)), cfg, tensors)
 
 
 def test_lk_curve_chains_runs_by_tokens_seen(tmp_path):
