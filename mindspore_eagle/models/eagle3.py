@@ -408,11 +408,11 @@ class Eagle3Drafter(nn.Cell):
     def fuse(self, aux):
         """aux f32 [k, 3Ht] -> fc(aux) [k, H] in the compute dtype; with ``cfg.fc_norm`` each Ht-wide chunk is
         RMS-normed first (unweighted: the weights are folded into ``fc``'s columns, :func:`fold_drafter_tensors`)."""
-        if aux.dtype != self.dtype:
-            aux = aux.astype(self.dtype)
-        if self.cfg.fc_norm:                         # [k, 3Ht] -> [3k, Ht]: row 3i + c is chunk c of row i
+        if self.cfg.fc_norm:                         # [k, 3Ht] -> [3k, Ht]: row 3i + c is chunk c of row i (float32)
             k, w = aux.shape
             aux = self.backend.norm(aux.reshape(3 * k, w // 3), self.eps).reshape(k, w)
+        if aux.dtype != self.dtype:
+            aux = aux.astype(self.dtype)
         return self.backend.linear(aux, self.fc)
 
     def construct(self, h, tokens, positions, slots, block_table, mask):

@@ -71,7 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fc-norm", action="store_true",
                    help="one RMSNorm per captured teacher layer before fc (SpecForge's fc_norm; EAGLE-3: off)")
     p.add_argument("--regen-skip", type=int, default=0,
-                   help="with --regen-dir: pass over its first N records (registry prompts a drafter already saw)")
+                   help="with --regen-dir: pass over its first N records in shard order (replies a drafter "
+                        "already saw; after an earlier features run: its data_stats.json skipped + read)")
     a = p.parse_args(argv)
     for name, val, lo in (("--batch-size", a.batch_size, 1), ("--ttt-length", a.ttt_length, 1),
                           ("--steps", a.steps, 1), ("--checkpoint-every", a.checkpoint_every, 1),
@@ -110,6 +111,9 @@ def prepare_features(args, cfg, tensors, tok) -> str:
     runner = None
     if os.path.exists(spath):
         samples, stats = load_samples(spath)
+        if args.regen_dir and int(stats.get("skipped", 0)) != args.regen_skip:
+            raise ValueError(f"--regen-skip {args.regen_skip}: {spath} was built with --regen-skip "
+                             f"{int(stats.get('skipped', 0))}; use that value or another --features-dir")
         print(f"[data] {len(samples)} samples from {spath}", flush=True)
     elif args.regen_dir:
         from mindspore_eagle.train.shards import samples_from_shards
@@ -210,7 +214,11 @@ def main(argv=None) -> int:
     cfg, tensors, tok = load_teacher(args.teacher)
     print(f"[teacher] {args.teacher}: L={cfg.num_layers} H={cfg.hidden_size} V={cfg.vocab_size} "
           f"aux={cfg.aux_layers}", flush=True)
-    fdir = features_dir(args) if args.stage == "train" else prepare_features(args, cfg, tensors, tok)
+    try:
+        fdir = features_dir(args) if args.stage == "train" else prepare_features(args, cfg, tensors, tok)
+    except ValueError as e:                            # a features directory built with other options
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.stage == "features":
         return 0
     from mindspore_eagle.train.trainer import TrainConfig, train

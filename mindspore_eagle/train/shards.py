@@ -179,9 +179,10 @@ def samples_from_shards(out_dir: str, max_len: int, n_samples: int | None = None
                         min_assistant: int = 16, skip: int = 0) -> tuple[list, dict]:
     """Training samples (list of (ids, mask)) from a shard directory, in shard order, for ``--stage features``.
 
-    The first ``skip`` records (registry prompts, answered or not) are passed over: ``--regen-skip``, for training
-    only on replies that a drafter has not seen (the registry order is fixed, so record k is the same prompt on
-    every machine). Records with fewer than ``min_assistant`` loss-masked tokens after the cut (and every
+    The first ``skip`` records (answered or not, in shard order) are passed over: ``--regen-skip``, for training
+    only on replies that a drafter has not seen. Finished shards never change (the directory is append-only), so
+    record k stays the same record; to continue after an earlier features run over the same directory, skip its
+    data stats' ``skipped + read``. Records with fewer than ``min_assistant`` loss-masked tokens after the cut (and every
     "prompt_too_long" record) are dropped. Returns (samples, stats) with stats {"skipped", "read", "kept",
     "too_few_assistant", "tokens", "masked_tokens", "kinds": {kind: kept}, "stops": {stop: kept}}.
 

@@ -138,18 +138,19 @@ def drafter_config(cfg, vd: int, intermediate: int | None = None, num_layers: in
 
 def fc_norm_weights(fs: FeatureSet, idx, ht: int) -> dict:
     """Starting ``fc_norm.{c}.weight`` [Ht] for a drafter trained without ``fc_norm``: every entry of chunk c =
-    the median RMS of chunk c over the rows of samples ``idx`` (each sample's first row left out: the attention
-    sink's residual stream is ~100-400x the others, docs/training.md, "Stage G"). Then
-    rmsnorm_c(x_c) * w_c = x_c * median / rms(x_c), so the drafter starts as before on rows of median scale.
-    Returns float32 arrays. Raises ValueError when the samples hold no row past the first."""
+    the median RMS of chunk c over the rows of samples ``idx``, each sample's first and last rows left out (the
+    last is never fed: zeros where regeneration wrote the features; on SmolLM2-135M the first token's residual
+    stream is 5x / 170x / 45x the median in the low / mid / high chunk, docs/training.md, "Stage G"). Then
+    rmsnorm_c(x_c) * w_c = x_c * median / rms(x_c): the drafter starts as before on rows of median scale.
+    Returns float32 arrays. Raises ValueError when the samples hold no row but their first and last."""
     rms = [[] for _ in range(3)]
     for i in idx:
-        aux = np.asarray(fs[i]["aux"][1:], np.float32)
+        aux = np.asarray(fs[i]["aux"][1:-1], np.float32)     # the last row: zeros in regen-written features
         for c in range(3):
             x = aux[:, c * ht:(c + 1) * ht]
             rms[c].append(np.sqrt((x * x).mean(-1)))
     if not any(len(r) for r in rms[0]):
-        raise ValueError("fc_norm_weights: no feature rows past each sample's first")
+        raise ValueError("fc_norm_weights: the samples hold no feature row but their first and last")
     return {f"fc_norm.{c}.weight": np.full(ht, np.median(np.concatenate(rms[c])), np.float32) for c in range(3)}
 
 

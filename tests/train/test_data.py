@@ -167,8 +167,6 @@ def test_shard_store_appends_adopts_orphans_and_checks_meta(tmp_path):
         shard_stem("shard_12.npz")
 
 
-@pytest.mark.slow
-
 def test_samples_from_shards_skips_the_first_records_then_caps(tmp_path):
     """``--regen-skip N``: the first N records (answered or not) are passed over, then ``n_samples`` kept ones
     follow in shard order; the same as filtering the record list by hand."""
@@ -191,6 +189,8 @@ def test_samples_from_shards_skips_the_first_records_then_caps(tmp_path):
     with pytest.raises(ValueError, match="skip must be >= 0"):
         samples_from_shards(str(tmp_path), 8, skip=-1)
 
+
+@pytest.mark.slow
 def test_regeneration_shards_resume_and_equal_one_sequence_greedy(tiny, ms_runtime, tmp_path):
     """Two runs over a growing prompt list: the second only answers the new prompts and appends shards; every
     greedy reply equals one-sequence decoding; the shards become loss-masked samples for the features stage."""

@@ -33,7 +33,8 @@ def test_ttt_layout_matches_hand_written_t4_s3():
 def _numpy_ttt_losses(t, embed, head_rows, b, cfg, S, argmax_weight=0.0):
     """Expanded-form reference of the TTT forward (ttt_layout masks over all keys of steps 0..s), float64; layer 0
     takes concat(norm(embed), hidden_norm(h)), layers 1.. (``layers.{i}.*``) norm the residual stream;
-    ``argmax_weight`` a: target (1 - a) p + a onehot(argmax p)."""
+    ``argmax_weight`` a: target (1 - a) p + a onehot(argmax p); with ``fc_norm.{c}.weight`` in ``t`` each Ht-wide
+    chunk of the features is RMS-normed with its weight before fc."""
     T = b.ids.shape[2]
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     W = {k: np.asarray(v, np.float64) for k, v in t.items() if k not in ("d2t", "t2d")}
@@ -46,7 +47,11 @@ def _numpy_ttt_losses(t, embed, head_rows, b, cfg, S, argmax_weight=0.0):
 
     prefixes = ["midlayer."] + [f"layers.{i}." for i in range(1, cfg.num_hidden_layers)]
     ids, pos_mask = b.ids[:, 0], b.pos_mask[:, 0]                 # the batch's single row
-    h = b.aux[0].astype(np.float64) @ W["fc.weight"].T
+    aux = b.aux[0].astype(np.float64)
+    if "fc_norm.0.weight" in W:
+        ht = aux.shape[-1] // 3
+        aux = np.concatenate([rms(aux[:, c * ht:(c + 1) * ht], W[f"fc_norm.{c}.weight"]) for c in range(3)], -1)
+    h = aux @ W["fc.weight"].T
     logits_t = b.hid[0].astype(np.float64) @ head_rows.T
     tp = np.exp(logits_t - logits_t.max(-1, keepdims=True))
     tp /= tp.sum(-1, keepdims=True)
@@ -101,22 +106,29 @@ def _nontrivial(t, rng):
     return out
 
 
-@pytest.mark.parametrize("layers,argmax_weight", [(1, 0.0), (2, 0.0), (3, 0.0), (1, 0.3), (1, 1.0)])
-def test_ttt_cell_matches_expanded_numpy_reference(ms_runtime, layers, argmax_weight):
+@pytest.mark.parametrize("layers,argmax_weight,fc_norm", [(1, 0.0, False), (2, 0.0, False), (3, 0.0, False),
+                                                          (1, 0.3, False), (1, 1.0, False), (2, 0.0, True)])
+def test_ttt_cell_matches_expanded_numpy_reference(ms_runtime, layers, argmax_weight, fc_norm):
     """The TTT Cell's per-step losses against the expanded numpy reference, with the EAGLE-3 target and with part
-    (or all) of the target on the teacher's argmax token."""
+    (or all) of the target on the teacher's argmax token, and with ``fc_norm`` (features whose chunks differ in
+    scale by 100x; the weights round-trip through export)."""
     import mindspore as ms
 
     from mindspore_eagle.models.eagle3 import init_drafter_tensors
     from mindspore_eagle.train.ttt import TTTDrafter
 
-    cfg = _tiny_dcfg(layers)
+    cfg = _tiny_dcfg(layers, fc_norm)
     rng = np.random.default_rng(1)
     used = np.sort(rng.choice(50, 20, replace=False))
     t = _nontrivial(init_drafter_tensors(cfg, 3, used), rng)
+    if fc_norm:
+        t.update({f"fc_norm.{c}.weight": rng.uniform(0.1, 2.0, 32).astype(np.float32) for c in range(3)})
     embed = rng.normal(size=(50, 32)).astype(np.float32)
     T, S, n = 8, 3, 8                        # teacher argmax tokens in the draft vocab: every step has a loss
-    b = make_batch(rng.integers(0, 50, n), np.ones(n), rng.normal(size=(n, 96)).astype(np.float32),
+    feats = rng.normal(size=(n, 96)).astype(np.float32)
+    if fc_norm:
+        feats *= np.repeat(np.array([1.0, 10.0, 100.0], np.float32), 32)
+    b = make_batch(rng.integers(0, 50, n), np.ones(n), feats,
                    rng.normal(size=(n, 32)).astype(np.float32), used[rng.integers(0, 20, n)], t["t2d"], T, S)
     net = TTTDrafter(cfg, embed, embed[used], t["d2t"], T, S, argmax_weight=argmax_weight)
     net.load_tensors(t)
@@ -684,8 +696,8 @@ def test_export_loads_and_inference_cell_matches_training_step0(tiny, tiny_featu
 @pytest.mark.parametrize("attention,layers,fc_norm", [("portable", 3, False), ("auto", 3, False),
                                                       ("portable", 1, True), ("auto", 1, True)])
 def test_multi_layer_inference_cell_matches_training_step0(ms_runtime, tmp_path, attention, layers, fc_norm):
-    """A 3-layer drafter saved and loaded (``layers.1.*``, ``layers.2.*``): the inference Cell over the paged
-    cache (each layer its own cache, norms folded into its weights) gives the training Cell's step-0 log-probs
+    """A drafter of 3 layers (1 with ``fc_norm``) saved and loaded (``layers.1.*``, ``layers.2.*``): the inference
+    Cell over the paged cache (each layer its own cache, norms folded into its weights) gives the training Cell's step-0 log-probs
     (top-K values and ids), on the portable backend and the default one (the C++ kernels where they build).
     With ``fc_norm`` (SpecForge's per-chunk RMSNorm before fc; its weights folded into fc's columns at inference)
     the same, on features whose three chunks differ in scale by 100x and rows by 1000x, and the norm changes the
@@ -780,10 +792,18 @@ def test_init_from_adds_fc_norm_at_the_median_scale(tiny, tiny_features, trained
     H = cfg.hidden_size
     w = fc_norm_weights(fs, range(3), H)
     for c in range(3):
-        rows = np.concatenate([np.asarray(fs[i]["aux"][1:, c * H:(c + 1) * H], np.float64) for i in range(3)])
+        rows = np.concatenate([np.asarray(fs[i]["aux"][1:-1, c * H:(c + 1) * H], np.float64) for i in range(3)])
         want = np.median(np.sqrt((rows ** 2).mean(1)))
         assert w[f"fc_norm.{c}.weight"].shape == (H,)
         np.testing.assert_allclose(w[f"fc_norm.{c}.weight"], want, rtol=1e-5)
+    n_train = len(fs) - min(8, len(fs) // 4)                                   # _tc's n_eval 8
+    start = fc_norm_weights(fs, range(min(64, n_train)), H)
+    still = tmp_path / "still"                                                # lr 0: the export is the start
+    train(_tc(still, tiny_features, steps=2, lr=0.0, warmup=1, checkpoint_every=2, init_from=str(src),
+              fc_norm=True), cfg, tensors)
+    _, t_still = load_drafter(str(still))
+    for c in range(3):
+        np.testing.assert_allclose(t_still[f"fc_norm.{c}.weight"], start[f"fc_norm.{c}.weight"], rtol=1e-3)
     out = tmp_path / "fcn"
     train(_tc(out, tiny_features, steps=4, lr=1e-3, warmup=1, checkpoint_every=2, init_from=str(src),
               fc_norm=True, stop_at=2), cfg, tensors)
@@ -793,7 +813,6 @@ def test_init_from_adds_fc_norm_at_the_median_scale(tiny, tiny_features, trained
           resume=True)
     c1, t1 = load_drafter(str(out))
     assert c1.fc_norm and json.loads((out / "config.json").read_text())["fc_norm"] is True
-    start = fc_norm_weights(fs, range(min(64, len(fs) - min(8, len(fs) // 4))), H)     # n_eval 8
     moved = [np.abs(t1[f"fc_norm.{c}.weight"] - start[f"fc_norm.{c}.weight"]).max() for c in range(3)]
     assert max(moved) > 0 and all(np.isfinite(t1[f"fc_norm.{c}.weight"]).all() for c in range(3))
     with pytest.raises(ValueError, match="has fc_norm: train it with --fc-norm"):
