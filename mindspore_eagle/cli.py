@@ -408,10 +408,12 @@ def _inspect_drafter(path, teacher) -> int:
     aux = list(d.aux_layers) or "teacher default (2, L//2, L-3)"
     print(f"drafter: {path}\n  format: EAGLE-3 / SpecForge directory (config.json + model.safetensors)\n"
           f"  parameters: {n / 1e6:.1f} M (embedding shared with the teacher, not stored)\n"
-          f"  architecture: 1 decoder layer, hidden {d.hidden_size}, intermediate {d.intermediate_size}, heads "
+          f"  architecture: {d.num_hidden_layers} decoder layer{'s' * (d.num_hidden_layers > 1)}, "
+          f"hidden {d.hidden_size}, intermediate {d.intermediate_size}, heads "
           f"{d.num_attention_heads} (kv {d.num_key_value_heads}, head_dim {d.head_dim}), draft vocab "
           f"{d.draft_vocab_size} of {d.vocab_size}, rope_theta {d.rope_theta:g}\n"
-          f"  fuses 3 x {d.target_hidden_size} teacher features from layers (inputs of): {aux}\n"
+          f"  fuses 3 x {d.target_hidden_size} teacher features from layers (inputs of): {aux}"
+          f"{', each chunk RMS-normed first (fc_norm)' if d.fc_norm else ''}\n"
           f"  compatible teachers: hidden_size {d.hidden_size}, vocab_size {d.vocab_size}"
           + (f", capture layers {list(d.aux_layers)}" if d.aux_layers else ""))
     if teacher:

@@ -353,6 +353,10 @@ def test_inspect_drafter_and_fit(capsys, tmp_path, tiny, tiny_cfg):
     rc, out, err = run_main(capsys, ["inspect", str(d), "--teacher", str(tiny)])
     assert rc == 0, err
     assert "drafter:" in out and "1 decoder layer, hidden 64" in out and "fits teacher" in out
+    assert "fc_norm" not in out
+    two = _drafter(tmp_path, tiny_cfg, "two", num_hidden_layers=2, fc_norm=True)
+    rc, out, err = run_main(capsys, ["inspect", str(two)])
+    assert rc == 0 and "2 decoder layers, hidden 64" in out and "each chunk RMS-normed first (fc_norm)" in out
     bad = _drafter(tmp_path, tiny_cfg, "bad", hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
                    head_dim=16)
     rc, out, err = run_main(capsys, ["inspect", str(bad), "--teacher", str(tiny)])

@@ -182,8 +182,8 @@ def samples_from_shards(out_dir: str, max_len: int, n_samples: int | None = None
     The first ``skip`` records (answered or not, in shard order) are passed over: ``--regen-skip``, for training
     only on replies that a drafter has not seen. Finished shards never change (the directory is append-only), so
     record k stays the same record; to continue after an earlier features run over the same directory, skip its
-    data stats' ``skipped + read``. Records with fewer than ``min_assistant`` loss-masked tokens after the cut (and every
-    "prompt_too_long" record) are dropped. Returns (samples, stats) with stats {"skipped", "read", "kept",
+    data stats' ``skipped + read``. Records with fewer than ``min_assistant`` loss-masked tokens after the cut (and
+    every "prompt_too_long" record) are dropped. Returns (samples, stats) with stats {"skipped", "read", "kept",
     "too_few_assistant", "tokens", "masked_tokens", "kinds": {kind: kept}, "stops": {stop: kept}}.
 
     Raises:

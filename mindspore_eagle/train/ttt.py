@@ -8,9 +8,9 @@ Math (docs/design.md, "Drafter architecture" and "Drafter training"; E ``eagle/t
 ``specforge/algorithms/eagle3/model.py``):
 
 * ``h = fc(aux)`` once (with ``fc_norm``: ``fc(concat_c(rmsnorm_c(aux_c)))``, one weighted RMSNorm per captured
-  layer's Ht-wide chunk, SF ``project_hidden_states``); for s = 0..S-1: ``e = embed(ids_s)``, ``h_out = midlayer(e, h)`` then each later
-  layer (``num_hidden_layers`` > 1, each with its own step-by-step keys) (same math as
-  :class:`~mindspore_eagle.models.eagle3.Eagle3Drafter`), ``logits_s = lm_head(norm(h_out))`` over Vd,
+  layer's Ht-wide chunk, SF ``project_hidden_states``); for s = 0..S-1: ``e = embed(ids_s)``,
+  ``h_out = midlayer(e, h)`` then each later layer (``num_hidden_layers`` > 1, each with its own step-by-step
+  keys) (same math as :class:`~mindspore_eagle.models.eagle3.Eagle3Drafter`), ``logits_s = lm_head(norm(h_out))`` over Vd,
   then ``h <- h_out`` (the **pre-norm** output) and ids/targets/mask move one position left. Step s thus
   conditions on the drafter's **own** previous outputs h (as at inference) but on the **true** tokens ids_s
   (at inference: the drafted tokens; the two agree on an accepted path of the teacher's own greedy reply).

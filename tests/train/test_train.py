@@ -697,8 +697,8 @@ def test_export_loads_and_inference_cell_matches_training_step0(tiny, tiny_featu
                                                       ("portable", 1, True), ("auto", 1, True)])
 def test_multi_layer_inference_cell_matches_training_step0(ms_runtime, tmp_path, attention, layers, fc_norm):
     """A drafter of 3 layers (1 with ``fc_norm``) saved and loaded (``layers.1.*``, ``layers.2.*``): the inference
-    Cell over the paged cache (each layer its own cache, norms folded into its weights) gives the training Cell's step-0 log-probs
-    (top-K values and ids), on the portable backend and the default one (the C++ kernels where they build).
+    Cell over the paged cache (each layer its own cache, norms folded into its weights) gives the training Cell's
+    step-0 log-probs (top-K values and ids), on the portable backend and the default one (the C++ kernels where they build).
     With ``fc_norm`` (SpecForge's per-chunk RMSNorm before fc; its weights folded into fc's columns at inference)
     the same, on features whose three chunks differ in scale by 100x and rows by 1000x, and the norm changes the
     result (the drafter without it, same other weights, gives other log-probs)."""
