@@ -48,6 +48,16 @@ class DrafterCheckpointError(MsEagleError, ValueError):
     """A drafter checkpoint is missing, malformed, or does not fit the teacher."""
 
 
+# config.json fields of SpecForge / vLLM / SGLang drafters that change the function (docs/design.md, "Drafter
+# architecture"): field -> (the values that need code this module does not have, what they mean)
+UNSUPPORTED = {
+    "rope_scaling": (lambda v: v is not None, "scaled RoPE in the drafter"),
+    "norm_output": (lambda v: v is False, "logits from the un-normed hidden state"),
+    "norm_before_residual": (lambda v: bool(v), "residual taken after hidden_norm"),
+    "bias": (lambda v: bool(v), "biases in fc / the projections"),
+}
+
+
 @dataclass
 class DrafterConfig:
     """Drafter hyper-parameters, in SpecForge ``config.json`` field names where they exist.
@@ -103,7 +113,17 @@ class DrafterConfig:
 
     @classmethod
     def from_json(cls, d: dict) -> "DrafterConfig":
-        """Read a SpecForge / EAGLE-3 config.json (aux ids there are layer *outputs*: +1 gives our inputs)."""
+        """Read a SpecForge / EAGLE-3 config.json (aux ids there are layer *outputs*: +1 gives our inputs).
+
+        Raises:
+            DrafterCheckpointError: a missing field, or a field that changes the drafter's function in a way this
+                implementation does not compute (``UNSUPPORTED``: loading it anyway would draft from another
+                function without any error).
+        """
+        for name, (is_set, what) in UNSUPPORTED.items():
+            if name in d and is_set(d[name]):
+                raise DrafterCheckpointError(f"drafter config.json sets {name} = {d[name]!r} ({what}); "
+                                             "this drafter implementation does not support it")
         try:
             aux = d.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
             return cls(hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
@@ -198,7 +218,9 @@ def load_drafter(path: str) -> tuple[DrafterConfig, dict]:
     """Read a drafter directory; float tensors come back as float32.
 
     Raises:
-        DrafterCheckpointError: missing files, pickle checkpoints, missing tensors or wrong shapes (named).
+        DrafterCheckpointError: missing files, pickle checkpoints, missing tensors or wrong shapes (named), an
+            unsupported config field (:meth:`DrafterConfig.from_json`), or a bias / ``fc_norm`` tensor that the
+            config does not use.
     """
     from safetensors.numpy import load_file
 
@@ -216,6 +238,11 @@ def load_drafter(path: str) -> tuple[DrafterConfig, dict]:
     except Exception as e:  # safetensors raises its own error types for truncated files
         raise DrafterCheckpointError(f"drafter checkpoint {st_path!r} is unreadable: {e}") from None
     tensors = {k.replace("layers.0.", "midlayer."): v for k, v in raw.items()}
+    extra = sorted(k for k in tensors if k.endswith(".bias") or (k.startswith("fc_norm.") and not cfg.fc_norm))
+    if extra:
+        raise DrafterCheckpointError(f"drafter checkpoint has tensor {extra[0]}, which its config.json does not "
+                                     "use (" + ("no fc_norm" if extra[0].startswith("fc_norm.") else "no biases")
+                                     + "); refusing to load it as another function")
     if "d2t" not in tensors and cfg.draft_vocab_size == cfg.vocab_size:
         tensors.update(vocab_maps(np.arange(cfg.vocab_size), cfg.vocab_size))
     for key, shape in drafter_tensor_shapes(cfg).items():

@@ -81,6 +81,31 @@ def test_bad_drafter_checkpoints(tmp_path, tiny):
         load_drafter(str(tmp_path / "zero_layers"))
     with pytest.raises(DrafterCheckpointError, match="missing tensor layers.1."):   # config 2 layers, tensors 1
         load_drafter(str(tmp_path / "two_layers"))
+    # fields that change the function, which the drafter does not compute: refused, never loaded as another one
+    for field, value in (("rope_scaling", {"rope_type": "llama3", "factor": 8.0}), ("norm_output", False),
+                         ("norm_before_residual", True), ("bias", True)):
+        (tmp_path / field).mkdir()
+        (tmp_path / field / "config.json").write_text(json.dumps(cfg_json | {field: value}))
+        (tmp_path / field / "model.safetensors").write_bytes((tmp_path / "drafter6" / "model.safetensors").read_bytes())
+        with pytest.raises(DrafterCheckpointError, match=f"sets {field} = .*does not support it"):
+            load_drafter(str(tmp_path / field))
+    for field, value in (("rope_scaling", None), ("norm_output", True), ("norm_before_residual", False)):
+        (tmp_path / field / "config.json").write_text(json.dumps(cfg_json | {field: value}))
+        assert load_drafter(str(tmp_path / field))[0].hidden_size == tcfg.hidden_size
+    # tensors the config does not use: fc_norm weights without "fc_norm", a bias
+    from safetensors.numpy import load_file, save_file
+
+    raw = load_file(str(tmp_path / "drafter6" / "model.safetensors"))
+    for name, extra in (("stray_fc_norm", "fc_norm.0.weight"), ("stray_bias", "midlayer.self_attn.q_proj.bias")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg_json))
+        save_file(raw | {extra: np.ones(tcfg.hidden_size, raw["fc.weight"].dtype)},
+                  str(tmp_path / name / "model.safetensors"))
+        with pytest.raises(DrafterCheckpointError, match=f"has tensor {extra}, which its config.json does not use"):
+            load_drafter(str(tmp_path / name))
+    (tmp_path / "stray_fc_norm" / "config.json").write_text(json.dumps(cfg_json | {"fc_norm": True}))
+    with pytest.raises(DrafterCheckpointError, match="missing tensor fc_norm.1.weight"):
+        load_drafter(str(tmp_path / "stray_fc_norm"))
     bad = DrafterConfig(hidden_size=32, intermediate_size=8, num_attention_heads=2, num_key_value_heads=1,
                         vocab_size=tcfg.vocab_size, draft_vocab_size=8, target_hidden_size=32)
     with pytest.raises(DrafterCheckpointError, match="hidden_size = 32 does not fit the teacher"):
