@@ -46,6 +46,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
+from mindspore_eagle.kernels.dense import rms_norm
 from mindspore_eagle.models.eagle3 import (
     DrafterConfig,
     declare_drafter_weights,
@@ -204,9 +205,7 @@ class TTTDrafter(nn.Cell):
         if self.fc_norm is None:
             return aux
         B, T, w = aux.shape
-        x = aux.reshape(B, T, 3, w // 3)
-        x = x * ops.rsqrt((x * x).mean(-1, keep_dims=True) + self.cfg.rms_norm_eps)
-        return x.reshape(B, T, w) * self.fc_norm
+        return rms_norm(aux.reshape(B, T, 3, w // 3), self.cfg.rms_norm_eps).reshape(B, T, w) * self.fc_norm
 
     def _no_kv(self):
         """Empty per-layer key / value history (before step 0)."""
