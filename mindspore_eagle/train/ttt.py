@@ -46,7 +46,6 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from mindspore_eagle.kernels.dense import rms_norm
 from mindspore_eagle.models.eagle3 import (
     DrafterConfig,
     declare_drafter_weights,
@@ -205,7 +204,9 @@ class TTTDrafter(nn.Cell):
         if self.fc_norm is None:
             return aux
         B, T, w = aux.shape
-        return rms_norm(aux.reshape(B, T, 3, w // 3), self.cfg.rms_norm_eps).reshape(B, T, w) * self.fc_norm
+        x = aux.reshape(B, T, 3, w // 3)
+        x = x * ops.rsqrt((x * x).mean(-1, keep_dims=True) + self.cfg.rms_norm_eps)
+        return x.reshape(B, T, w) * self.fc_norm
 
     def _no_kv(self):
         """Empty per-layer key / value history (before step 0)."""
