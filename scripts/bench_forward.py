@@ -2,12 +2,16 @@
 """Cost of the teacher's forward on this machine, beside a numpy-only forward of the same shapes (one run).
 
 Prints, for the embedded default teacher (or --teacher PATH):
-  - teacher-only decode ms/token in fused (jit) and eager (PyNative) mode, after a 256-token context;
+  - teacher-only decode ms/token in fused (jit) mode (and eager / PyNative with --eager), after a 256-token context;
   - prefill tok/s (256 tokens, chunk 128);
-  - one forward over k = 1, 8, 16, 32, 64 query tokens (logits for all k rows, as tree verification needs)
+  - one forward over k = 1, 4, 8, 16, 32 query tokens (logits for all k rows, as tree verification needs)
     against a 256-token cached context, MindSpore fused vs a float32 numpy implementation of the same math
-    (fused q/k/v and gate/up weights in [out, in] layout, GQA attention over the cached K/V).
-Not a test: figures only. Usage: python scripts/bench_forward.py [--teacher PATH] [--repeat 5]
+    (fused q/k/v and gate/up weights in [out, in] layout, GQA attention over the cached K/V);
+  - the drafter's cost per round;
+  - llama.cpp on the same F32 weights in a process of its own with a clean environment (bench/peer.py), the same
+    k rows after the same 256-token context, logits for all k rows, beside ours (where llama-cpp-python is
+    installed: pip install -e ".[peer]").
+Not a test: figures only. Usage: python scripts/bench_forward.py [--teacher PATH] [--repeat 5] [--eager]
 """
 import argparse
 import os
@@ -94,7 +98,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--teacher", default="embedded")
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--ks", default="1,8,16,32,64")
+    ap.add_argument("--ks", default="1,4,8,16,32")
+    ap.add_argument("--eager", action="store_true", help="also time PyNative decoding (slow)")
     args = ap.parse_args(argv)
     runtime.configure()
     import mindspore as ms
@@ -111,7 +116,7 @@ def main(argv=None):
     print(f"teacher: {loaded.teacher_cfg.num_layers} layers, hidden {loaded.teacher_cfg.hidden_size}, "
           f"vocab {loaded.teacher_cfg.vocab_size}; threads {os.environ.get('MSEAGLE_THREADS', 'default')}")
     results = {}
-    for mode in ("fused", "eager"):
+    for mode in ("fused", "eager") if args.eager else ("fused",):
         eng = build_engine(load_config(None, ["model.drafter=none", f"speculative.mode={mode}"]), loaded)
         tg = eng.teacher
         sid = tg.new_seq()
@@ -156,11 +161,13 @@ def main(argv=None):
                 toks, pos = rng.integers(100, 20000, size=k), 256 + np.arange(k)
                 nms = median_ms(lambda: npt.forward(toks, pos), args.repeat)
                 print(f"{k:>4} {rows[k]:>19.1f} {rows[k] / rows[ks[0]]:>7.2f} {nms:>9.1f} {rows[k] / nms:>9.2f}")
+            rows_fused = rows
         tg.free(sid)
-    print(f"eager / fused decode: {results['eager'] / results['fused']:.2f}x")
+    if args.eager:
+        print(f"eager / fused decode: {results['eager'] / results['fused']:.2f}x")
     drafter_cost(loaded, ctx, results["fused"], args.repeat)
     cfg = load_config(None, [f"model.teacher={args.teacher}"])
-    llamacpp_cost(cfg, loaded, ctx, ks, results["fused"], args.repeat)
+    llamacpp_cost(cfg, loaded, ctx, ks, results["fused"], args.repeat, rows_fused)
 
 
 def drafter_cost(loaded, ctx, decode_ms, repeat):
@@ -187,8 +194,9 @@ def drafter_cost(loaded, ctx, decode_ms, repeat):
     dr.free(sid)
 
 
-def llamacpp_cost(cfg, loaded, ctx, ks, decode_ms, repeat):
-    """llama.cpp on the same weights (F32 GGUF, same threads): decode ms/token and an eval of k tokens."""
+def llamacpp_cost(cfg, loaded, ctx, ks, decode_ms, repeat, ours_rows):
+    """llama.cpp on the same weights (F32 GGUF, same threads) in a process of its own with a clean environment
+    (bench/peer.py): decode ms/token and one eval of k tokens with logits for all k rows, beside ours."""
     import tempfile
 
     from mindspore_eagle.bench import peer
@@ -199,31 +207,18 @@ def llamacpp_cost(cfg, loaded, ctx, ks, decode_ms, repeat):
     threads = int(os.environ.get("MSEAGLE_THREADS", 0)) or min(os.cpu_count() or 1, 8)
     out = os.path.join(tempfile.gettempdir(), "mseagle_bench_forward")
     os.makedirs(out, exist_ok=True)
-    llm = peer.make_peer(cfg, loaded, out, threads).llm
-    prefix = [int(t) for t in ctx]
-
-    def decode_run(n=32):
-        llm.reset()
-        llm.eval(prefix)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            llm.eval([42])
-        return (time.perf_counter() - t0) * 1e3 / n
-
-    dec = float(np.median([decode_run() for _ in range(3)]))
-    print(f"[llama.cpp F32, {threads} threads] decode {dec:.1f} ms/token ({1e3 / dec:.1f} tok/s); "
+    p = peer.make_peer(cfg, loaded, out, threads, lookup=())
+    try:
+        got = p.forward_ms(ctx, ks, repeat)
+    finally:
+        p.close()
+    dec = got["decode_ms"]
+    print(f"[llama.cpp F32, {threads} threads, own process] decode {dec:.1f} ms/token ({1e3 / dec:.1f} tok/s); "
           f"ours / llama.cpp = {decode_ms / dec:.2f}x")
-    print(f"{'k':>4} {'llama.cpp eval ms':>18} {'x(k=1)':>7}")
-    base = None
+    print(f"{'k':>4} {'ours ms':>8} {'llama.cpp ms':>13} {'ours / llama.cpp':>17}")
     for k in ks:
-        def one_eval():
-            llm.n_tokens = len(prefix)               # drop the previous k tokens, keep the cached prefix
-            llm.eval([42] * k)
-        llm.reset()
-        llm.eval(prefix)
-        ms_k = median_ms(one_eval, repeat)
-        base = base or ms_k
-        print(f"{k:>4} {ms_k:>18.1f} {ms_k / base:>7.2f}")
+        theirs = got["ms"][str(k)]
+        print(f"{k:>4} {ours_rows[k]:>8.1f} {theirs:>13.1f} {ours_rows[k] / theirs:>17.2f}")
 
 
 if __name__ == "__main__":

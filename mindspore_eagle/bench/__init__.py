@@ -60,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attn-samples", type=int, default=4,
                    help="context-pass rows per turn sampled for the attention evidence (Figure 7); 0 = off")
     p.add_argument("--peer-llamacpp", action="store_true",
-                   help="also time llama.cpp (llama-cpp-python) greedy on an F32 GGUF of the teacher, if importable")
+                   help="also time llama.cpp (llama-cpp-python) on an F32 GGUF of the teacher, if importable: greedy "
+                        "and with its prompt lookup (2 and 10 predicted tokens), in a process of its own with a "
+                        "clean environment, turn by turn between ours")
     p.add_argument("--allow-mismatch", action="store_true",
                    help="record output mismatches instead of stopping (identical_outputs becomes false)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
@@ -208,12 +210,17 @@ def cli_main(argv=None) -> int:
             from mindspore_eagle.bench.peer import make_peer
 
             peer = make_peer(cfg, loaded, out, _threads(cfg), log=_log)
-            peer_note = "llama.cpp peer ran" if peer else "llama_cpp not importable (or teacher not GGUF): skipped"
+            peer_note = ("llama.cpp peer ran in its own process (greedy; prompt lookup "
+                         + ", ".join(map(str, peer.variants[1:])) + ")") if peer else \
+                "llama_cpp not importable (or teacher not GGUF): skipped"
         try:
             run_turns(pool, turns, gen, settings, jsonl, args.attn_samples, peer, args.allow_mismatch,
                       progress=not args.no_progress)
         except OutputMismatchError as e:
             failed = str(e)
+        finally:
+            if peer is not None:
+                peer.close()
         policy_state = pool.engine("main").policy.report()
         with open(os.path.join(out, "policy.json"), "w", encoding="utf-8") as f:
             json.dump(policy_state, f, indent=1)

@@ -6,16 +6,24 @@ decoding through llama-cpp-python with the same thread count, on the same prompt
   the inverse of ``models.checkpoints.unpermute_qk`` (llama.cpp ``convert_hf_to_gguf.py`` ``LlamaModel.permute``).
   Tokenizer metadata (``tokenizer.*`` keys) is copied from a source GGUF (the embedded teacher's file).
   ``models.checkpoints.load_teacher`` reads the file back to the same tensors (tests/bench/test_bench.py).
-* :class:`LlamaCppPeer` runs greedy decoding (top_k 1, temperature 0, no repeat penalty) and reports tok/s
-  (new tokens / wall seconds of prompt evaluation + decoding, the same definition as ours) and how much of our
-  baseline output it reproduces (``match_prefix``: fraction of our tokens before the first difference; F32
-  arithmetic differs in summation order, so near-ties can flip).
+* :class:`LlamaCppPeer` runs llama.cpp in a process of its own (``llamacpp_worker.py``, started with
+  :func:`peer_env`: none of our or MindSpore's variables, so llama.cpp runs as a user would run it alone): greedy
+  decoding (top_k 1, temperature 0, no repeat penalty) and greedy with llama-cpp-python's prompt-lookup
+  speculation (``LlamaPromptLookupDecoding``, :data:`LOOKUP_TOKENS`). It reports tok/s (new tokens / wall seconds
+  of prompt evaluation + decoding, the same definition as ours) and how much of our baseline output it reproduces
+  (``match_prefix``: fraction of our tokens before the first difference; F32 arithmetic differs in summation
+  order, so near-ties can flip). The bench calls it turn by turn between our runs, so drift hits both.
 llama-cpp-python is optional; :func:`available` says whether it is importable. Nothing here builds it.
 """
 from __future__ import annotations
 
 import importlib.util
-import time
+import json
+import os
+import select
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -115,61 +123,154 @@ def write_gguf_f32(path, cfg, tensors: dict, tokenizer_from) -> str:
     return str(path)
 
 
+PEER_ENV_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MSEAGLE_", "MS_")
+"""Variables a peer process never inherits: OpenMP's (``OMP_WAIT_POLICY``, thread counts), ours and MindSpore's."""
+
+WORKER = Path(__file__).with_name("llamacpp_worker.py")
+
+
+def peer_env(environ=None) -> dict:
+    """A copy of ``environ`` (default ``os.environ``) without :data:`PEER_ENV_PREFIXES` variables: the peer runs
+    with llama.cpp's own defaults, not with whatever this process (or MindSpore in it) set."""
+    env = dict(os.environ if environ is None else environ)
+    return {k: v for k, v in env.items() if not k.startswith(PEER_ENV_PREFIXES)}
+
+
+class PeerError(RuntimeError):
+    """The peer process failed or answered with an error (message: its one-line reason)."""
+
+
+class PeerProcess:
+    """``llamacpp_worker.py`` in a child process of its own with :func:`peer_env`, spoken to by JSON lines.
+
+    Args:
+        timeout: seconds to wait for one answer. Raises PeerError from :meth:`call` when the process died, did not
+        answer in time, or answered ``{"error": ...}``.
+    """
+
+    def __init__(self, timeout: float = 600.0):
+        self.timeout = timeout
+        self.proc = subprocess.Popen([sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True, env=peer_env(), bufsize=1)
+
+    def call(self, **req) -> dict:
+        if self.proc.poll() is not None:
+            raise PeerError(f"llama.cpp peer process exited with status {self.proc.returncode}")
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            raise PeerError(f"llama.cpp peer process gave no answer to {req.get('cmd')!r} "
+                            f"({'timed out' if not ready else 'exited'})")
+        ans = json.loads(line)
+        if "error" in ans:
+            raise PeerError(f"llama.cpp peer: {ans['error']}")
+        return ans
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001  (interpreter shutdown)
+            pass
+
+
+LOOKUP_TOKENS = (2, 10)
+"""``num_pred_tokens`` of the two prompt-lookup peers (llama-cpp-python's LlamaPromptLookupDecoding; 10 is its
+default, 2 what its docs suggest for a CPU)."""
+
+
 class LlamaCppPeer:
-    """Greedy llama.cpp decoding of the F32 GGUF on the same prompt ids.
+    """llama.cpp on the F32 GGUF in a process of its own: greedy, and greedy with its prompt-lookup speculation.
 
     Args:
         gguf_path: file from write_gguf_f32. n_threads: CPU threads (the same as MindSpore's kernel threads).
-        n_ctx: context window (>= prompt + max_new_tokens). eos_ids: ids that end a turn.
+        n_ctx: context window (>= prompt + max_new_tokens). eos_ids: ids that end a turn. lookup:
+        ``num_pred_tokens`` of each prompt-lookup variant (:data:`LOOKUP_TOKENS`; () = greedy only).
+    Raises:
+        PeerError: the process could not load the model.
     """
 
-    def __init__(self, gguf_path: str, n_threads: int, n_ctx: int, eos_ids=()):
-        import llama_cpp
-
-        self.llm = llama_cpp.Llama(model_path=str(gguf_path), n_threads=n_threads, n_threads_batch=n_threads,
-                                   n_ctx=n_ctx, n_batch=512, verbose=False, seed=0)
-        self.eos = set(int(e) for e in eos_ids) | {int(self.llm.token_eos())}
+    def __init__(self, gguf_path: str, n_threads: int, n_ctx: int, eos_ids=(), lookup=LOOKUP_TOKENS):
+        self.proc = PeerProcess()
+        self.variants = self.proc.call(cmd="load", model=str(gguf_path), n_threads=int(n_threads), n_ctx=int(n_ctx),
+                                       lookup=[int(n) for n in lookup])["variants"]
+        self.eos = [int(e) for e in eos_ids]
         self.n_threads = n_threads
 
-    def run(self, prompt_ids, max_new_tokens: int, ref_ids=()) -> dict:
-        """Greedy continuation of ``prompt_ids``; returns {"tok_s", "new_tokens", "seconds", "match_prefix"}."""
-        import inspect
-
-        want = {"top_k": 1, "top_p": 1.0, "min_p": 0.0, "temp": 0.0, "repeat_penalty": 1.0, "reset": True}
-        params = inspect.signature(self.llm.generate).parameters     # older releases lack min_p
-        kwargs = {k: v for k, v in want.items() if k in params}
-        out = []
-        t0 = time.perf_counter()
-        for tok in self.llm.generate([int(i) for i in prompt_ids], **kwargs):
-            out.append(int(tok))
-            if tok in self.eos or len(out) >= max_new_tokens:
-                break
-        dt = time.perf_counter() - t0
+    def generate(self, variant: str, prompt_ids, max_new_tokens: int, ref_ids=()) -> dict:
+        """One variant's greedy continuation: {"tok_s", "new_tokens", "seconds", "match_prefix"} (tok/s = new
+        tokens / wall seconds of prompt evaluation + decoding, as ours; match_prefix = share of ``ref_ids`` before
+        the first difference, F32 sums differ in order so near-ties can flip)."""
+        ans = self.proc.call(cmd="generate", variant=variant, prompt_ids=[int(i) for i in prompt_ids],
+                             max_new_tokens=int(max_new_tokens), eos=self.eos)
+        out, dt = ans["ids"], float(ans["seconds"])
         ref = list(ref_ids)
         same = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
         return {"tok_s": len(out) / dt if dt > 0 else float("nan"), "new_tokens": len(out), "seconds": dt,
                 "match_prefix": same / len(ref) if ref else float("nan")}
 
+    def run(self, prompt_ids, max_new_tokens: int, ref_ids=()) -> dict:
+        """Greedy, then every prompt-lookup variant, on one prompt: the greedy result's fields plus ``lookup``
+        {num_pred_tokens: the same fields}."""
+        rec = self.generate("greedy", prompt_ids, max_new_tokens, ref_ids)
+        rec["lookup"] = {v[len("lookup"):]: self.generate(v, prompt_ids, max_new_tokens, ref_ids)
+                         for v in self.variants if v.startswith("lookup")}
+        return rec
 
-def make_peer(cfg, loaded, outdir: str, threads: int, log=print):
-    """Write <outdir>/teacher_f32.gguf and return a LlamaCppPeer, or None (with a logged reason) when llama_cpp is
-    not importable or the teacher has no GGUF tokenizer to copy."""
-    import os
+    def forward_ms(self, ctx_ids, ks, repeat: int = 5) -> dict:
+        """{"decode_ms", "ms": {k: ms}} of one eval of k tokens after ``ctx_ids`` (logits for all k rows)."""
+        return self.proc.call(cmd="forward", ctx_ids=[int(i) for i in ctx_ids], ks=[int(k) for k in ks],
+                              repeat=int(repeat))
 
-    from mindspore_eagle.serving.pipeline import resolve_teacher
+    def close(self) -> None:
+        self.proc.close()
 
-    if not available():
-        log("--peer-llamacpp: llama_cpp (llama-cpp-python) is not importable; peer skipped")
-        return None
+
+def write_peer_gguf(cfg, loaded, outdir: str, log=print, what: str = "--peer-llamacpp"):
+    """``<outdir>/teacher_f32.gguf`` of the config's teacher (written once, atomically), or None with a logged
+    reason when the teacher has no GGUF tokenizer metadata to copy.
+
+    Args:
+        cfg: the run's Config. loaded: ``pipeline.load_models(cfg)`` (None: loaded here only when the file is
+        missing). outdir: folder of the file. log: where the reason goes. what: the option named in the reason.
+    """
+    from mindspore_eagle.serving.pipeline import load_models, resolve_teacher
+
     src = resolve_teacher(cfg.model.teacher)
     if not str(src).lower().endswith(".gguf"):
-        log(f"--peer-llamacpp: teacher {src} is not a GGUF file, no llama.cpp tokenizer metadata to copy; skipped")
+        log(f"{what}: teacher {src} is not a GGUF file, no llama.cpp tokenizer metadata to copy; skipped")
         return None
     path = os.path.join(outdir, "teacher_f32.gguf")
     if not os.path.exists(path):
+        loaded = loaded or load_models(cfg)
         write_gguf_f32(path + ".tmp", loaded.teacher_cfg, loaded.teacher_tensors, src)
         os.replace(path + ".tmp", path)
-    return LlamaCppPeer(path, threads, cfg.cache.max_seq_len, loaded.teacher_cfg.eos_token_ids)
+    return path
 
 
-__all__ = ["available", "permute_qk", "gguf_name", "write_gguf_f32", "LlamaCppPeer", "make_peer"]
+def make_peer(cfg, loaded, outdir: str, threads: int, log=print, lookup=LOOKUP_TOKENS):
+    """Write <outdir>/teacher_f32.gguf and return a :class:`LlamaCppPeer` on it, or None (with a logged reason)
+    when llama_cpp is not importable or the teacher has no GGUF tokenizer to copy."""
+    if not available():
+        log("--peer-llamacpp: llama_cpp (llama-cpp-python) is not importable; peer skipped")
+        return None
+    path = write_peer_gguf(cfg, loaded, outdir, log)
+    if path is None:
+        return None
+    return LlamaCppPeer(path, threads, cfg.cache.max_seq_len, loaded.teacher_cfg.eos_token_ids, lookup)
+
+
+__all__ = ["available", "permute_qk", "gguf_name", "write_gguf_f32", "peer_env", "PeerProcess", "PeerError",
+           "LlamaCppPeer", "LOOKUP_TOKENS", "write_peer_gguf", "make_peer"]

@@ -111,6 +111,33 @@ def by_category(records) -> dict:
     return out
 
 
+def peer_aggregate(ok: list) -> dict:
+    """Aggregate tok/s (total new tokens / total seconds) of ours and of each llama.cpp variant over the turns where
+    the peer ran: {"turns", "baseline_tok_s", "ea_tok_s", "rows": {name: {"tok_s", "ea_over", "baseline_over"}}},
+    name "llama.cpp greedy" or "llama.cpp prompt lookup N" (N predicted tokens); ``ea_over`` = our speculative
+    tok/s / that row's, ``baseline_over`` = our teacher-only tok/s / that row's."""
+    turns = [r for r in ok if isinstance(r.get("peer_llamacpp"), dict) and "tok_s" in r["peer_llamacpp"]]
+
+    def agg(parts):
+        new, sec = sum(p[0] for p in parts), sum(p[1] for p in parts)
+        return new / sec if sec else float("nan")
+
+    base = agg([(r["baseline"]["new_tokens"], (r["baseline"]["prefill_ms"] + r["baseline"]["decode_ms"]) / 1e3)
+                for r in turns])
+    ea = agg([(r["settings"]["main"]["new_tokens"],
+               (r["settings"]["main"]["prefill_ms"] + r["settings"]["main"]["decode_ms"]) / 1e3) for r in turns])
+    variants = {"llama.cpp greedy": [r["peer_llamacpp"] for r in turns]}
+    for n in sorted({n for r in turns for n in r["peer_llamacpp"].get("lookup", {})}, key=int):
+        variants[f"llama.cpp prompt lookup {n}"] = [r["peer_llamacpp"]["lookup"][n] for r in turns
+                                                    if n in r["peer_llamacpp"].get("lookup", {})]
+    rows = {}
+    for name, recs in variants.items():
+        t = agg([(p["new_tokens"], p["seconds"]) for p in recs])
+        rows[name] = {"tok_s": t, "ea_over": ea / t if t else float("nan"),
+                      "baseline_over": base / t if t else float("nan"), "turns": len(recs)}
+    return {"turns": len(turns), "baseline_tok_s": base, "ea_tok_s": ea, "rows": rows}
+
+
 def build_report(records, meta: dict) -> dict:
     """Assemble report.json from the turn records and run metadata.
 
@@ -168,6 +195,7 @@ def build_report(records, meta: dict) -> dict:
     if peers:
         rep["peer_llamacpp_tok_s"] = stats([p["tok_s"] for p in peers])
         rep["peer_llamacpp_match"] = stats([p.get("match_prefix", float("nan")) for p in peers])
+        rep["peers"] = peer_aggregate(ok)
     dists = [d for r in ok for d in r.get("attn_dist", [])]
     tops = [t for r in ok for t in r.get("attn_top", [])]
     cols = [c for _, c in tops] if len(tops) == len(dists) else None
@@ -261,6 +289,15 @@ def markdown(rep: dict) -> str:
           _stat_row("accepted length L_k (per step)", rep["accept_len"])]
     if "peer_llamacpp_tok_s" in rep:
         L.append(_stat_row("llama.cpp F32 greedy tok/s (peer)", rep["peer_llamacpp_tok_s"]))
+    if rep.get("peers"):
+        pa = rep["peers"]
+        L += ["", f"### Peers (own process, clean environment, same prompt ids, run turn by turn between ours; "
+                  f"{pa['turns']} turns)", "",
+              "| | aggregate tok/s | ours speculative / it | ours teacher-only / it |", "|---|---|---|---|",
+              f"| ours, speculative | {_f(pa['ea_tok_s'])} | | |",
+              f"| ours, teacher-only | {_f(pa['baseline_tok_s'])} | | |"]
+        L += [f"| {name} | {_f(r['tok_s'])} | {_f(r['ea_over'])}x | {_f(r['baseline_over'])}x |"
+              for name, r in pa["rows"].items()]
     agg = rep["aggregate"]
     L += ["", f"Aggregate (total tokens / total seconds): baseline {_f(agg['baseline_tok_s'])} tok/s, EAGLE-3 "
               f"{_f(agg['ea_tok_s'])} tok/s, speedup {_f(agg['speedup'])}x.", ""]

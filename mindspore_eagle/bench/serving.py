@@ -150,11 +150,12 @@ def _wait_health(url: str, proc, timeout: float, path: str = "/health") -> None:
 
 
 class ServeProcess:
-    """``mindspore-eagle serve`` (or another OpenAI server command) as a child process on 127.0.0.1."""
+    """``mindspore-eagle serve`` (or another OpenAI server command) as a child process on 127.0.0.1; ``env``: its
+    environment (None: this process's; a peer gets ``peer.peer_env()``)."""
 
-    def __init__(self, cmd: list, url: str, log_path: str):
+    def __init__(self, cmd: list, url: str, log_path: str, env: dict | None = None):
         self.url, self.log = url, open(log_path, "w", encoding="utf-8")   # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -189,26 +190,19 @@ def start_llamacpp(cfg, out: str, threads: int, timeout: float):
     import importlib.util
 
     from mindspore_eagle.bench import peer
-    from mindspore_eagle.serving.pipeline import load_models, resolve_teacher
 
     if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("llama_cpp.server") is None:
         _log("llama_cpp.server is not importable (pip install -e '.[peer]' and llama-cpp-python[server]); skipped")
         return None
-    src = resolve_teacher(cfg.model.teacher)
-    if not str(src).lower().endswith(".gguf"):
-        _log(f"teacher {src} is not a GGUF file (no llama.cpp tokenizer to copy); llama.cpp skipped")
+    path = peer.write_peer_gguf(cfg, None, out, _log, "llama.cpp server")
+    if path is None:
         return None
-    path = os.path.join(out, "teacher_f32.gguf")
-    if not os.path.exists(path):
-        loaded = load_models(cfg)
-        peer.write_gguf_f32(path + ".tmp", loaded.teacher_cfg, loaded.teacher_tensors, src)
-        os.replace(path + ".tmp", path)
     port = _free_port()
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", path, "--model_alias", "llama.cpp", "--host",
            "127.0.0.1", "--port", str(port), "--n_ctx", str(cfg.cache.max_seq_len), "--n_threads", str(threads),
            # its default cuts a running request short when another arrives; queue them instead
            "--interrupt_requests", "False"]
-    p = ServeProcess(cmd, f"http://127.0.0.1:{port}", os.path.join(out, "server_llama_cpp.log"))
+    p = ServeProcess(cmd, f"http://127.0.0.1:{port}", os.path.join(out, "server_llama_cpp.log"), peer.peer_env())
     _wait_health(p.url, p.proc, timeout, "/v1/models")
     return p
 

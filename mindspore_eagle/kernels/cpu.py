@@ -54,7 +54,7 @@ from pathlib import Path
 import numpy as np
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
-CXX_FLAGS = ("-std=c++17", "-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+CXX_FLAGS = ("-std=c++17", "-O3", "-march=native", "-ffp-contract=off", "-pthread", "-shared", "-fPIC")
 """g++ flags of the build. -march=native: the library is built for the machine that runs it (AVX2 + FMA on
 current x86-64); no -ffast-math and no implicit multiply-add fusion (-ffp-contract=off), so the float operations
 written in the source are the ones executed, whatever the call shape (batch invariance; the source fuses
@@ -152,10 +152,24 @@ def status() -> tuple[bool, str]:
 
 
 def set_threads(n: int) -> None:
-    """Threads the kernels use from now on (OpenMP, inside each call). Raises KernelBuildError when not built."""
+    """Threads the kernels use from now on (the kernels' own pool, ``cpu_kernels.cc``, "Threads"; the calling
+    thread is one of them). Raises KernelBuildError when not built."""
     _built["threads"] = max(1, int(n))
     lib = ctypes.CDLL(str(library_path()))
     lib.SetThreads(ctypes.c_int(_built["threads"]))
+
+
+SPIN_US = 50
+"""Microseconds an idle kernel thread spins before it sleeps (the default of ``cpu_kernels.cc``): long enough for
+the next kernel of a forward, short enough to leave the cores to MindSpore's ops and other libraries between
+forwards (docs/cpu_kernels.md, "Threads")."""
+
+
+def set_spin_us(us: int) -> int:
+    """Set how long (microseconds, >= 0) an idle kernel thread spins before it sleeps; returns the value in force.
+    Raises KernelBuildError when not built."""
+    lib = ctypes.CDLL(str(library_path()))
+    return int(lib.SetSpinMicros(ctypes.c_int(max(0, int(us)))))
 
 
 KERNEL_NAMES = ("linear", "add_rms_norm", "paged_attention", "attn_block", "mlp_add_norm")

@@ -15,15 +15,18 @@
 // Vectors are GCC vector extensions (8 floats): AVX2 + FMA with -march=native on x86-64, NEON pairs on aarch64,
 // plain scalar code elsewhere; the same source, so the arithmetic order is the same on every target (whether a
 // multiply-add is fused differs between targets, never between two calls on one machine: see fma8).
+#include <pthread.h>
+
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
+#include <thread>
 #include <vector>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 #if (defined(__FMA__) || defined(__F16C__)) && defined(__AVX__)
 #include <immintrin.h>
 #endif
@@ -77,6 +80,7 @@ static inline v8 fma8(v8 a, v8 b, v8 c) {
 }
 static inline float fold8(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
+
 // exp(x) on 8 lanes: Cephes' expf (range reduction by ln 2 in two parts, degree-6 polynomial, 2^n through the
 // exponent bits), ~2 ulp for |x| < 88, clamped outside (exp(-88.4) -> 0). Lane-wise, so a value's exp never
 // depends on its neighbours; scalar uses go through lane 0 (exp1).
@@ -101,7 +105,126 @@ static inline v8 exp8(v8 x) {
   return y * (v8)e;
 }
 
+// ---------------------------------------------------------------------------------------------- Threads
+// The kernels' own thread pool (no OpenMP, so nothing process-wide is set for it). A parallel loop splits its range
+// into g_threads contiguous parts (part p: [p n / P, (p + 1) n / P)); the calling thread runs part 0 and waits for
+// the workers. Between calls a worker spins for g_spin_us microseconds (the next kernel of a forward usually comes
+// within that) and then sleeps on a condition variable, so an idle pool never holds the cores that MindSpore's own
+// ops (or any other library) run on next: an OpenMP pool that spins by default took them and needed a process-wide
+// OMP_WAIT_POLICY=PASSIVE, which slowed every other OpenMP library in the process (docs/cpu_kernels.md, "Threads").
+// Each output element is computed by one thread with the same float operations whichever thread it is, so the
+// split never changes a result. A loop started while the pool is busy (a call from a second thread, or a nested
+// loop) runs its parts one after another in the caller; a child after fork() gets a fresh pool.
 static int g_threads = 1;
+static int64_t g_spin_us = 50;
+
+#if defined(__x86_64__) || defined(__i386__)
+static inline void cpu_relax() { __builtin_ia32_pause(); }
+#elif defined(__aarch64__)
+static inline void cpu_relax() { asm volatile("yield"); }
+#else
+static inline void cpu_relax() {}
+#endif
+
+struct Job {
+  void (*fn)(const void *ctx, int part, int parts);
+  const void *ctx;
+  int parts;
+};
+
+class Pool {
+ public:
+  explicit Pool(int workers) {
+    for (int i = 0; i < workers; ++i) threads_.emplace_back([this, i] { work(i + 1); });
+  }
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      stop_ = true;
+      epoch_.fetch_add(1);
+    }
+    cv_.notify_all();
+    for (auto &t : threads_) t.join();
+  }
+  int size() const { return (int)threads_.size() + 1; }
+  // runs job parts 0 .. size() - 1, part 0 in the caller, part i in worker i; false when the pool is busy
+  bool run(const Job &job) {
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    if (!busy.owns_lock()) return false;
+    job_ = job;
+    left_.store(job.parts - 1, std::memory_order_relaxed);
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      epoch_.fetch_add(1, std::memory_order_release);
+    }
+    if (sleepers_.load(std::memory_order_acquire)) cv_.notify_all();
+    job.fn(job.ctx, 0, job.parts);
+    while (left_.load(std::memory_order_acquire) != 0) cpu_relax();
+    return true;
+  }
+
+ private:
+  void work(int id) {
+    uint64_t seen = 0;
+    for (;;) {
+      const auto t0 = std::chrono::steady_clock::now();
+      uint64_t e;
+      int spins = 0;
+      while ((e = epoch_.load(std::memory_order_acquire)) == seen) {
+        if (++spins % 64 == 0 &&
+            std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(g_spin_us)) {
+          std::unique_lock<std::mutex> lk(m_);
+          sleepers_.fetch_add(1);
+          cv_.wait(lk, [&] { return epoch_.load() != seen; });
+          sleepers_.fetch_sub(1);
+        }
+        cpu_relax();
+      }
+      seen = e;
+      if (stop_) return;
+      job_.fn(job_.ctx, id, job_.parts);
+      left_.fetch_sub(1, std::memory_order_release);
+    }
+  }
+  std::vector<std::thread> threads_;
+  std::mutex m_, busy_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> epoch_{0};
+  std::atomic<int> left_{0}, sleepers_{0};
+  Job job_{};
+  bool stop_ = false;
+};
+
+static std::mutex g_pool_mutex;
+static Pool *g_pool = nullptr;
+static void pool_after_fork() { g_pool = nullptr; }  // the workers are not in the child: leak the parent's pool
+
+static Pool *pool() {
+  std::lock_guard<std::mutex> lk(g_pool_mutex);
+  static bool hooked = (pthread_atfork(nullptr, nullptr, pool_after_fork), true);
+  (void)hooked;
+  if (g_threads > 1 && (!g_pool || g_pool->size() != g_threads)) {
+    delete g_pool;
+    g_pool = new Pool(g_threads - 1);
+  }
+  return g_threads > 1 ? g_pool : nullptr;
+}
+
+// body(begin, end) over [0, n) in g_threads contiguous parts, one per thread (an empty part is skipped)
+template <typename F>
+static void parallel_for(int64_t n, const F &body) {
+  if (n <= 0) return;
+  Pool *p = g_threads > 1 && n > 1 ? pool() : nullptr;
+  const int parts = p ? p->size() : 1;  // every worker takes part in every loop (an empty part does nothing)
+  auto part = [](const void *ctx, int i, int P) {
+    const auto &c = *(const std::pair<const F *, int64_t> *)ctx;
+    const int64_t b = c.second * i / P, e = c.second * (i + 1) / P;
+    if (b < e) (*c.first)(b, e);
+  };
+  const std::pair<const F *, int64_t> ctx{&body, n};
+  if (parts > 1 && p->run(Job{part, &ctx, parts})) return;
+  body(0, n);
+}
 
 // Time spent inside each kernel (steady clock, ns) and its calls, for profiles: KernelStats / ResetKernelStats.
 enum { K_LINEAR, K_NORM, K_ATTN, K_BLOCK, K_MLP, K_COUNT };
@@ -132,6 +255,12 @@ extern "C" int SetThreads(int n) {
   return g_threads;
 }
 
+// microseconds an idle worker spins before it sleeps (0: sleep at once); returns the value now in force
+extern "C" int SetSpinMicros(int us) {
+  g_spin_us = us < 0 ? 0 : us;
+  return (int)g_spin_us;
+}
+
 // dot(a, b) over n floats: 8-lane partial sums over i = 0, 8, 16, ... in order (the tail zero-padded), folded by
 // fold8.
 static inline float dot(const float *a, const float *b, int64_t n) {
@@ -144,11 +273,14 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 
 // ---------------------------------------------------------------------------------------------- Linear
 // x [k, K] f32, w [N, K] f32 (HF [out, in]) -> y [k, N] f32, y[r, n] = dot(x[r], w[n]).
-// Threads split N. k < 8: blocks of 4 weight rows, against 2 rows of x at a time (a 4 x 2 tile, 8 independent
-// accumulators, which the FMA latency needs; a 4 x 1 tile per row has 4), an odd last row in a 4 x 1 tile
-// (docs/cpu_kernels.md); k >= 8 (compute-bound on a 2-core CPU): each weight row against 8 rows of x at a time.
-// Every output is one dot product accumulated in the same float order whatever the tile, so results do not depend
-// on k (batch invariance).
+// Threads split N into blocks of NR weight rows; a block runs tiles of NR weight rows x KR rows of x (then tiles
+// of KR / 2, ..., 1 rows for the rows left). k <= 4 (a decode, a small tree: bandwidth-bound): 1 x 4, so the
+// weights stream in memory order and each weight row, in L1, meets every row of x. k > 4 (compute-bound on a
+// 2-core CPU): 4 x 6 for k < 8 and 3 x 8 from 8 rows with AVX-512 (24 accumulators in its 32 vector registers),
+// 2 x 4 without; those tiles prefetch each weight row 512 bytes ahead (the weights come from DRAM while the FMAs
+// run). Weight rows left after the last full block: 1 x 1. Measured tiles: docs/cpu_kernels.md, "Tiles". Every
+// output is one dot product accumulated in the same float order whatever the tile, so results do not depend on k
+// (batch invariance).
 template <int NR, int KR, typename W>
 static inline void micro(const float *x, const W *w, float *y, int64_t K, int64_t N, int64_t r0, int64_t n0) {
   v8 acc[KR][NR];
@@ -161,6 +293,10 @@ static inline void micro(const float *x, const W *w, float *y, int64_t K, int64_
     v8 wv[NR];
 #pragma GCC unroll 8
     for (int b = 0; b < NR; ++b) wv[b] = load8w(w + (n0 + b) * K + i);
+    if (NR > 1) {
+#pragma GCC unroll 8
+      for (int b = 0; b < NR; ++b) __builtin_prefetch(w + (n0 + b) * K + i + 512 / sizeof(W));
+    }
 #pragma GCC unroll 8
     for (int a = 0; a < KR; ++a) {
       const v8 xv = load8(x + (r0 + a) * K + i);
@@ -186,41 +322,48 @@ static inline void micro(const float *x, const W *w, float *y, int64_t K, int64_
     for (int b = 0; b < NR; ++b) y[(r0 + a) * N + n0 + b] = fold8(acc[a][b]);
 }
 
+// rows r0 .. k - 1 of x against weight rows n0 .. n0 + NR - 1: tiles of KR rows, then KR / 2, ..., 1
+template <int NR, int KR, typename W>
+static inline void rows_tiles(const float *x, const W *w, float *y, int64_t k, int64_t K, int64_t N, int64_t r,
+                              int64_t n0) {
+  for (; r + KR <= k; r += KR) micro<NR, KR>(x, w, y, K, N, r, n0);
+  if constexpr (KR > 1) rows_tiles<NR, KR / 2>(x, w, y, k, K, N, r, n0);
+}
+
+// every row of x against the weight rows of blocks [b0, b1) of NR rows; the rows after N / NR blocks one at a time
+template <int NR, int KR, typename W>
+static void blocks_into(const float *x, const W *w, float *y, int64_t k, int64_t K, int64_t N, int64_t b0,
+                        int64_t b1) {
+  for (int64_t nb = b0; nb < b1; ++nb) {
+    const int64_t n0 = nb * NR;
+    if (n0 + NR > N) {
+      for (int64_t r = 0; r < k; ++r)
+        for (int64_t n = n0; n < N; ++n) micro<1, 1>(x, w, y, K, N, r, n);
+      continue;
+    }
+    rows_tiles<NR, KR>(x, w, y, k, K, N, 0, n0);
+  }
+}
+
+template <int NR, int KR, typename W>
+static void tiled(const float *x, const W *w, float *y, int64_t k, int64_t K, int64_t N) {
+  parallel_for((N + NR - 1) / NR,
+               [&](int64_t b0, int64_t b1) { blocks_into<NR, KR>(x, w, y, k, K, N, b0, b1); });
+}
+
 template <typename W>
 static void linear_into(const float *x, const W *w, float *y, int64_t k, int64_t K, int64_t N) {
-  if (k == 1) {  // one row (a decode): 8 weight rows per block, 8 independent accumulators
-    const int64_t blocks = (N + 7) / 8;
-#pragma omp parallel for schedule(static) num_threads(g_threads)
-    for (int64_t nb = 0; nb < blocks; ++nb) {
-      const int64_t n0 = nb * 8;
-      if (n0 + 8 > N) {
-        for (int64_t n = n0; n < N; ++n) micro<1, 1>(x, w, y, K, N, 0, n);
-        continue;
-      }
-      micro<8, 1>(x, w, y, K, N, 0, n0);
-    }
-  } else if (k < 8) {  // few rows: 4 weight rows per block, tiles of 2 query rows, then 1
-    const int64_t blocks = (N + 3) / 4;
-#pragma omp parallel for schedule(static) num_threads(g_threads)
-    for (int64_t nb = 0; nb < blocks; ++nb) {
-      const int64_t n0 = nb * 4;
-      if (n0 + 4 > N) {
-        for (int64_t r = 0; r < k; ++r)
-          for (int64_t n = n0; n < N; ++n) micro<1, 1>(x, w, y, K, N, r, n);
-        continue;
-      }
-      int64_t r = 0;
-      for (; r + 2 <= k; r += 2) micro<4, 2>(x, w, y, K, N, r, n0);
-      for (; r < k; ++r) micro<4, 1>(x, w, y, K, N, r, n0);
-    }
-  } else {      // compute-bound: one weight row against 8 query rows at a time
-#pragma omp parallel for schedule(static) num_threads(g_threads)
-    for (int64_t n = 0; n < N; ++n) {
-      int64_t r = 0;
-      for (; r + 8 <= k; r += 8) micro<1, 8>(x, w, y, K, N, r, n);
-      for (; r < k; ++r) micro<1, 1>(x, w, y, K, N, r, n);
-    }
-  }
+  if (k <= 4)          // bandwidth-bound: one weight row at a time (the weights read in order) against 4 / 2 / 1 rows
+    tiled<1, 4>(x, w, y, k, K, N);
+#if defined(__AVX512F__)
+  else if (k < 8)      // compute-bound, 24 accumulators in AVX-512VL's 32 vector registers
+    tiled<4, 6>(x, w, y, k, K, N);
+  else
+    tiled<3, 8>(x, w, y, k, K, N);
+#else
+  else                 // 16 vector registers: 2 x 4 tiles (8 accumulators)
+    tiled<2, 4>(x, w, y, k, K, N);
+#endif
 }
 
 // one row: y = x + d (+ b when b), h = y / sqrt(mean(y^2) + eps)
@@ -270,43 +413,44 @@ extern "C" int Linear(int nparam, void **params, int *ndims, int64_t **shapes, c
 // on CPU orders exact ties otherwise), each id mapped to i + d2t[i] (the EAGLE-3 draft-to-target offset,
 // models/eagle3.py). One call instead of the head, log_softmax, topk and gather graph ops (~0.5 ms a call on a
 // 2-core CPU, docs/cpu_kernels.md).
+// one row of logits x [V] -> its K best log-probabilities tv [K] and ids ti [K] (+ d2t)
+static void topk_logp_row(const float *x, const int32_t *d2t, float *tv, int32_t *ti, int64_t V, int64_t K) {
+  float m = -INFINITY;
+  for (int64_t i = 0; i < V; ++i) m = x[i] > m ? x[i] : m;
+  v8 acc = splat8(0.f);
+  int64_t i = 0;
+  for (; i + 8 <= V; i += 8) acc = acc + exp8(load8(x + i) - splat8(m));
+  if (i < V) {                                      // the tail's missing lanes at -inf: exp8 clamps them to 0
+    v8 t = splat8(-INFINITY);
+    for (int64_t j = 0; j < V - i; ++j) t[j] = x[i + j];
+    acc = acc + exp8(t - splat8(m));
+  }
+  const float lse = m + std::log(fold8(acc));
+  int64_t n = 0;                                    // insertion into the best K so far (sorted, ties: lower id)
+  for (int64_t j = 0; j < V; ++j) {
+    const float v = x[j];
+    if (n == K && !(v > tv[K - 1])) continue;
+    int64_t pos = n < K ? n++ : K - 1;
+    while (pos > 0 && v > tv[pos - 1]) {
+      tv[pos] = tv[pos - 1], ti[pos] = ti[pos - 1];
+      --pos;
+    }
+    tv[pos] = v, ti[pos] = (int32_t)j;
+  }
+  for (int64_t j = 0; j < K; ++j) {
+    tv[j] = tv[j] - lse;
+    ti[j] = ti[j] + d2t[ti[j]];
+  }
+}
+
 template <typename W>
 static void head_topk(const float *h, const W *w, const int32_t *d2t, float *top_logp, int32_t *top_ids,
                       int64_t k, int64_t H, int64_t V, int64_t K) {
   std::vector<float> logits(k * V);
   linear_into(h, w, logits.data(), k, H, V);
-#pragma omp parallel for schedule(static) num_threads(g_threads)
-  for (int64_t r = 0; r < k; ++r) {
-    const float *x = logits.data() + r * V;
-    float m = -INFINITY;
-    for (int64_t i = 0; i < V; ++i) m = x[i] > m ? x[i] : m;
-    v8 acc = splat8(0.f);
-    int64_t i = 0;
-    for (; i + 8 <= V; i += 8) acc = acc + exp8(load8(x + i) - splat8(m));
-    if (i < V) {                                      // the tail's missing lanes at -inf: exp8 clamps them to 0
-      v8 t = splat8(-INFINITY);
-      for (int64_t j = 0; j < V - i; ++j) t[j] = x[i + j];
-      acc = acc + exp8(t - splat8(m));
-    }
-    const float lse = m + std::log(fold8(acc));
-    float *tv = top_logp + r * K;
-    int32_t *ti = top_ids + r * K;
-    int64_t n = 0;                                    // insertion into the best K so far (sorted, ties: lower id)
-    for (int64_t j = 0; j < V; ++j) {
-      const float v = x[j];
-      if (n == K && !(v > tv[K - 1])) continue;
-      int64_t pos = n < K ? n++ : K - 1;
-      while (pos > 0 && v > tv[pos - 1]) {
-        tv[pos] = tv[pos - 1], ti[pos] = ti[pos - 1];
-        --pos;
-      }
-      tv[pos] = v, ti[pos] = (int32_t)j;
-    }
-    for (int64_t j = 0; j < K; ++j) {
-      tv[j] = tv[j] - lse;
-      ti[j] = ti[j] + d2t[ti[j]];
-    }
-  }
+  parallel_for(k, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) topk_logp_row(logits.data() + r * V, d2t, top_logp + r * K, top_ids + r * K, V, K);
+  });
 }
 
 extern "C" int HeadTopK(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
@@ -382,14 +526,12 @@ static int attention_into(const float *q, const float *kc, const float *vc, cons
                           float scale, float *ctx, int64_t k, int64_t nh, int64_t hd, int64_t G, int64_t nkv,
                           int64_t S, int64_t R) {
   const int64_t kg = k / G, group = nh / nkv;
-  int bad = 0;
-#pragma omp parallel num_threads(g_threads)
-  {
+  std::atomic<int> bad{0};
+  parallel_for(k * nh, [&](int64_t i0, int64_t i1) {
     std::vector<float> sc(S);
     std::vector<int32_t> vis(S);
     std::vector<v8> acc((hd + 7) / 8);
-#pragma omp for schedule(static)
-    for (int64_t item = 0; item < k * nh; ++item) {
+    for (int64_t item = i0; item < i1; ++item) {
       const int64_t r = item / nh, h = item % nh, g = r / kg, kvh = h / group;
       const int32_t *rr = rows + (g * nkv + kvh) * S;
       const float *mr = mask + r * S, *qr = q + (r * nh + h) * hd;
@@ -427,8 +569,8 @@ static int attention_into(const float *q, const float *kc, const float *vc, cons
       for (; i + 8 <= hd; i += 8) store8(out + i, acc[i / 8] * splat8(inv));
       for (; i < hd; ++i) out[i] = acc[i / 8][i % 8] * inv;
     }
-  }
-  return bad ? 3 : 0;
+  });
+  return bad.load() ? 3 : 0;
 }
 
 extern "C" int PagedAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,

@@ -324,29 +324,56 @@ def test_gguf_f32_writer_roundtrip(tmp_path, tied):
     assert {int(t.tensor_type) for t in r.tensors} == {0}            # GGML F32 only
 
 
-def test_llamacpp_peer_with_fake_module(tmp_path, monkeypatch):
-    """The peer code path without llama-cpp-python: a stand-in ``llama_cpp`` module, greedy stop on EOS /
-    max_new_tokens, match_prefix against our ids, and peer_llamacpp_tok_s in the report."""
-    import importlib.machinery
-    import sys
-    import types
+FAKE_LLAMA_CPP = """
+import os
 
-    class Llama:
-        def __init__(self, model_path, n_threads, n_threads_batch, n_ctx, n_batch, verbose, seed):
-            assert os.path.exists(model_path) and n_threads == 2
-            self.calls = []
+class Llama:
+    def __init__(self, model_path, n_threads, n_threads_batch, n_ctx, n_batch, verbose, seed, draft_model=None,
+                 logits_all=False):
+        assert os.path.exists(model_path) and n_threads == 2
+        self.draft = draft_model
 
-        def token_eos(self):
-            return 1
+    def token_eos(self):
+        return 1
 
-        def generate(self, tokens, top_k, top_p, temp, repeat_penalty, reset):   # an old release: no min_p
-            assert (top_k, temp, repeat_penalty) == (1, 0.0, 1.0)
-            yield from [7, 8, 9, 1, 5]
+    def generate(self, tokens, top_k, top_p, temp, repeat_penalty, reset):   # an old release: no min_p
+        assert (top_k, temp, repeat_penalty) == (1, 0.0, 1.0)
+        yield from ([7, 8, 9, 1, 5] if self.draft is None else [7, 8, 4, 1])
+"""
 
-    fake = types.ModuleType("llama_cpp")
-    fake.Llama = Llama
-    fake.__spec__ = importlib.machinery.ModuleSpec("llama_cpp", None)
-    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+FAKE_LOOKUP = """
+class LlamaPromptLookupDecoding:
+    def __init__(self, num_pred_tokens=10):
+        self.n = num_pred_tokens
+"""
+
+
+def fake_llama_cpp(tmp_path, monkeypatch):
+    """A stand-in ``llama_cpp`` package importable here and in the peer process (PYTHONPATH): greedy yields
+    7, 8, 9, 1, 5; with a prompt-lookup draft model 7, 8, 4, 1."""
+    pkg = tmp_path / "fake" / "llama_cpp"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(FAKE_LLAMA_CPP)
+    (pkg / "llama_speculative.py").write_text(FAKE_LOOKUP)
+    monkeypatch.syspath_prepend(str(tmp_path / "fake"))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+
+
+def test_peer_env_drops_ours_and_openmp():
+    env = {"PATH": "/bin", "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1", "GOMP_SPINCOUNT": "0",
+           "KMP_BLOCKTIME": "0", "MSEAGLE_THREADS": "2", "MS_DEV_X": "1", "HOME": "/root", "OPENBLAS_CORETYPE": "x"}
+    from mindspore_eagle.bench.peer import peer_env
+
+    assert peer_env(env) == {"PATH": "/bin", "HOME": "/root", "OPENBLAS_CORETYPE": "x"}
+
+
+def test_llamacpp_peer_runs_in_a_clean_process(tmp_path, monkeypatch):
+    """The peer code path with a stand-in ``llama_cpp``: the peer process sees none of our OpenMP / thread
+    variables although this process has them, greedy and prompt-lookup variants stop on EOS / max_new_tokens,
+    match_prefix against our ids, and the report's peer rows."""
+    fake_llama_cpp(tmp_path, monkeypatch)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("MSEAGLE_THREADS", "2")
     from tiny_pangu import random_tensors
 
     from mindspore_eagle.bench import peer
@@ -361,16 +388,32 @@ def test_llamacpp_peer_with_fake_module(tmp_path, monkeypatch):
     src = _tokenizer_gguf(tmp_path / "tok.gguf")
     cfg = load_config(None, [f"model.teacher={src}"])
     p = peer.make_peer(cfg, Loaded(cfg_t, random_tensors(cfg_t, 1), None, None, None), str(tmp_path), 2)
-    assert (tmp_path / "teacher_f32.gguf").exists()
-    r = p.run([0, 5, 6], 128, [7, 8, 4, 1])
-    assert r["new_tokens"] == 4 and r["match_prefix"] == 0.5 and r["tok_s"] > 0        # stopped at EOS 1
-    assert p.run([0], 2, [7, 8])["new_tokens"] == 2                                    # max_new_tokens
+    try:
+        assert (tmp_path / "teacher_f32.gguf").exists() and p.variants == ["greedy", "lookup2", "lookup10"]
+        seen = p.proc.call(cmd="env")
+        assert seen["env"] == {} and seen["pid"] != os.getpid()              # no OMP_* / MSEAGLE_* over there
+        r = p.run([0, 5, 6], 128, [7, 8, 4, 1])
+        assert r["new_tokens"] == 4 and r["match_prefix"] == 0.5 and r["tok_s"] > 0        # stopped at EOS 1
+        assert set(r["lookup"]) == {"2", "10"} and r["lookup"]["10"]["match_prefix"] == 1.0
+        assert p.run([0], 2, [7, 8])["new_tokens"] == 2                                    # max_new_tokens
+        with pytest.raises(peer.PeerError, match="unknown cmd"):
+            p.proc.call(cmd="nope")
+    finally:
+        p.close()
+    assert p.proc.proc.poll() == 0
 
     class FakePeer:
         def run(self, ids, n, ref):
-            return {"tok_s": 20.0, "new_tokens": n, "seconds": 0.3, "match_prefix": 1.0}
+            return {"tok_s": 20.0, "new_tokens": n, "seconds": n / 20.0, "match_prefix": 1.0,
+                    "lookup": {"2": {"tok_s": 25.0, "new_tokens": n, "seconds": n / 25.0, "match_prefix": 1.0}}}
 
     recs = run_turns(FakePool(FakeEngine()), TURNS[:1], GEN, MAIN, str(tmp_path / "t.jsonl"), peer=FakePeer(),
                      progress=False)
     rep = report_mod.build_report(recs, {"main": MAIN[0].to_dict(), "sweeps": {}})
     assert rep["peer_llamacpp_tok_s"]["mean"] == 20.0 and "llama.cpp" in report_mod.markdown(rep)
+    rows = rep["peers"]["rows"]
+    main = recs[0]["settings"]["main"]
+    ours = main["new_tokens"] / ((main["prefill_ms"] + main["decode_ms"]) / 1e3)
+    assert rows["llama.cpp greedy"]["tok_s"] == pytest.approx(20.0)
+    assert rows["llama.cpp prompt lookup 2"]["ea_over"] == pytest.approx(ours / 25.0)
+    assert "llama.cpp prompt lookup 2" in report_mod.markdown(rep)

@@ -40,10 +40,10 @@ def kern(ms_runtime):
     return cpu.CpuKernels()
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 7, 8, 11, 32])   # every tile mix of k < 8, then 8-row tiles
-def test_linear(kern, k):
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6, 7, 8, 11, 15, 16, 32])  # every tile mix: 4/2/1-row tiles of
+def test_linear(kern, k):                                                   # k < 8, then 8/4/2/1-row tiles
     rng = np.random.default_rng(k)
-    K, N = 44, 10
+    K, N = 44, 13           # N = 2 blocks of 6 + 1, 4 blocks of 3 + 1: full tiles and the one-row tail
     x = rng.normal(size=(k, K)).astype(np.float32)
     w = rng.normal(size=(N, K)).astype(np.float32)
     y = call(kern.linear, x, w)
@@ -51,6 +51,23 @@ def test_linear(kern, k):
     assert rel(y, cpu.ref_linear(x, w.reshape(K, N).T)) > 0.1          # a transposed layout is caught
     for r in range(k):                                                  # batch invariance, bitwise
         assert np.array_equal(call(kern.linear, x[r:r + 1], w)[0], y[r])
+
+
+def test_linear_same_bits_with_one_thread_or_two(kern):
+    """The threads split the weight rows; each output is computed by one thread with the same operations."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(16, 200)).astype(np.float32)
+    w = rng.normal(size=(301, 200)).astype(np.float32)
+    try:
+        cpu.set_threads(2)
+        two = call(kern.linear, x, w)
+        cpu.set_threads(1)
+        one = call(kern.linear, x, w)
+    finally:
+        from mindspore_eagle.kernels import runtime
+
+        cpu.set_threads(runtime.kernel_threads())
+    assert np.array_equal(one, two) and rel(two, cpu.ref_linear(x, w)) < TOL
 
 
 def test_add_rms_norm(kern):
