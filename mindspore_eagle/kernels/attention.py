@@ -296,6 +296,13 @@ class PortableLayerMath:
         q, k = ops.split(qk, (nh, nkv), 1)
         return q, k, v.reshape(k_len, nkv, hd)
 
+    def decoder_layer(self, x, h, wqkv, bqkv, wo, bo, w_gate_up, w_down, cos, sin, key_cache, value_cache, meta,
+                      eps: float):
+        """A whole teacher layer: this backend's :meth:`attention_block`, then its :meth:`mlp_add_norm` on the
+        result -> (y, rms(y)) [k, H] each (the cpu backend does both in one kernel call)."""
+        x, h = self.attention_block(x, h, wqkv, bqkv, wo, bo, cos, sin, key_cache, value_cache, meta, eps)
+        return self.mlp_add_norm(h, w_gate_up, w_down, x, eps)
+
     def mlp_add_norm(self, h, w_gate_up, w_down, resid, eps: float):
         """(y = resid + SwiGLU MLP(h), rms(y)) [k, H] each (``dense.swiglu_mlp``)."""
         y = resid + dense.swiglu_mlp(h, w_gate_up, w_down, w_down.shape[1])
@@ -493,6 +500,22 @@ class CpuBackend(PortableBackend):
         if bo is None:
             return self.kernels.attn_block[1](*args, bqkv)
         return self.kernels.attn_block[2](*args, bqkv, bo)
+
+    def decoder_layer(self, x, h, wqkv, bqkv, wo, bo, w_gate_up, w_down, cos, sin, key_cache, value_cache, meta,
+                      eps: float):
+        """:meth:`attention_block` then :meth:`mlp_add_norm` in one kernel call (bit for bit the two calls);
+        prefill chunks over CPU_LINEAR_MAX_ROWS rows take the two portable paths."""
+        if not self._fused(h):
+            return PortableLayerMath.decoder_layer(self, x, h, wqkv, bqkv, wo, bo, w_gate_up, w_down, cos, sin,
+                                                   key_cache, value_cache, meta, eps)
+        write_idx, read_idx, mask = meta
+        args = (x, h, wqkv, wo, cos, sin, self.heads, key_cache, value_cache, write_idx, read_idx, mask,
+                ops.scalar_to_tensor(eps, ms.float32))
+        if bqkv is None:
+            return self.kernels.decoder_layer[0](*args, w_gate_up, w_down)
+        if bo is None:
+            return self.kernels.decoder_layer[1](*args, bqkv, w_gate_up, w_down)
+        return self.kernels.decoder_layer[2](*args, bqkv, bo, w_gate_up, w_down)
 
     def mlp_add_norm(self, h, w_gate_up, w_down, resid, eps: float):
         """One kernel call (``cpu.ref_mlp_add_norm``); MatMul + portable ops over CPU_LINEAR_MAX_ROWS rows."""

@@ -17,6 +17,9 @@ per decoder layer). A decoder layer is two kernel calls:
     mlp_add_norm(h [k, H], w_gate_up [2F, H], w_down [H, F], resid [k, H], eps [1]) -> (y = resid +
         down(silu(gate) * up), rms(y))                                                         (ref_mlp_add_norm)
 
+or both in one call, ``decoder_layer(attn_block's inputs..., w_gate_up, w_down) -> (y, rms(y))`` (the teacher's
+layers: one graph node a layer instead of two; the same result bit for bit),
+
 plus ``linear(x [k, K], w [N, K]) -> x @ w.T`` (the head; ref_linear), ``head_topk(K)(h [k, H], w [V, H], d2t [V]
 i32) -> (top_logp [k, K] f32, top_ids [k, K] i32)`` (a draft head's log-softmax and its K best, ids + d2t;
 ref_head_topk), ``add_rms_norm(x, d, eps) -> (x + d,
@@ -110,11 +113,19 @@ def library_path() -> Path:
         return _built["path"]
 
 
+def compiler() -> str | None:
+    """Path of the C++ compiler the kernels are built with ($CXX, default g++) on Linux, or None (not Linux, or no
+    such compiler on PATH): where this is not None the kernels must build, and the tests fail if they do not."""
+    if platform.system() != "Linux":
+        return None
+    return shutil.which(os.environ.get("CXX") or "g++")
+
+
 def _build() -> Path:
     if platform.system() != "Linux":
         raise KernelBuildError(f"CPU kernels need Linux (MindSpore AOT custom ops), this is {platform.system()}")
     name = os.environ.get("CXX") or "g++"
-    cxx = shutil.which(name)
+    cxx = compiler()
     if cxx is None:
         raise KernelBuildError(f"CPU kernels need a C++ compiler: {name} not found on PATH")
     src = SOURCE.read_bytes()
@@ -172,7 +183,7 @@ def set_spin_us(us: int) -> int:
     return int(lib.SetSpinMicros(ctypes.c_int(max(0, int(us)))))
 
 
-KERNEL_NAMES = ("linear", "add_rms_norm", "paged_attention", "attn_block", "mlp_add_norm")
+KERNEL_NAMES = ("linear", "add_rms_norm", "paged_attention", "attn_block", "mlp_add_norm", "decoder_layer")
 """Names of :func:`kernel_stats` (``linear`` includes ``head_topk``)."""
 
 
@@ -213,6 +224,9 @@ class CpuKernels:
             self.attn_block = tuple(_custom("AttnBlock", lambda x, *_: (x, x), lambda x, *_: (x, x)) for _ in range(3))
             self.mlp_add_norm = _custom("MlpAddNorm", lambda h, wgu, wd, r, e: (r, r),
                                         lambda h, wgu, wd, r, e: (r, r))
+            # attn_block then mlp_add_norm in one call, with 0 / 1 / 2 biases as attn_block
+            self.decoder_layer = tuple(_custom("DecoderLayer", lambda x, *_: (x, x), lambda x, *_: (x, x))
+                                       for _ in range(3))
             self.paged_attention = _custom(
                 "PagedAttention", lambda q, kc, vc, rows, mask, scale: [q[0], q[1] * q[2]],
                 lambda q, kc, vc, rows, mask, scale: q)

@@ -105,7 +105,8 @@ class DecoderLayer(nn.Cell):
 
     construct(x [k, H] residual stream, h [k, H] = rms(x) unweighted, cos, sin, meta) -> (x', rms(x')): each
     residual add is fused with the norm that follows it, so a layer hands the next one its normed input. The
-    backend does the math (``attention.py``): the attention block (which writes the cache), then the MLP block.
+    backend does the math (``attention.py``, ``decoder_layer``): the attention block (which writes the cache), then
+    the MLP block (one kernel call for both on the cpu backend).
     """
 
     def __init__(self, cfg: ModelConfig, backend, layer: int, dtype=ms.float32, weight_dtype=None):
@@ -125,9 +126,8 @@ class DecoderLayer(nn.Cell):
         self.value_cache = backend.make_cache(f"value_cache_{layer}")
 
     def construct(self, x, h, cos, sin, meta):
-        x, h = self.backend.attention_block(x, h, self.wqkv, self.bqkv, self.wo, self.bo, cos, sin, self.key_cache,
-                                            self.value_cache, meta, self.eps)
-        return self.backend.mlp_add_norm(h, self.w_gate_up, self.w_down, x, self.eps)
+        return self.backend.decoder_layer(x, h, self.wqkv, self.bqkv, self.wo, self.bo, self.w_gate_up, self.w_down,
+                                          cos, sin, self.key_cache, self.value_cache, meta, self.eps)
 
 
 class LlamaModel(nn.Cell):

@@ -15,7 +15,8 @@ from tiny_engines import PROMPTS, tiny_drafter_dir, tiny_engine
 
 from mindspore_eagle.kernels import cpu
 
-pytestmark = pytest.mark.skipif(not cpu.status()[0], reason=f"CPU kernels unavailable: {cpu.status()[1]}")
+# Skipped only where no compiler exists (not Linux, no $CXX / g++); where one exists a failed build fails the tests.
+pytestmark = pytest.mark.skipif(cpu.compiler() is None, reason="no C++ compiler here: the CPU kernels cannot build")
 
 B, NB, S = 8, 6, 48          # block size, blocks, slots per sequence
 
