@@ -32,7 +32,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "hypothesis", "openai", "httpx"],   # openai: the server tests' client
-        "peer": ["llama-cpp-python==0.3.36"],     # optional llama.cpp side-by-side peer (bench --peer-llamacpp)
+        "peer": ["llama-cpp-python[server]==0.3.36"],   # optional llama.cpp peer (bench --peer-llamacpp, bench serve)
     },
     entry_points={"console_scripts": ["mindspore-eagle=mindspore_eagle.cli:main"]},
 )

@@ -222,7 +222,8 @@ class ServeSection:
     free port, printed at start). api_key: when set, every ``/v1`` request needs ``Authorization: Bearer KEY``
     (also read from the environment variable ``MSEAGLE_API_KEY``). model_name: the model id clients send
     ("" = derived from ``model.teacher``). max_batch: sequences sharing one teacher forward (continuous
-    batching). speculative: draft trees (when ``model.drafter`` is set), each step gated by measured tokens per
+    batching). speculative: draft trees (a drafter's, or suffix candidates alone with ``speculative.method:
+    suffix``), each step gated by measured tokens per
     ms for the batch size. max_queue: requests waiting for a row before new ones get 429. max_body_bytes: largest
     request body (bytes; larger: 413). drain_timeout_s: on SIGTERM, seconds in-flight requests get to finish
     before they are cancelled."""

@@ -303,7 +303,9 @@ def main(argv=None) -> int:
         measure(label or url, url, args.model or _model_of(url, args.api_key), args.api_key)
     if args.config:
         cfg = load_config(args.config, args.set)
-        for baseline in (True, False) if cfg.model.drafter != "none" else (True,):
+        from mindspore_eagle.serving.api_server import drafts
+
+        for baseline in (True, False) if drafts(cfg) else (True,):
             label = "teacher-only" if baseline else "speculative"
             _log(f"starting {label} server (warm-up: every graph, from the graph cache when it is there)")
             p = start_ours(args.config, args.set, max(clients), baseline, args.out, args.start_timeout)
@@ -313,7 +315,12 @@ def main(argv=None) -> int:
                 p.stop()
         if not args.no_llamacpp:
             threads = cfg.context.threads or min(os.cpu_count() or 1, 8)
-            p = start_llamacpp(cfg, args.out, threads, args.start_timeout)
+            try:
+                p = start_llamacpp(cfg, args.out, threads, args.start_timeout)
+            except RuntimeError as e:           # the rows measured so far are kept
+                _log(f"llama.cpp's server did not start ({e}; see {os.path.join(args.out, 'server_llama_cpp.log')})"
+                     "; its rows are skipped")
+                p = None
             if p is not None:
                 try:
                     measure("llama.cpp server (F32 GGUF)", p.url, "llama.cpp", "none")

@@ -74,11 +74,13 @@ def _check_positive(name: str, value, low_open: float, high: float | None = None
 
 
 def warp_probs(logits, temperature: float, top_p: float = 1.0, top_k: int = 0) -> np.ndarray:
-    """Sampling distribution after temperature, top-p and top-k warping (E ``utils.prepare_logits_processor``).
+    """Sampling distribution after temperature, top-k and top-p warping, in that order (HF's warper list
+    ``TopKLogitsWarper`` then ``TopPLogitsWarper``; vLLM and SGLang apply top-k, then top-p on the renormalised
+    top-k mass).
 
-    Order as in E / HF warpers: divide by temperature, then top-p (keep the smallest set of most likely tokens
-    whose mass reaches top_p; HF ``TopPLogitsWarper``), then top-k (keep tokens whose logit is >= the k-th
-    largest; HF ``TopKLogitsWarper``). Removed tokens get probability exactly 0.
+    Divide by temperature, then top-k (keep tokens whose logit is >= the k-th largest), then top-p (keep the
+    smallest set of most likely tokens whose renormalised mass reaches top_p; the most likely token is always
+    kept). Removed tokens get probability exactly 0.
     Args:
         logits: float [..., V]; entries finite or -inf (at least one finite per row).
         temperature: in (0, inf). top_p: in (0, 1], 1 = off. top_k: int >= 0, 0 = off.
@@ -100,6 +102,10 @@ def warp_probs(logits, temperature: float, top_p: float = 1.0, top_k: int = 0) -
     if not np.isfinite(x).any(axis=-1).all():
         raise ValueError("every logits row must have at least one finite entry")
     x /= temperature
+    V = x.shape[-1]
+    if 0 < top_k < V:
+        kth = np.partition(x, V - top_k, axis=-1)[..., V - top_k: V - top_k + 1]
+        x[x < kth] = -np.inf
     if top_p < 1.0:
         order = np.argsort(-x, axis=-1, kind="stable")
         p_sorted = _softmax(np.take_along_axis(x, order, axis=-1))
@@ -108,10 +114,6 @@ def warp_probs(logits, temperature: float, top_p: float = 1.0, top_k: int = 0) -
         remove = np.empty_like(mass_before, dtype=bool)
         np.put_along_axis(remove, order, mass_before >= top_p, axis=-1)
         x[remove] = -np.inf
-    V = x.shape[-1]
-    if 0 < top_k < V:
-        kth = np.partition(x, V - top_k, axis=-1)[..., V - top_k: V - top_k + 1]
-        x[x < kth] = -np.inf
     return _softmax(x)
 
 
@@ -126,43 +128,64 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def position_uniforms(seed: int, positions) -> np.ndarray:
-    """The uniform draw of each output position of a sequence sampled with ``seed``: a counter-based generator,
-    u = SplitMix64(SplitMix64(seed) xor position) / 2**64 (53 bits), a pure function of (seed, position).
-
-    Every decoding path (teacher-only, any draft tree, any batch) samples the token at position t from the same
-    u_t, which is what makes seeded sampling reproducible across paths (:func:`accept_coupled`).
-    Args:
-        seed: int in [0, 2**64). positions: int [k] absolute positions of the tokens to draw (the token's index in
-            the sequence, prompt included).
-    Returns:
-        float64 [k] in [0, 1).
-    """
+def _mix_key(seed: int, positions) -> np.ndarray:
+    """uint64 [k]: SplitMix64(SplitMix64(seed) xor position), the key of each (seed, position)."""
     key = _splitmix64(np.asarray([seed % (1 << 64)], np.uint64))
-    z = _splitmix64(np.asarray(positions, np.int64).astype(np.uint64) ^ key)
-    return (z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+    return _splitmix64(np.asarray(positions, np.int64).astype(np.uint64) ^ key)
 
 
-def sample_at(probs, u: float) -> int:
-    """Inverse-CDF draw from one distribution: the smallest token t with cdf(t) > u * total mass, never a token of
-    probability 0. With u uniform on [0, 1) the token is distributed exactly as ``probs``.
+_TOKEN_IDS: dict = {}
+
+
+def keyed_uniforms(seed: int, positions, V: int) -> np.ndarray:
+    """The uniform of every (position, token id): u = (SplitMix64(key(seed, position) xor token) + 1/2) / 2**64
+    at 53 bits, a pure function of (seed, position, token id) in the open interval (0, 1).
 
     Args:
-        probs: float [V], non-negative, positive sum (need not be normalised). u: float in [0, 1).
+        seed: int in [0, 2**64). positions: int [k] absolute positions (the token's index in the sequence, prompt
+            included). V: vocabulary size.
     Returns:
-        token id (int).
+        float64 [k, V].
     """
-    cdf = np.cumsum(probs, dtype=np.float64)
-    t = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
-    if t >= cdf.size:                       # u * total rounded up to the total: the last token with mass
-        t = int(np.flatnonzero(np.asarray(probs) > 0)[-1])
-    return t
+    ids = _TOKEN_IDS.get(V)
+    if ids is None:
+        ids = _TOKEN_IDS.setdefault(V, np.arange(V, dtype=np.uint64))
+    z = _splitmix64(_mix_key(seed, positions)[:, None] ^ ids[None, :])
+    return ((z >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0 ** -53
+
+
+def keyed_draw(probs, seed: int, positions) -> np.ndarray:
+    """Seeded draws by an exponential race keyed by (seed, position, token id): at each position the token
+    ``argmax_t log p_t - log(-log u_t)`` over the tokens with p_t > 0 (Gumbel-max; equivalently the first of
+    independent exponential clocks of rates p_t), with u_t = :func:`keyed_uniforms`.
+
+    The token is distributed exactly as p (the Gumbel-max theorem). Since each token has its own noise, a small
+    change of p changes the draw only where two tokens' keyed scores nearly tie, as greedy decoding changes only
+    at a near-tie of the top-2 logits (an inverse-CDF draw with one uniform per position moves every CDF
+    boundary instead). vLLM's model runner v2 and SGLang's deterministic mode key Gumbel noise by (seed,
+    position, token) in the same way (docs/design.md, "Sampling").
+    Args:
+        probs: float [k, V] (or [V]), rows non-negative with positive sum (need not be normalised).
+        seed: the sequence's seed. positions: int [k] (or a scalar for [V]) absolute positions.
+    Returns:
+        int64 [k] token ids (a scalar int64 array for [V] input).
+    """
+    p = np.asarray(probs, np.float64)
+    one = p.ndim == 1
+    p2 = p[None] if one else p
+    pos = np.atleast_1d(np.asarray(positions, np.int64))
+    u = keyed_uniforms(seed, pos, p2.shape[-1])
+    with np.errstate(divide="ignore"):
+        score = np.log(p2) - np.log(-np.log(u))
+    score[p2 <= 0] = -np.inf
+    out = np.argmax(score, axis=-1).astype(np.int64)
+    return out[0] if one else out
 
 
 def sample_token(logits, gen, pos: int) -> int:
     """The token at output position ``pos`` after a plain (non-tree) step: argmax at ``gen.temperature == 0``,
-    else the draw of ``warp_probs(logits, gen.temperature, gen.top_p, gen.top_k)`` with the position's uniform
-    (:func:`position_uniforms` of ``gen.seed``).
+    else the keyed draw (:func:`keyed_draw` with ``gen.seed``) from ``warp_probs(logits, gen.temperature,
+    gen.top_p, gen.top_k)``.
 
     Args:
         logits: float [V] teacher logits of the last position. gen: GenerationConfig. pos: the index of the token
@@ -172,19 +195,20 @@ def sample_token(logits, gen, pos: int) -> int:
     """
     if gen.temperature == 0:
         return int(np.argmax(logits))
-    p = warp_probs(np.asarray(logits)[None], gen.temperature, gen.top_p, gen.top_k)[0]
-    return sample_at(p, float(position_uniforms(gen.seed, [pos])[0]))
+    p = warp_probs(np.asarray(logits)[None], gen.temperature, gen.top_p, gen.top_k)
+    return int(keyed_draw(p, gen.seed, [pos])[0])
 
 
 def accept_coupled(tt: TreeTensors, probs, seed: int, first_pos: int) -> VerifyResult:
-    """Seeded sampling acceptance by coupling: accept a draft token exactly when it equals the teacher's own sample
-    at that position, drawn with that position's uniform.
+    """Seeded sampling acceptance by coupling: accept a draft token exactly when it equals the teacher's own keyed
+    draw at that position.
 
-    Node i's teacher sample is ``sample_at(probs[i], u_{first_pos + depth_i})`` (the token after node i); the
+    Node i's teacher sample is ``keyed_draw(probs[i], seed, first_pos + depth_i)`` (the token after node i); the
     accepted path is the longest root path whose drafts equal their parents' samples, and the bonus is the sample
     after its last node, so the emitted tokens are exactly those teacher-only sampling with the same seed emits
     (:func:`sample_token` at the same positions), whatever the tree. Each emitted token is distributed exactly as
-    the teacher's (warped) distribution, since its uniform is used once on the path actually taken. With a
+    the teacher's (warped) distribution, since its position's keyed noise is used once on the path actually taken
+    (nodes at one depth share their noise, and only one of them is on the path). With a
     deterministic draft (q = 1) a node's children are accepted with total probability sum_c p(c), the same as
     multi-candidate rejection sampling (:func:`accept_sampling`), so coupling costs no accepted length
     (tests/core/test_accept.py measures both).
@@ -198,9 +222,8 @@ def accept_coupled(tt: TreeTensors, probs, seed: int, first_pos: int) -> VerifyR
     """
     p = _check_probs(tt, probs)
     n = tt.n_nodes
-    u = position_uniforms(seed, first_pos + tt.depth[:n].astype(np.int64))
     samples = np.zeros(tt.budget, np.int64)
-    samples[:n] = [sample_at(p[i], u[i]) for i in range(n)]
+    samples[:n] = keyed_draw(p[:n], seed, first_pos + tt.depth[:n].astype(np.int64))
     return accept_greedy(tt, samples)
 
 

@@ -23,6 +23,9 @@ class Emitter:
         self.tok, self.eos, self.gen, self.on_token = tokenizer, eos, gen, on_token
         self.ids: list = []
         self.reason = ""
+        # a stop string of n characters spans at most 4 n tokens (a token holds >= 1 byte, a character <= 4
+        # bytes); 4 more cover a character split before the window's first token
+        self._window = 4 * max((len(s) for s in gen.stop), default=0) + 4
 
     @property
     def left(self) -> int:
@@ -36,11 +39,18 @@ class Emitter:
             self.on_token(int(token))
         if token in self.eos:
             self.reason = "eos"
-        elif self.gen.stop and any(s in self.tok.decode(self.ids) for s in self.gen.stop):
+        elif self.gen.stop and self._stop_in_tail():
             self.reason = "stop"
         elif len(self.ids) >= self.gen.max_new_tokens:
             self.reason = "length"
         return bool(self.reason)
+
+    def _stop_in_tail(self) -> bool:
+        """True when a stop string ends in the last token's text: only the last ``_window`` tokens are decoded, so
+        checking a turn costs O(tokens), not O(tokens^2). A stop string is found at the token that completes it,
+        since every push checks."""
+        tail = self.tok.decode(self.ids[-self._window:])
+        return any(s in tail for s in self.gen.stop)
 
     def push_all(self, tokens) -> list:
         """Push ``tokens`` in order until the turn ends; returns those pushed (a prefix of ``tokens``)."""
@@ -52,14 +62,15 @@ class Emitter:
         return out
 
     def text(self) -> str:
-        """The turn's text: EOS dropped, cut before the first stop string. A turn cut by ``max_new_tokens`` in the
-        middle of a multi-byte character (byte-level tokens) ends before that character: the tokenizer decodes the
-        incomplete bytes as U+FFFD, which are dropped from the end."""
+        """The turn's text: EOS dropped, cut before the earliest match of any stop string (whatever their order in
+        the list). A turn cut by ``max_new_tokens`` in the middle of a multi-byte character (byte-level tokens)
+        ends before that character: the tokenizer decodes the incomplete bytes as U+FFFD, which are dropped from
+        the end."""
         ids = self.ids[:-1] if self.reason == "eos" else self.ids
         text = self.tok.decode(ids)
-        for s in self.gen.stop:
-            if s in text:
-                text = text[: text.index(s)]
+        hits = [text.find(s) for s in self.gen.stop if s in text]
+        if hits:
+            text = text[: min(hits)]
         if self.reason == "length":
             text = text.rstrip("\ufffd")
         return text

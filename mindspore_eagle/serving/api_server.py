@@ -8,7 +8,8 @@ Endpoints (OpenAI's shapes, protocol.py):
     POST /v1/chat/completions   chat turn; ``stream: true`` answers server-sent events ending ``data: [DONE]``
     POST /v1/completions        raw prompt (no chat template), streamed or not
     GET  /v1/models             the served model
-    GET  /health                503 {"status": "warming up"} until every graph is compiled, then 200
+    GET  /health                503 {"status": "warming up"} until every graph is compiled, then 200 (HEAD: the
+                                same status without a body)
     GET  /metrics               Prometheus text format (metrics.py)
 
 Start: the socket is bound first (``/health`` answers 503), then the engine thread loads the model and runs the
@@ -69,13 +70,20 @@ def model_name(cfg) -> str:
     return p.stem if p.suffix in (".gguf", ".safetensors") else p.name
 
 
+def drafts(cfg) -> bool:
+    """Whether ``cfg`` drafts anything: a drafter (``model.drafter`` set, method eagle3 or hybrid) or suffix
+    candidates alone (``speculative.method: suffix``, which needs no drafter; ``Engine.speculates``)."""
+    return cfg.model.drafter != "none" or cfg.speculative.method == "suffix"
+
+
 def serve_config(cfg):
     """The Config the server runs with: ``batch.max_batch`` = ``serve.max_batch``, trees in batches when
-    ``serve.speculative`` and a drafter is configured (else no drafter is loaded), and a KV pool of at least
-    max_batch sequences of ``cache.max_seq_len`` (the drafter cache follows)."""
+    ``serve.speculative`` and the config drafts (:func:`drafts`: a drafter, or suffix candidates alone; else no
+    drafter is loaded), and a KV pool of at least max_batch sequences of ``cache.max_seq_len`` (the drafter cache
+    follows)."""
     import dataclasses
 
-    n, spec = cfg.serve.max_batch, cfg.serve.speculative and cfg.model.drafter != "none"
+    n, spec = cfg.serve.max_batch, cfg.serve.speculative and drafts(cfg)
     model = cfg.model if spec else dataclasses.replace(cfg.model, drafter="none")
     blocks = max(cfg.cache.num_blocks, n * (cfg.cache.max_seq_len // cfg.cache.block_size))
     return dataclasses.replace(cfg, model=model, cache=dataclasses.replace(cfg.cache, num_blocks=blocks),
@@ -95,7 +103,7 @@ class Server:
     def __init__(self, cfg, build=None, log_line=None, warmup: str = "full"):
         self.cfg, self.name, self.created = cfg, model_name(cfg), int(time.time())
         self.log_line = log_line or (lambda line: print(line, file=sys.stderr, flush=True))
-        spec = cfg.model.drafter != "none"
+        spec = cfg.batch.speculative                        # serve_config: serve.speculative and drafts(cfg)
         self.metrics = ServerMetrics(cfg.speculative.D_max if spec else 0, cfg.speculative.M if spec else 1)
         self.api_key = cfg.serve.api_key or os.environ.get("MSEAGLE_API_KEY", "")
         self.failed_exc: BaseException | None = None
@@ -261,7 +269,7 @@ def build_app(server: Server) -> FastAPI:
         if not secrets.compare_digest(creds.credentials.encode(), server.api_key.encode()):
             raise P.APIError(401, "incorrect API key provided", None, "invalid_api_key")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])   # HEAD: load balancers' probes (same status, no body)
     async def health():
         state = server.engine.state
         if server.engine.ready:

@@ -6,6 +6,12 @@ Input (UTF-8 JSONL, blank lines ignored), one record per line, exactly one of ``
     {"id": "q1", "prompt": "What is the capital of France?"}                       one user message
     {"id": 7, "messages": [{"role": "system", "content": "..."}, {"role": "user", "content": "..."}]}
     {"id": "chat-3", "turns": ["Name a colour.", "Why that one?"]}                  multi-turn; answers chained
+    {"id": "s1", "prompt": "A poem", "temperature": 0.8, "seed": 3, "max_new_tokens": 64}  its own sampling
+
+A record may carry its own generation fields (:data:`GEN_FIELDS`: ``temperature``, ``top_p``, ``top_k``,
+``max_new_tokens``, ``stop``, ``seed``), checked as the config's ``generation`` section is (a bad one is an error
+of that record only); a field it leaves out comes from the job's config, as vLLM applies one SamplingParams to
+every prompt.
 
 Output, one line per input record (``line`` = 1-based input line)::
 
@@ -32,11 +38,14 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 from mindspore_eagle.errors import MsEagleError
 
 KINDS = ("prompt", "messages", "turns")
+GEN_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop", "seed")
+"""Generation fields a record may set for itself (``config.GenerationConfig``'s names)."""
 ROLES = ("system", "user", "assistant")
 
 
@@ -55,6 +64,7 @@ class InputRecord:
         kind: "prompt" | "messages" | "turns", or "" when the record is invalid.
         payload: str (prompt) | list of {"role", "content"} (messages) | list of str (turns) | None.
         error: why the record cannot run ("" if it can); written as its result.
+        gen: the record's own generation fields ({name in GEN_FIELDS: value}, checked), {} when none.
     """
     line: int
     index: int
@@ -62,6 +72,11 @@ class InputRecord:
     kind: str = ""
     payload: object = None
     error: str = ""
+    gen: dict = field(default_factory=dict)
+
+    def generation(self, base):
+        """The GenerationConfig this record runs with: ``base`` (the job's) with the record's own fields."""
+        return dataclasses.replace(base, **self.gen) if self.gen else base
 
     @property
     def key(self) -> str:
@@ -101,8 +116,22 @@ def parse_record(line: int, index: int, text: str) -> InputRecord:
         rec.error = f'{where}: needs exactly one of "prompt", "messages", "turns" (got {kinds or "none"})'
         return rec
     rec.kind, rec.payload = kinds[0], obj[kinds[0]]
-    rec.error = _check_payload(rec.kind, rec.payload, where)
+    rec.error = _check_payload(rec.kind, rec.payload, where) or _check_gen(rec, obj, where)
     return rec
+
+
+def _check_gen(rec: InputRecord, obj: dict, where: str) -> str:
+    """Take the record's generation fields into ``rec.gen``; the first bad one's message, or ""."""
+    from mindspore_eagle.config import ConfigError, GenerationConfig
+
+    rec.gen = {k: obj[k] for k in GEN_FIELDS if k in obj}
+    if isinstance(rec.gen.get("temperature"), int) and not isinstance(rec.gen["temperature"], bool):
+        rec.gen["temperature"] = float(rec.gen["temperature"])
+    try:
+        GenerationConfig(**rec.gen).validate()
+    except ConfigError as e:
+        return f"{where}: {str(e).replace('generation.', '')}"
+    return ""
 
 
 def _check_payload(kind: str, p, where: str) -> str:
@@ -239,6 +268,7 @@ def run_record(engine, rec: InputRecord, gen, speculative: bool = True) -> dict:
     from mindspore_eagle.serving.engine import mean_accept_len
 
     head = {"id": rec.id, "line": rec.line}
+    gen = rec.generation(gen)
     if rec.kind == "turns":
         gens = engine.chat(rec.payload, gen, speculative, turn_id=str(rec.id))
     else:
@@ -434,6 +464,6 @@ def wait_and_merge(records: list, output, size: int, timeout_s: float = 86400.0,
         time.sleep(poll_s)
 
 
-__all__ = ["BatchError", "BatchStats", "InputRecord", "ResultWriter", "merge_shards", "parse_record",
+__all__ = ["BatchError", "BatchStats", "GEN_FIELDS", "InputRecord", "ResultWriter", "merge_shards", "parse_record",
            "prepare_output", "read_input", "read_results", "result_key", "run_batch", "run_record", "shard",
            "shard_path", "shard_progress", "wait_and_merge"]

@@ -270,6 +270,8 @@ class Engine:
                                                                 self.teacher.length(seq.sid))
                                                 if self.decoded < self.AT_HAND_TOKENS else self.verify_budgets())
                     self.decoded += len(rnd.step([seq])[0])
+                    if seq.error:
+                        raise GenerationError(seq.error)
             decode_ms = (time.perf_counter() - t1) * 1e3
             if speculative:
                 self.save_costs()

@@ -27,7 +27,7 @@ so a batch of one is served exactly as ``generate`` serves it.
 
 Losslessness: greedy acceptance keeps exactly the teacher's argmax tokens and every token passes the same Emitter
 as teacher-only decoding, so at temperature 0 (float32) both give identical ids. Sampling draws the token at
-position t with the uniform u_t = f(seed, t) (core.accept.position_uniforms) on every path, and accepts a draft
+position t by a race keyed by (seed, t, token id) (core.accept.keyed_draw) on every path, and accepts a draft
 exactly when it equals that draw, so a seeded sampled text is the same with or without speculation, alone or in
 any batch, and follows the teacher's warped distribution exactly.
 
@@ -107,6 +107,7 @@ class Sequence:
     state: object = None  # the round's drafter state (DecodeRound.start)
     features: list = field(default_factory=list)  # (hidden [1, H], aux [1, 3H]) per fed token (features=True)
     notes: list = field(default_factory=list)  # str; warnings about this turn (e.g. past the drafter's positions)
+    error: str = ""  # set by the round when this sequence's logits were not finite: the caller ends it with it
 
 
 @dataclass
@@ -226,7 +227,9 @@ class DecodeRound:
 
         Returns:
             per sequence, the tokens it emitted this step (list[int]: L_k tokens of a tree step or 1 of a plain
-            step, cut where its Emitter ended the turn; ``s.emitter.reason`` tells whether it did).
+            step, cut where its Emitter ended the turn; ``s.emitter.reason`` tells whether it did). A sequence
+            whose logits were not finite emits nothing and gets ``s.error``; the others go on unchanged (its
+            cache is not committed: the caller ends it and frees its blocks).
         Raises:
             CacheExhaustedError: a sequence's tokens do not fit its cache (callers reserve room first).
         """
@@ -240,8 +243,11 @@ class DecodeRound:
             else:
                 results = self._decode(live, timer)
             out = []
-            for s, (path, tokens, aux), tree, choice, grown, drafted in zip(live, results, trees, choices, expansions,
-                                                                             ran):
+            for s, res, tree, choice, grown, drafted in zip(live, results, trees, choices, expansions, ran):
+                if res is None:                          # non-finite logits: this sequence alone fails
+                    out.append([])
+                    continue
+                path, tokens, aux = res
                 if s.state is not None:
                     if s.state.dsid is not None:
                         s.state.pending.append((aux, tokens))
@@ -258,7 +264,10 @@ class DecodeRound:
         if self.gate is not None:
             kind = "tree" if any(t is not None for t in trees) else "plain"
             self.gate.observe(kind, sum(len(t) for t in out), timer.total_ms)
-        for s, (path, tokens, _), tree, choice, drafted, grown in zip(live, results, trees, choices, ran, expansions):
+        for s, res, tree, choice, drafted, grown in zip(live, results, trees, choices, ran, expansions):
+            if res is None:
+                continue
+            path, tokens, _ = res
             src = tree.source[path[1:]] if tree is not None and tree.source is not None else np.zeros(0, np.int8)
             st = StepTrace(step=len(s.steps), accept_len=len(tokens), accepted=path.tolist(),
                            n_nodes=len(tree) if tree is not None else 1, budget=choice.m if choice else 1,
@@ -270,7 +279,7 @@ class DecodeRound:
             if self.trace is not None:
                 self.trace.write(st)
         # a step that compiled or loaded a graph says nothing of what a step costs
-        if self.single and self.costs is not None and graph_stats() == made:
+        if self.single and self.costs is not None and graph_stats() == made and results[0] is not None:
             self.costs.observe_step(live[0].steps[-1])
         return out
 
@@ -356,8 +365,9 @@ class DecodeRound:
                 logits = tg.decode_batch([s.sid for s in live], [s.next for s in live], rows=self.rows,
                                          width_step=self.width_step)
                 aux = [None] * len(live)
-            # the token drawn sits at the teacher's new length (sampling draws its uniform by position)
-            return [(np.zeros(1, np.int32),
+            # the token drawn sits at the teacher's new length (sampling draws its noise by position)
+            return [None if _poisoned(s, logits[i:i + 1]) else
+                    (np.zeros(1, np.int32),
                      np.asarray([sample_token(logits[i], s.gen, tg.length(s.sid) if s.gen.temperature else 0)],
                                 np.int64), aux[i:i + 1]) for i, s in enumerate(live)]
 
@@ -391,6 +401,9 @@ class DecodeRound:
         out = []
         for i, (s, tt) in enumerate(zip(live, tts)):
             r = layout.rows_of(i)
+            if _poisoned(s, logits[r][: tt.n_nodes]):
+                out.append(None)
+                continue
             with timer.phase("accept"):
                 g = s.gen
                 if g.temperature == 0:
@@ -411,6 +424,15 @@ class DecodeRound:
             return 0.0
         forward = c.step_ms(choice.m if choice is not None else 1)
         return forward + (c.draft_ctx_ms + expansions * c.draft_step_ms if drafted else 0.0)
+
+
+def _poisoned(s, rows) -> bool:
+    """True (and ``s.error`` set) when the teacher's logits rows of ``s`` hold a NaN or an infinity."""
+    if np.isfinite(rows).all():
+        return False
+    s.error = ("the teacher's logits for this sequence were not finite (NaN or infinity) at output token "
+               f"{len(s.emitter.ids)}; this request was stopped, the others go on")
+    return True
 
 
 _POSITION_WARNED: set = set()          # ids of drafter runners whose position warning was printed

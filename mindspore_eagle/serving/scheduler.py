@@ -57,7 +57,7 @@ class Request:
     Attributes:
         rid: the caller's id (hashable; unique among requests in flight: :meth:`BatchScheduler.cancel` finds it).
         gen: this request's GenerationConfig (max_new_tokens, temperature, top_p, top_k, seed, stop): its sequence
-            samples with its own settings; seeded draws by position (``core.accept.position_uniforms(gen.seed, t)``).
+            samples with its own settings; seeded draws keyed by position (``core.accept.keyed_draw``).
         messages: chat messages (chat-templated at admission), or None when ``prompt_ids`` is given.
         prompt_ids: prompt token ids (int list, used as they are), or None.
         on_tokens: ``callable(request, tokens: list[int])`` after every step that committed tokens of this request
@@ -286,6 +286,9 @@ class BatchScheduler:
         lens = [lk for s, n0 in zip(ready, n_lens) for lk in s.accept_lens[n0:]]
         for s, tokens in zip(ready, emitted):
             self.new_tokens += len(tokens)
+            if getattr(s, "error", ""):             # its logits were not finite: it alone ends, with an error
+                self._end(s, "error", s.error, internal=True)
+                continue
             if tokens and s.req.on_tokens is not None:
                 s.req.on_tokens(s.req, list(tokens))
             if s.emitter.reason:
@@ -321,7 +324,8 @@ class BatchScheduler:
             self.waiting.clear()
 
     def _turn_request(self, job: _Turn, on_result) -> Request:
-        return Request((job.rec.id, len(job.done)), self.gen, messages=job.messages, tag=job,
+        gen = job.rec.generation(self.gen) if hasattr(job.rec, "generation") else self.gen   # the record's fields
+        return Request((job.rec.id, len(job.done)), gen, messages=job.messages, tag=job,
                        on_done=lambda req, res: self._turn_done(job, res, on_result))
 
     def _turn_done(self, job: _Turn, res: TurnResult, on_result) -> None:

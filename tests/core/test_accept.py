@@ -22,8 +22,8 @@ from mindspore_eagle.core.accept import (  # noqa: E402
     accept_coupled,
     accept_greedy,
     accept_sampling,
-    position_uniforms,
-    sample_at,
+    keyed_draw,
+    keyed_uniforms,
     warp_probs,
 )
 from mindspore_eagle.core.tree import DraftTree, chain_tree, merge_trees, tensorize  # noqa: E402
@@ -158,8 +158,19 @@ def test_warp_top_p():
                                rtol=1e-12)
     np.testing.assert_allclose(warp_probs(logits, 1.0, top_p=0.01), [1, 0, 0, 0])
     np.testing.assert_allclose(warp_probs(logits, 1.0, top_p=1.0), [0.5, 0.3, 0.15, 0.05], rtol=1e-12)
-    # top-p then top-k, as E's processor list
     np.testing.assert_allclose(warp_probs(logits, 1.0, top_p=0.85, top_k=1), [1, 0, 0, 0])
+
+
+def test_warp_top_k_then_top_p_on_the_renormalised_mass():
+    """HF / vLLM / SGLang order. p = [0.5, 0.3, 0.15, 0.05], top_k 2, top_p 0.6, by hand: top-k keeps
+    [0.5, 0.3] -> renormalised [0.625, 0.375]; mass before the second token is 0.625 >= 0.6, so top-p keeps the
+    first alone -> [1, 0, 0, 0]. (Top-p first would keep [0.5, 0.3]: mass before the second is 0.5 < 0.6, giving
+    [0.625, 0.375, 0, 0].)"""
+    logits = np.log([0.5, 0.3, 0.15, 0.05])
+    np.testing.assert_allclose(warp_probs(logits, 1.0, top_p=0.6, top_k=2), [1, 0, 0, 0])
+    # top_k 3, top_p 0.9: [0.5, 0.3, 0.15] / 0.95; masses before: 0, 0.526, 0.842 < 0.9 -> all three kept
+    np.testing.assert_allclose(warp_probs(logits, 1.0, top_p=0.9, top_k=3), [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0],
+                               rtol=1e-12)
 
 
 def test_warp_batch_shape_and_neg_inf():
@@ -408,27 +419,65 @@ def test_sampling_thresholds_and_sibling_order(uniforms, path, tokens):
 # ------------------------------------------------------------- seeded sampling by coupling
 
 
-def test_position_uniforms_are_a_pure_function_of_seed_and_position():
+def test_splitmix64_is_the_published_generator():
+    """SplitMix64 (Steele, Lea and Flood 2014; Vigna's reference splitmix64.c): from state 0 the first three
+    outputs are 0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F, and from state 12345 the first is
+    0x22118258A9D111A0. ``_splitmix64(x)`` is the output after the state x advanced once."""
+    from mindspore_eagle.core.accept import _GOLDEN, _splitmix64
+
+    states = np.array([0, int(_GOLDEN), (2 * int(_GOLDEN)) % 2 ** 64, 12345], np.uint64)
+    assert [int(v) for v in _splitmix64(states)] == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F,
+                                                     0x22118258A9D111A0]
+
+
+def test_keyed_uniforms_are_a_pure_function_of_seed_position_and_token():
     from scipy import stats
 
-    u = position_uniforms(7, np.arange(50000))
-    assert ((u >= 0) & (u < 1)).all() and stats.kstest(u, "uniform").pvalue > 1e-3
-    np.testing.assert_array_equal(position_uniforms(7, [3, 9]), [position_uniforms(7, [3])[0],
-                                                                  position_uniforms(7, [9])[0]])
-    assert position_uniforms(7, [3])[0] != position_uniforms(8, [3])[0] != position_uniforms(7, [4])[0]
-    assert position_uniforms(2 ** 64 - 1, [0]).shape == (1,)
-    v = position_uniforms(8, np.arange(50000))                    # another seed: uncorrelated draws
-    assert abs(np.corrcoef(u, v)[0, 1]) < 0.02
+    u = keyed_uniforms(7, np.arange(50), 1000)
+    assert u.shape == (50, 1000) and ((u > 0) & (u < 1)).all() and stats.kstest(u.ravel(), "uniform").pvalue > 1e-3
+    np.testing.assert_array_equal(keyed_uniforms(7, [3, 9], 1000), u[[3, 9]])
+    np.testing.assert_array_equal(keyed_uniforms(7, [3], 10)[0], u[3, :10])       # a token's u ignores V
+    assert u[3, 5] != keyed_uniforms(8, [3], 1000)[0, 5] and u[3, 5] != u[4, 5] and u[3, 5] != u[3, 6]
+    assert keyed_uniforms(2 ** 64 - 1, [0], 4).shape == (1, 4)
+    v = keyed_uniforms(8, np.arange(50), 1000)                   # another seed: uncorrelated draws
+    assert abs(np.corrcoef(u.ravel(), v.ravel())[0, 1]) < 0.02
 
 
-def test_sample_at_is_the_inverse_cdf_and_never_a_zero_mass_token():
+def test_keyed_draw_follows_p_and_never_draws_a_zero_mass_token():
     p = np.array([0.0, 0.25, 0.0, 0.5, 0.25, 0.0])
-    assert [sample_at(p, u) for u in (0.0, 0.2499, 0.25, 0.7499, 0.75, 1 - 2 ** -53)] == [1, 1, 3, 3, 4, 4]
-    assert sample_at(p * 3, 0.5) == 3                             # unnormalised mass
-    u = position_uniforms(3, np.arange(20000))
-    counts = Counter(sample_at(p, x) for x in u)
-    ok, stat, df = _chi_square_ok(counts, {1: 0.25, 3: 0.5, 4: 0.25}, len(u))
+    N = 20000
+    draws = keyed_draw(np.tile(p, (N, 1)), 3, np.arange(N))
+    counts = Counter(draws.tolist())
+    assert set(counts) <= {1, 3, 4}
+    ok, stat, df = _chi_square_ok(counts, {1: 0.25, 3: 0.5, 4: 0.25}, N)
     assert ok, f"chi-square {stat:.1f} on {df} df"
+    assert keyed_draw(p * 3, 3, 17) == keyed_draw(p, 3, 17)      # unnormalised mass: the same draw
+    assert keyed_draw(np.array([0.0, 0.0, 1.0]), 9, 4) == 2
+
+
+def _inverse_cdf_draws(p: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """The draw this project made before keyed races: one uniform per position, inverse CDF."""
+    cdf = np.cumsum(p, axis=-1)
+    return np.array([int(np.searchsorted(c, x * c[-1], side="right")) for c, x in zip(cdf, u)])
+
+
+def test_keyed_draw_survives_logit_noise_where_the_inverse_cdf_does_not():
+    """Logits perturbed by a relative 1e-6 (half-precision kernels round by row count): at most 1 in 10,000 keyed
+    draws changes; the inverse-CDF draw with one uniform per position changes far more often on the same
+    logits (this is what made seeded sampling depend on the batch in float16)."""
+    rng = np.random.default_rng(0)
+    V, N, chunk = 2048, 20000, 1000
+    changed = changed_cdf = 0
+    for c in range(N // chunk):
+        logits = rng.normal(0, 3, size=(chunk, V))
+        noisy = logits * (1 + 1e-6 * rng.standard_normal(logits.shape))
+        p, q = warp_probs(logits, 1.0), warp_probs(noisy, 1.0)
+        pos = np.arange(c * chunk, (c + 1) * chunk)
+        changed += int((keyed_draw(p, 11, pos) != keyed_draw(q, 11, pos)).sum())
+        u = rng.random(chunk)
+        changed_cdf += int((_inverse_cdf_draws(p, u) != _inverse_cdf_draws(q, u)).sum())
+    assert changed <= N // 10000, changed
+    assert changed_cdf > 10 * max(changed, 1), (changed, changed_cdf)
 
 
 @pytest.mark.parametrize("case", range(7))
@@ -459,13 +508,13 @@ def _teacher_probs(prefix: tuple, V: int = 6) -> np.ndarray:
 
 def test_coupled_speculation_emits_what_teacher_only_sampling_emits_with_the_seed():
     """Whatever tree is drafted (random trees, some holding the teacher's own draws), the tokens accept_coupled
-    emits are the next tokens of teacher-only sampling with the same seed (sample_at with the position's u)."""
+    emits are the next tokens of teacher-only sampling with the same seed (keyed_draw at the token's position)."""
     rng = np.random.default_rng(5)
     V, M, D, prompt = 6, 8, 3, (1, 2, 3)
     for seed in range(40):
         ref, seq = [], list(prompt)
         for t in range(24):                                   # teacher-only: token at position len(seq)
-            seq.append(sample_at(_teacher_probs(tuple(seq)), position_uniforms(seed, [len(seq)])[0]))
+            seq.append(int(keyed_draw(_teacher_probs(tuple(seq)), seed, len(seq))))
             ref.append(seq[-1])
         out, seq = [], list(prompt[:-1])
         root = prompt[-1]

@@ -352,3 +352,73 @@ def test_invalid_json_reason_reads_once(text, reason):
     from mindspore_eagle.serving.batch_job import parse_record
 
     assert parse_record(4, 0, text).error == f"line 4: invalid JSON ({reason})"
+
+
+# ------------------------------------------------------------------------------------ per-record sampling --
+@pytest.mark.parametrize("fields, words", [
+    ({"temperature": -1}, "temperature = -1.0 is out of range: must be a number in [0.0, 100.0]"),
+    ({"top_p": 0}, "top_p = 0 is out of range: must be a number in (0.0, 1.0]"),
+    ({"top_k": 2.5}, "top_k = 2.5 is out of range: must be an int >= 0"),
+    ({"seed": -3}, "seed = -3 is out of range: must be an int >= 0"),
+    ({"max_new_tokens": 0}, "max_new_tokens = 0 is out of range: must be an int in [1, 1048576]"),
+    ({"stop": "x"}, "stop must be a list of non-empty strings"),
+])
+def test_a_bad_record_generation_field_is_that_records_error(fields, words):
+    rec = batch.parse_record(4, 3, json.dumps({"id": "s", "prompt": "hi", **fields}))
+    assert rec.error == f'line 4 (id "s"): {words}'
+    if "temperature" in fields:
+        check_row("bad generation field (`batch` record)", rec.error)
+
+
+def test_record_generation_fields_override_the_jobs():
+    rec = batch.parse_record(1, 0, json.dumps({"id": 1, "prompt": "hi", "temperature": 1, "seed": 5,
+                                               "stop": ["\n"], "category": "ignored"}))
+    assert rec.error == "" and rec.gen == {"temperature": 1.0, "seed": 5, "stop": ["\n"]}
+    job = GenerationConfig(max_new_tokens=9, top_p=0.9)
+    assert rec.generation(job) == GenerationConfig(max_new_tokens=9, top_p=0.9, temperature=1.0, seed=5,
+                                                   stop=["\n"])
+    plain = batch.parse_record(2, 1, json.dumps({"id": 2, "prompt": "hi"}))
+    assert plain.gen == {} and plain.generation(job) is job
+
+
+SAMPLED = [json.dumps({"id": f"s{i}", "prompt": "Tell me about the sea.", "temperature": 1.5, "seed": seed})
+           for i, seed in enumerate((1, 2, 3, 1))]
+GREEDY = [json.dumps({"id": "g1", "prompt": "Tell me about the sea."}),
+          json.dumps({"id": "g2", "prompt": "What is the capital of France?", "max_new_tokens": 5})]
+
+
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_seeded_records_mixed_with_greedy_ones_and_resumed(tiny_dir, tmp_path, max_batch):
+    """Four records of one prompt at temperature 1.5 (the tiny random teacher is too peaked at 0.8 for three
+    seeds to differ), seeds 1, 2, 3, 1, between greedy ones: three different
+    texts, the first equal to the last; the greedy records as the job's greedy config gives them; a second run,
+    and a run stopped after three records then resumed, write the same results."""
+    from mindspore_eagle.serving.pipeline import build_engine
+
+    cfg = load_config(None, [f"model.teacher={tiny_dir}", "model.drafter=none", "cache.block_size=8",
+                             "cache.max_seq_len=256", "cache.num_blocks=64", "cache.prefill_chunk=16",
+                             "generation.max_new_tokens=24"])
+    eng = build_engine(cfg)
+    inp = _write(tmp_path / "in.jsonl", [GREEDY[0], *SAMPLED, GREEDY[1]])
+    recs = batch.read_input(inp)
+
+    def run(out, records, resume=False):              # the fields that do not depend on timing
+        batch.run_batch(eng, records, out, cfg.generation, resume=resume, progress=False, max_batch=max_batch)
+        return {r["id"]: {k: r[k] for k in ("line", "text", "prompt_tokens", "new_tokens", "stop_reason")}
+                for r in _lines(out)}
+
+    first = run(tmp_path / "a.jsonl", recs)
+    texts = [first[f"s{i}"]["text"] for i in range(4)]
+    assert texts[0] == texts[3] and len(set(texts)) == 3, texts
+    greedy = eng.generate("Tell me about the sea.", cfg.generation, speculative=False)
+    assert first["g1"]["text"] == greedy.text and texts[0] != greedy.text
+    assert first["g2"]["new_tokens"] == 5 and first["g2"]["stop_reason"] == "length"
+    assert run(tmp_path / "b.jsonl", recs) == first
+    run(tmp_path / "c.jsonl", recs[:3])
+    assert run(tmp_path / "c.jsonl", recs, resume=True) == first
+
+
+def load_config(path, sets):
+    from mindspore_eagle.config import load_config as load
+
+    return load(path, sets)

@@ -360,3 +360,65 @@ def test_earlier_outputs_are_shared_but_never_a_turns_own():
 def assert_cache_true_rule(tg: FakeTeacher, s, prompt: list, rule) -> None:
     cache = tg.seqs[s.sid]
     assert cache == (prompt + reference(prompt, 200, rule))[: len(cache)]
+
+
+class PoisonTeacher(FakeTeacher):
+    """The stand-in teacher whose logits for sequence ``bad`` become NaN / inf once its cache holds ``after``
+    tokens (a numerical fault in one row of a batched forward)."""
+
+    def __init__(self, bad: int, after: int, value=np.nan):
+        super().__init__()
+        self.bad, self.after, self.value = bad, after, value
+
+    def _poison(self, sid, logits):
+        if sid == self.bad and len(self.seqs[sid]) >= self.after:
+            logits = logits.copy()
+            logits[..., 3] = self.value
+        return logits
+
+    def decode(self, sid, token):
+        logits, aux = super().decode(sid, token)
+        return self._poison(sid, logits), aux
+
+    def verify(self, sid, tt, mask=None):
+        logits, aux = super().verify(sid, tt, mask)
+        return self._poison(sid, logits), aux
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+@pytest.mark.parametrize("drafter", [False, True])
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_sequence_with_non_finite_logits_fails_alone(value, drafter, temperature):
+    """Sequence 2 of 3 gets NaN / inf logits part-way: it ends with an error naming the cause and emits nothing
+    more; the other two emit exactly what they emit in a run without the fault (plain and tree steps, greedy and
+    seeded sampling)."""
+    gen = GenerationConfig(max_new_tokens=17, temperature=temperature, seed=4)
+    spec = SpeculativeConfig(M=8, D_max=3, top_k=2, policy="fixed")
+
+    def go(tg):
+        dr = FakeDrafter(True) if drafter else None
+        rnd = DecodeRound(tg, dr, spec if drafter else None, rows=3)
+        seqs = []
+        for p in PROMPTS:
+            s = Sequence(tg.new_seq(), -1, gen, Emitter(Tok(), {EOS}, gen))
+            logits, aux = tg.prefill(s.sid, p)
+            s.next = int(np.argmax(logits))
+            s.emitter.push(s.next)
+            rnd.start(s, p, aux)
+            seqs.append(s)
+        live = list(seqs)
+        while live:
+            for s, toks in zip(live, rnd.step(live)):
+                if s.error:
+                    assert toks == []
+            live = [s for s in live if not s.emitter.reason and not s.error]
+        return seqs
+
+    clean = go(FakeTeacher())
+    faulty = go(PoisonTeacher(bad=2, after=len(PROMPTS[1]) + 5, value=value))
+    assert all(not s.error for s in clean)
+    assert faulty[1].error.startswith("the teacher's logits for this sequence were not finite")
+    assert 0 < len(faulty[1].emitter.ids) < len(clean[1].emitter.ids)
+    assert faulty[1].emitter.ids == clean[1].emitter.ids[: len(faulty[1].emitter.ids)]
+    for i in (0, 2):
+        assert not faulty[i].error and faulty[i].emitter.ids == clean[i].emitter.ids

@@ -135,6 +135,41 @@ def test_records_that_cannot_run_get_an_error_and_the_rest_go_on(ms_runtime, tin
     same_answers({k: got[k] for k in ("ok", "ok2")}, one_at_a_time(eng, gen, [recs[0], recs[2]]))
 
 
+def test_a_record_whose_logits_turn_nan_fails_alone(ms_runtime, tiny_dir, monkeypatch):
+    """One sequence's logits row of a batched step becomes NaN after a few steps: that record gets an error of its
+    own (the batch job's "error" line), the records beside it in the same forwards finish with their
+    one-at-a-time answers."""
+    import numpy as np
+
+    eng, cfg = tiny_engine(tiny_dir)
+    gen = cfg.generation
+    recs = records([{"id": "a", "prompt": "Hi"}, {"id": "bad", "prompt": "Tell me about the sea."},
+                    {"id": "b", "prompt": "2+2?"}])
+    tg = eng.teacher
+    sids, calls = [], [0]
+    new_seq, decode_batch = tg.new_seq, tg.decode_batch
+
+    def spy_new_seq():
+        sids.append(new_seq())
+        return sids[-1]
+
+    def poisoned(seqs, tokens, **kw):
+        out = decode_batch(seqs, tokens, **kw)
+        calls[0] += 1
+        logits = out[0] if isinstance(out, tuple) else out
+        if calls[0] >= 4 and sids[1] in seqs:
+            logits[list(seqs).index(sids[1])] = np.nan
+        return out
+
+    monkeypatch.setattr(tg, "new_seq", spy_new_seq)
+    monkeypatch.setattr(tg, "decode_batch", poisoned)
+    got, _, sched = run_batched(eng, gen, recs, max_batch=3)
+    assert sched.peak_live == 3
+    assert got["bad"]["error"].startswith("the teacher's logits for this sequence were not finite")
+    monkeypatch.setattr(tg, "decode_batch", decode_batch)
+    same_answers({k: got[k] for k in ("a", "b")}, one_at_a_time(eng, gen, [recs[0], recs[2]]))
+
+
 def test_max_batch_must_be_positive(ms_runtime, tiny_dir):
     eng, cfg = tiny_engine(tiny_dir)
     with pytest.raises(ValueError, match=r"batch.max_batch must be an integer >= 1, got 0"):

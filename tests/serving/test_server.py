@@ -180,11 +180,30 @@ def chat_stream(client, prompt, **kw) -> tuple[str, str, dict | None]:
     return text, finish, use
 
 
+def test_a_suffix_only_server_speculates_and_counts_acceptance_per_depth(tiny_dir):
+    """``speculative.method: suffix`` needs no drafter: the server's batch drafts suffix candidates and its metrics
+    count acceptance at every depth up to D_max (before, no drafter meant teacher-only and depth 0)."""
+    from mindspore_eagle.serving.api_server import Server, serve_config
+
+    cfg = serve_config(load_config(None, tiny_overrides(tiny_dir) + ["speculative.method=suffix",
+                                                                     "speculative.D_max=4"]))
+    assert cfg.batch.speculative and cfg.model.drafter == "none"
+    server = Server(cfg, build=lambda: None, log_line=lambda line: None)
+    assert server.metrics.max_depth == 4
+    plain = serve_config(load_config(None, tiny_overrides(tiny_dir) + ["speculative.method=eagle3"]))
+    assert not plain.batch.speculative and Server(plain, build=lambda: None).metrics.max_depth == 0
+    off = serve_config(load_config(None, tiny_overrides(tiny_dir) + ["speculative.method=suffix",
+                                                                   "serve.speculative=false"]))
+    assert not off.batch.speculative
+
+
 # ------------------------------------------------------------------------------------------------- answers --
 @pytest.mark.slow
 def test_health_models_and_metrics(server):
     assert 503 in server.warming                 # /health answered 503 while the warm-up ran
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    head = httpx.head(server.url + "/health")                 # load balancers' probes
+    assert head.status_code == 200 and head.content == b""
     models = server.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
     m = server.metrics()
