@@ -158,13 +158,17 @@ class SpeculativeConfig:
 
 @dataclass
 class GenerationConfig:
-    """Decoding controls. temperature 0 = greedy; top_p in (0, 1]; top_k 0 = off; stop: stop strings."""
+    """Decoding controls. temperature 0 = greedy; top_p in (0, 1]; top_k 0 = off; stop: stop strings;
+    logprobs: None = off, n in [0, 20] = each emitted token's log-probability under the teacher and the n most
+    likely alternatives (log-softmax of the raw logits, before temperature / top-k / top-p; the server's
+    ``logprobs`` / ``top_logprobs``)."""
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
     stop: list = field(default_factory=list)
+    logprobs: int | None = None
 
     def validate(self):
         _check_int("generation.max_new_tokens", self.max_new_tokens, 1, 1 << 20)
@@ -174,6 +178,12 @@ class GenerationConfig:
         _check_int("generation.seed", self.seed, 0)
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise ConfigError("generation.stop must be a list of non-empty strings")
+        if self.logprobs is not None:
+            _check_int("generation.logprobs", self.logprobs, 0, MAX_LOGPROBS)
+
+
+MAX_LOGPROBS = 20
+"""Most alternatives per token ``generation.logprobs`` may ask for (OpenAI's top_logprobs limit)."""
 
 
 @dataclass

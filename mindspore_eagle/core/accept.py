@@ -199,6 +199,32 @@ def sample_token(logits, gen, pos: int) -> int:
     return int(keyed_draw(p, gen.seed, [pos])[0])
 
 
+def token_logprobs(logits, tokens, top_n: int) -> list:
+    """Log-probabilities of ``tokens`` under the teacher: log-softmax of each raw logits row (before temperature,
+    top-k and top-p, as vLLM's default ``raw_logprobs``), in float64 from the float32 logits, with the ``top_n``
+    most likely tokens of the row (value descending, then id ascending).
+
+    Args:
+        logits: float [k, V], row j the teacher's logits for the position of ``tokens[j]``. tokens: int [k].
+        top_n: int >= 0.
+    Returns:
+        list of k tuples (token id, logprob, [(id, logprob)] * top_n), plain Python ints and floats.
+    """
+    x = np.asarray(logits, np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    lp = x - (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))
+    out = []
+    for row, t in zip(lp, np.asarray(tokens).reshape(-1)):
+        top = []
+        if top_n > 0:
+            n = min(top_n, row.size)
+            cand = np.flatnonzero(row >= np.partition(row, row.size - n)[row.size - n])   # ties at the edge too
+            order = sorted(cand.tolist(), key=lambda i: (-row[i], i))[:n]
+            top = [(int(i), float(row[i])) for i in order]
+        out.append((int(t), float(row[int(t)]), top))
+    return out
+
+
 def accept_coupled(tt: TreeTensors, probs, seed: int, first_pos: int) -> VerifyResult:
     """Seeded sampling acceptance by coupling: accept a draft token exactly when it equals the teacher's own keyed
     draw at that position.

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -297,6 +298,7 @@ def build_app(server: Server) -> FastAPI:
         except GenerationError as e:        # e.g. every message empty
             raise P.APIError(400, str(e), "messages", "invalid_value") from None
         gen, explicit = P.generation_config(req, server.cfg.generation)
+        gen = dataclasses.replace(gen, logprobs=P.requested_logprobs(req))
         handle = server.submit(ids, server.fit(len(ids), gen, explicit, "messages"))
         rid = P.new_id("chatcmpl")
         if req.stream:
@@ -305,7 +307,8 @@ def build_app(server: Server) -> FastAPI:
         res, text = await _collect(server, handle, request)
         if res is None:
             return Response(status_code=499)
-        return P.chat_response(rid, server.name, text, P.FINISH[res.stop_reason], _usage(res))
+        lp = P.chat_logprobs(res.logprobs, eng.tokenizer, eng.eos) if gen.logprobs is not None else None
+        return P.chat_response(rid, server.name, text, P.FINISH[res.stop_reason], _usage(res), lp)
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(request: Request):
@@ -324,6 +327,7 @@ def build_app(server: Server) -> FastAPI:
                                  f"prompt[{bad}]", "invalid_value")
             ids = list(prompt)
         gen, explicit = P.generation_config(req, server.cfg.generation, P.COMPLETIONS_DEFAULT_MAX_TOKENS)
+        gen = dataclasses.replace(gen, logprobs=P.requested_logprobs(req))
         handle = server.submit(ids, server.fit(len(ids), gen, explicit, "prompt"))
         rid = P.new_id("cmpl")
         if req.stream:
@@ -332,7 +336,8 @@ def build_app(server: Server) -> FastAPI:
         res, text = await _collect(server, handle, request)
         if res is None:
             return Response(status_code=499)
-        return P.completion_response(rid, server.name, text, P.FINISH[res.stop_reason], _usage(res))
+        lp = P.completion_logprobs(res.logprobs, eng.tokenizer, eng.eos) if gen.logprobs is not None else None
+        return P.completion_response(rid, server.name, text, P.FINISH[res.stop_reason], _usage(res), lp)
 
     return app
 
@@ -374,10 +379,15 @@ async def _chat_stream(server: Server, handle, request: Request, rid: str, inclu
     the finish chunk, the usage chunk (``stream_options.include_usage``), ``[DONE]``; a failure is sent as an
     ``{"error": ...}`` event before ``[DONE]``."""
     created, name = int(time.time()), server.name
+    eng, want = server.engine.engine, handle.gen.logprobs is not None
+
+    def lp(entries):                     # the chunk's tokens' log-probabilities (None when not asked)
+        return P.chat_logprobs(entries, eng.tokenizer, eng.eos) if want else None
+
     yield _sse(P.chat_chunk(rid, name, created, {"role": "assistant", "content": ""}))
     async for event in server.wait_events(handle, request):
         if event[0] == "delta":
-            yield _sse(P.chat_chunk(rid, name, created, {"content": event[1]}))
+            yield _sse(P.chat_chunk(rid, name, created, {"content": event[1]}, logprobs=lp(event[3])))
             continue
         res, final = event[1], event[2]
         if res.error or res.stop_reason == "cancelled":
@@ -385,8 +395,8 @@ async def _chat_stream(server: Server, handle, request: Request, rid: str, inclu
             server.metrics.http_errors.labels(str(e.status)).inc()
             yield _sse(e.body())
             break
-        if final:
-            yield _sse(P.chat_chunk(rid, name, created, {"content": final}))
+        if final or (want and lp(event[3])["content"]):
+            yield _sse(P.chat_chunk(rid, name, created, {"content": final}, logprobs=lp(event[3])))
         yield _sse(P.chat_chunk(rid, name, created, {}, P.FINISH[res.stop_reason]))
         if include_usage:
             yield _sse(P.chat_chunk(rid, name, created, None, use=_usage(res)))
@@ -396,9 +406,19 @@ async def _chat_stream(server: Server, handle, request: Request, rid: str, inclu
 async def _completion_stream(server: Server, handle, request: Request, rid: str, include_usage: bool):
     """Server-sent events of a streamed completion (as :func:`_chat_stream`, ``text_completion`` chunks)."""
     created, name = int(time.time()), server.name
+    eng, want, offset = server.engine.engine, handle.gen.logprobs is not None, 0
+
+    def lp(entries):                     # the chunk's tokens' log-probabilities (None when not asked)
+        nonlocal offset
+        if not want:
+            return None
+        out = P.completion_logprobs(entries, eng.tokenizer, eng.eos, offset)
+        offset += sum(len(t) for t in out["tokens"])
+        return out
+
     async for event in server.wait_events(handle, request):
         if event[0] == "delta":
-            yield _sse(P.completion_chunk(rid, name, created, event[1]))
+            yield _sse(P.completion_chunk(rid, name, created, event[1], logprobs=lp(event[3])))
             continue
         res, final = event[1], event[2]
         if res.error or res.stop_reason == "cancelled":
@@ -406,7 +426,7 @@ async def _completion_stream(server: Server, handle, request: Request, rid: str,
             server.metrics.http_errors.labels(str(e.status)).inc()
             yield _sse(e.body())
             break
-        yield _sse(P.completion_chunk(rid, name, created, final, P.FINISH[res.stop_reason]))
+        yield _sse(P.completion_chunk(rid, name, created, final, P.FINISH[res.stop_reason], logprobs=lp(event[3])))
         if include_usage:
             yield _sse(P.completion_chunk(rid, name, created, None, use=_usage(res)))
     yield DONE

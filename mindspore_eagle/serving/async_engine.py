@@ -89,7 +89,9 @@ class Handle:
     Attributes:
         rid: request id (int, unique in the process). prompt_tokens: prompt length. gen: its GenerationConfig.
         t_arrival: time.perf_counter() when the front accepted it. events: asyncio.Queue of ("delta", text,
-        n_tokens) and finally ("done", TurnResult, final text piece).
+        n_tokens, logprob entries) and finally ("done", TurnResult, final text piece, logprob entries): the
+        entries (``core.accept.token_logprobs``, when ``gen.logprobs`` is set, else empty) of the tokens not
+        reported in an earlier event. logprobs: every entry so far; lp_sent: how many went out in events.
     """
     rid: int
     prompt_ids: list
@@ -102,6 +104,14 @@ class Handle:
     deltas: TextDeltas | None = None
     done: bool = False
     extra: dict = field(default_factory=dict)
+    logprobs: list = field(default_factory=list)
+    lp_sent: int = 0
+
+    def new_logprobs(self) -> list:
+        """The entries not yet sent, now marked sent."""
+        out = self.logprobs[self.lp_sent:]
+        self.lp_sent = len(self.logprobs)
+        return out
 
     @property
     def prompt_tokens(self) -> int:
@@ -245,7 +255,7 @@ class AsyncEngine:
     def _add(self, h: Handle) -> None:
         self._handles[h.rid] = h
         self.sched.add(Request(h.rid, h.gen, prompt_ids=h.prompt_ids, on_tokens=self._on_tokens,
-                               on_done=self._on_done, tag=h))
+                               on_done=self._on_done, tag=h, on_logprobs=self._on_logprobs))
 
     def _admissions(self) -> None:
         """Count the requests the last step admitted out of the queue."""
@@ -260,6 +270,10 @@ class AsyncEngine:
             self._queued -= 1
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(h.prompt_tokens)
+
+    @staticmethod
+    def _on_logprobs(req: Request, entries: list) -> None:
+        req.tag.logprobs.extend(entries)
 
     def _on_tokens(self, req: Request, tokens: list) -> None:
         h: Handle = req.tag
@@ -280,7 +294,7 @@ class AsyncEngine:
         h.t_last = now
         text = h.deltas.push(tokens)
         if text:
-            self._post(h, ("delta", text, len(tokens)))
+            self._post(h, ("delta", text, len(tokens), h.new_logprobs()))
 
     def _on_done(self, req: Request, res: TurnResult) -> None:
         h: Handle = req.tag
@@ -294,7 +308,7 @@ class AsyncEngine:
             if h.n_tokens:
                 m.e2e.observe(time.perf_counter() - h.t_arrival)
         final = h.deltas.finish(res.text) if not res.error and res.stop_reason != "cancelled" else ""
-        self._post(h, ("done", res, final))
+        self._post(h, ("done", res, final, res.logprobs[h.lp_sent:]))
 
     def _on_step(self, info) -> None:
         if self.metrics is not None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mindspore_eagle.config import GenerationConfig, SpeculativeConfig
-from mindspore_eagle.core.accept import accept_greedy, sample_token
+from mindspore_eagle.core.accept import accept_greedy, sample_token, token_logprobs
 from mindspore_eagle.core.costs import (
     CostTable,
     RunningCosts,
@@ -53,6 +53,8 @@ class Generation:
         stop_reason: "eos" | "length" | "stop".
         steps: per-verification StepTrace records (empty for teacher-only decoding).
         turn: the TurnTrace (prefill ms, tok/s, mean L_k, compile count).
+        logprobs: with ``gen.logprobs``, (id, logprob, top alternatives) per token of ``token_ids``
+            (``core.accept.token_logprobs``); else empty.
     """
     token_ids: list
     text: str
@@ -60,6 +62,7 @@ class Generation:
     prompt_tokens: int
     steps: list = field(default_factory=list)
     turn: TurnTrace | None = None
+    logprobs: list = field(default_factory=list)
 
     @property
     def accept_lens(self) -> list:
@@ -258,6 +261,8 @@ class Engine:
             t0 = time.perf_counter()
             logits, aux = self.teacher.prefill(seq.sid, ids)
             seq.next = sample_token(logits, gen, len(ids))
+            if gen.logprobs is not None:
+                seq.logprobs += token_logprobs(np.asarray(logits)[None], [seq.next], gen.logprobs)
             prefill_ms = (time.perf_counter() - t0) * 1e3
             t1 = time.perf_counter()
             if not emitter.push(seq.next):
@@ -285,7 +290,8 @@ class Engine:
                          compile_count=self.compiles - compiles0, compile_ms=self.compile_ms - compile_ms0,
                          mean_accept_len=mean_accept_len(steps), spec_share=spec_share(steps), warnings=list(seq.notes))
         self.trace.write(turn)
-        return Generation(emitter.ids, emitter.text(), emitter.reason, len(ids), steps, turn)
+        return Generation(emitter.ids, emitter.text(), emitter.reason, len(ids), steps, turn,
+                          seq.logprobs[: len(emitter.ids)])
 
     def save_costs(self) -> None:
         """Store the policy's cost table (kept current by the single-sequence round, core.costs.RunningCosts) in

@@ -9,10 +9,13 @@ refused), so every problem becomes an :class:`APIError` that names the field, in
 Supported per-request parameters: ``max_tokens`` (or ``max_completion_tokens``), ``temperature`` [0, 2],
 ``top_p`` (0, 1], ``top_k`` (0 or -1 = off), ``stop`` (a string or a list of up to 16 non-empty strings),
 ``seed`` (any integer; omitted with temperature > 0: a fresh seed per request), ``stream`` and
-``stream_options.include_usage``; ``user`` is accepted and not used. Parameters the engine does not implement
-(``n`` > 1, ``logprobs``, ``top_logprobs``, ``logit_bias``, the penalties, ``response_format``, tools and
+``stream_options.include_usage``, ``logprobs`` (chat: true / false with ``top_logprobs`` 0-20; completions: an
+int 0-5): each generated token's log-probability under the teacher, log-softmax of its raw logits (before
+temperature, top-k and top-p, as vLLM's default), exact under speculation (every token's logits come from the
+teacher's own forward); ``user`` is accepted and not used. Parameters the engine does not implement
+(``n`` > 1, ``logit_bias``, the penalties, ``response_format``, tools and
 functions, ``echo``, ``suffix``, ``best_of`` > 1) are refused with a 400 naming the field unless they hold their
-neutral value (``n: 1``, ``presence_penalty: 0``, ``logprobs: false``, ``response_format: {"type": "text"}``,
+neutral value (``n: 1``, ``presence_penalty: 0``, ``response_format: {"type": "text"}``,
 ...), which asks for nothing. Omitted parameters take the server configuration's ``generation`` section values
 (``max_tokens``: ``generation.max_new_tokens`` for chat, 16 for completions as in OpenAI's API, cut to what the
 context has room for when omitted).
@@ -131,12 +134,11 @@ class CompletionRequest(_Common):
 
 
 # field -> values that ask for nothing (anything else is a 400 naming the field)
-NEUTRAL = {"n": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "logprobs": (False,),
-           "top_logprobs": (0,), "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
+NEUTRAL = {"n": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+           "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
            "parallel_tool_calls": (True, False), "functions": ([],), "function_call": ("none",), "echo": (False,),
            "suffix": ("",), "best_of": (1,)}
-_WHY = {"n": "one choice per request (n = 1)", "logprobs": "log probabilities are not returned",
-        "top_logprobs": "log probabilities are not returned", "logit_bias": "no logit bias",
+_WHY = {"n": "one choice per request (n = 1)", "logit_bias": "no logit bias",
         "presence_penalty": "no penalties", "frequency_penalty": "no penalties",
         "response_format": "plain text only", "tools": "no tool calls", "tool_choice": "no tool calls",
         "parallel_tool_calls": "no tool calls", "functions": "no function calls", "function_call": "no function calls",
@@ -196,6 +198,69 @@ def parse_request(cls, body: bytes):
         raise APIError(400, "max_tokens and max_completion_tokens disagree; give one of them",
                        "max_completion_tokens", "invalid_value")
     return req
+
+
+MAX_TOP_LOGPROBS = 20       # chat top_logprobs (OpenAI's limit; config.MAX_LOGPROBS)
+MAX_COMPLETION_LOGPROBS = 5  # completions logprobs (OpenAI's limit)
+
+
+def requested_logprobs(req: _Common) -> int | None:
+    """How many alternatives per token the request asks log-probabilities for, or None (none asked).
+
+    Chat: ``logprobs`` true / false, ``top_logprobs`` an int in [0, 20] that needs ``logprobs: true``.
+    Completions: ``logprobs`` an int in [0, 5] (the alternatives; 0 = the chosen token's alone).
+    Raises:
+        APIError: 400 naming the field and its range.
+    """
+    lp = req.logprobs
+    if isinstance(req, ChatCompletionRequest):
+        if lp is not None and not isinstance(lp, bool):
+            raise APIError(400, f"logprobs = {json.dumps(lp)} must be true or false", "logprobs", "invalid_type")
+        top = req.top_logprobs
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int)
+                                or not 0 <= top <= MAX_TOP_LOGPROBS):
+            raise APIError(400, f"top_logprobs = {json.dumps(top)} is out of range: must be an int in "
+                                f"[0, {MAX_TOP_LOGPROBS}]", "top_logprobs", "invalid_value")
+        if top and not lp:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
+        return (top or 0) if lp else None
+    if lp is None or lp is False:
+        return None
+    if isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_COMPLETION_LOGPROBS:
+        raise APIError(400, f"logprobs = {json.dumps(lp)} is out of range: must be an int in "
+                            f"[0, {MAX_COMPLETION_LOGPROBS}]", "logprobs", "invalid_value")
+    return lp
+
+
+def _token_text(tokenizer, tid: int) -> str:
+    return tokenizer.decode([int(tid)])
+
+
+def chat_logprobs(entries: list, tokenizer, eos=()) -> dict:
+    """OpenAI's chat ``logprobs`` object of (id, logprob, top) entries (``core.accept.token_logprobs``):
+    ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}``; token
+    strings are the tokenizer's decoding of the id alone (a piece of a multi-byte character decodes as U+FFFD),
+    bytes their UTF-8; EOS tokens are left out (they add no text)."""
+    def one(tid, lp):
+        t = _token_text(tokenizer, tid)
+        return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+    return {"content": [{**one(tid, lp), "top_logprobs": [one(i, v) for i, v in top]}
+                        for tid, lp, top in entries if tid not in eos]}
+
+
+def completion_logprobs(entries: list, tokenizer, eos=(), offset: int = 0) -> dict:
+    """OpenAI's legacy completions ``logprobs`` object: ``{"tokens", "token_logprobs", "top_logprobs":
+    [{token: logprob}], "text_offset"}`` (offsets from ``offset`` characters, summing the token strings); EOS
+    tokens left out."""
+    toks, lps, tops, offs = [], [], [], []
+    for tid, lp, top in entries:
+        if tid in eos:
+            continue
+        t = _token_text(tokenizer, tid)
+        toks.append(t), lps.append(lp), offs.append(offset)
+        tops.append({_token_text(tokenizer, i): v for i, v in top})
+        offset += len(t)
+    return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
 
 def _validation_error(e: ValidationError) -> APIError:
@@ -298,34 +363,35 @@ def usage(prompt_tokens: int, completion_tokens: int, mean_accept_len: float | N
     return out
 
 
-def chat_response(rid: str, model: str, text: str, finish: str, use: dict) -> dict:
-    """A ``chat.completion`` object with one choice."""
+def chat_response(rid: str, model: str, text: str, finish: str, use: dict, logprobs: dict | None = None) -> dict:
+    """A ``chat.completion`` object with one choice (``logprobs``: :func:`chat_logprobs`, or None)."""
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                          "finish_reason": finish}], "usage": use}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict | None, finish: str | None = None,
-               use: dict | None = None) -> dict:
-    """A ``chat.completion.chunk``: one choice with ``delta`` (and ``finish_reason``), or, with ``delta`` None,
-    the usage chunk (no choices)."""
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+               use: dict | None = None, logprobs: dict | None = None) -> dict:
+    """A ``chat.completion.chunk``: one choice with ``delta`` (and ``finish_reason``, ``logprobs`` of its
+    tokens), or, with ``delta`` None, the usage chunk (no choices)."""
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
     out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
     if use is not None:
         out["usage"] = use
     return out
 
 
-def completion_response(rid: str, model: str, text: str, finish: str, use: dict) -> dict:
-    """A ``text_completion`` object with one choice."""
+def completion_response(rid: str, model: str, text: str, finish: str, use: dict,
+                        logprobs: dict | None = None) -> dict:
+    """A ``text_completion`` object with one choice (``logprobs``: :func:`completion_logprobs`, or None)."""
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], "usage": use}
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}], "usage": use}
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str | None, finish: str | None = None,
-                     use: dict | None = None) -> dict:
+                     use: dict | None = None, logprobs: dict | None = None) -> dict:
     """A streamed ``text_completion`` chunk (``text`` None: the usage chunk, no choices)."""
-    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]
     out = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
     if use is not None:
         out["usage"] = use
@@ -340,4 +406,5 @@ def model_list(name: str, created: int) -> dict:
 
 __all__ = ["FINISH", "APIError", "ChatCompletionRequest", "CompletionRequest", "chat_chunk", "chat_messages",
            "chat_response", "check_unsupported", "completion_chunk", "completion_prompt", "completion_response",
-           "error_body", "generation_config", "model_list", "new_id", "parse_request", "usage"]
+           "error_body", "generation_config", "model_list", "new_id", "parse_request", "usage", "requested_logprobs",
+           "chat_logprobs", "completion_logprobs"]

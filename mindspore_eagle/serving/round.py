@@ -54,6 +54,7 @@ from mindspore_eagle.core.accept import (
     accept_greedy,
     accept_coupled,
     sample_token,
+    token_logprobs,
     warp_probs,
 )
 from mindspore_eagle.core.calibration import AcceptanceModel, observe_tree, select
@@ -108,6 +109,7 @@ class Sequence:
     features: list = field(default_factory=list)  # (hidden [1, H], aux [1, 3H]) per fed token (features=True)
     notes: list = field(default_factory=list)  # str; warnings about this turn (e.g. past the drafter's positions)
     error: str = ""  # set by the round when this sequence's logits were not finite: the caller ends it with it
+    logprobs: list = field(default_factory=list)  # with gen.logprobs: (id, logprob, top) per emitted token
 
 
 @dataclass
@@ -247,7 +249,7 @@ class DecodeRound:
                 if res is None:                          # non-finite logits: this sequence alone fails
                     out.append([])
                     continue
-                path, tokens, aux = res
+                path, tokens, aux, entries = res
                 if s.state is not None:
                     if s.state.dsid is not None:
                         s.state.pending.append((aux, tokens))
@@ -261,13 +263,15 @@ class DecodeRound:
                     self.policy.observe(tree, path, len(tokens), self._model_ms(choice, grown, drafted))
                 s.next = int(tokens[-1])
                 out.append(s.emitter.push_all(tokens))
+                if entries is not None:
+                    s.logprobs += entries[: len(out[-1])]
         if self.gate is not None:
             kind = "tree" if any(t is not None for t in trees) else "plain"
             self.gate.observe(kind, sum(len(t) for t in out), timer.total_ms)
         for s, res, tree, choice, drafted, grown in zip(live, results, trees, choices, ran, expansions):
             if res is None:
                 continue
-            path, tokens, _ = res
+            path, tokens = res[0], res[1]
             src = tree.source[path[1:]] if tree is not None and tree.source is not None else np.zeros(0, np.int8)
             st = StepTrace(step=len(s.steps), accept_len=len(tokens), accepted=path.tolist(),
                            n_nodes=len(tree) if tree is not None else 1, budget=choice.m if choice else 1,
@@ -366,10 +370,15 @@ class DecodeRound:
                                          width_step=self.width_step)
                 aux = [None] * len(live)
             # the token drawn sits at the teacher's new length (sampling draws its noise by position)
-            return [None if _poisoned(s, logits[i:i + 1]) else
-                    (np.zeros(1, np.int32),
-                     np.asarray([sample_token(logits[i], s.gen, tg.length(s.sid) if s.gen.temperature else 0)],
-                                np.int64), aux[i:i + 1]) for i, s in enumerate(live)]
+            out = []
+            for i, s in enumerate(live):
+                if _poisoned(s, logits[i:i + 1]):
+                    out.append(None)
+                    continue
+                tokens = np.asarray([sample_token(logits[i], s.gen, tg.length(s.sid) if s.gen.temperature else 0)],
+                                    np.int64)
+                out.append((np.zeros(1, np.int32), tokens, aux[i:i + 1], _logprobs(s, logits[i:i + 1], tokens)))
+            return out
 
     def _verify(self, live: list, trees: list, budgets: list, timer: Timer) -> list:
         """A tree step: one teacher forward over every sequence's tree at its budget (a sequence without a tree
@@ -413,7 +422,8 @@ class DecodeRound:
                                          first_pos[i])
             with timer.phase("commit"):
                 tg.commit(s.sid, res.path, D + 2)
-            out.append((res.path, res.tokens, aux[r][res.path]))
+            # emitted token j (accepted drafts, then the bonus) was predicted by the row of node path[j]
+            out.append((res.path, res.tokens, aux[r][res.path], _logprobs(s, logits[r][res.path], res.tokens)))
         return out
 
     def _model_ms(self, choice, expansions: int, drafted: bool) -> float:
@@ -424,6 +434,13 @@ class DecodeRound:
             return 0.0
         forward = c.step_ms(choice.m if choice is not None else 1)
         return forward + (c.draft_ctx_ms + expansions * c.draft_step_ms if drafted else 0.0)
+
+
+def _logprobs(s, rows, tokens) -> list | None:
+    """``core.accept.token_logprobs`` of the tokens ``s`` emits from these logits rows, when its request asked
+    for log-probabilities (``gen.logprobs`` not None); else None."""
+    n = getattr(s.gen, "logprobs", None)
+    return None if n is None else token_logprobs(rows, tokens, n)
 
 
 def _poisoned(s, rows) -> bool:

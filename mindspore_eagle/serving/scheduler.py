@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mindspore_eagle.config import GenerationConfig
-from mindspore_eagle.core.accept import sample_token
+from mindspore_eagle.core.accept import sample_token, token_logprobs
 from mindspore_eagle.core.emit import Emitter
 from mindspore_eagle.serving.engine import Engine, GenerationError
 from mindspore_eagle.serving.round import Sequence
@@ -66,6 +66,8 @@ class Request:
         on_done: ``callable(request, result: TurnResult)``, once, when the request ends (finished, cancelled or
             failed).
         tag: anything the caller wants back (the batch job keeps its record there).
+        on_logprobs: ``callable(request, entries: list)`` just before each ``on_tokens`` when ``gen.logprobs`` is
+            set: (id, logprob, top alternatives) of those tokens (``core.accept.token_logprobs``).
     """
     rid: object
     gen: GenerationConfig
@@ -74,6 +76,7 @@ class Request:
     on_tokens: Callable | None = None
     on_done: Callable | None = None
     tag: object = None
+    on_logprobs: Callable | None = None
 
 
 @dataclass
@@ -85,7 +88,8 @@ class TurnResult:
         prompt_tokens: prompt length (0 when it never got admitted). stop_reason: "eos" | "stop" | "length" |
         "cancelled" | "error". accept_lens: L_k of each tree verification of this sequence. error: why it failed
         ("" otherwise). internal: the failure was the engine's (a step raised), not the request's.
-        t_admitted: time.perf_counter() at admission (or at its failure, when never admitted).
+        t_admitted: time.perf_counter() at admission (or at its failure, when never admitted). logprobs: with
+        ``gen.logprobs``, (id, logprob, top alternatives) per token of ``token_ids`` (``core.accept.token_logprobs``).
     """
     text: str
     token_ids: list
@@ -95,6 +99,7 @@ class TurnResult:
     error: str = ""
     internal: bool = False
     t_admitted: float = 0.0
+    logprobs: list = field(default_factory=list)
 
 
 @dataclass
@@ -289,8 +294,8 @@ class BatchScheduler:
             if getattr(s, "error", ""):             # its logits were not finite: it alone ends, with an error
                 self._end(s, "error", s.error, internal=True)
                 continue
-            if tokens and s.req.on_tokens is not None:
-                s.req.on_tokens(s.req, list(tokens))
+            if tokens:
+                self._report(s, list(tokens))
             if s.emitter.reason:
                 self._end(s)
         if self.on_step is not None:
@@ -384,10 +389,11 @@ class BatchScheduler:
         if s.filled < len(s.prompt):
             return
         s.next = sample_token(logits, s.gen, len(s.prompt))
+        if s.gen.logprobs is not None:
+            s.logprobs += token_logprobs(np.asarray(logits)[None], [s.next], s.gen.logprobs)
         self.new_tokens += 1
         ended = s.emitter.push(s.next)
-        if s.req.on_tokens is not None:
-            s.req.on_tokens(s.req, [s.next])
+        self._report(s, [s.next])
         if ended:
             self._end(s)
             return
@@ -410,8 +416,17 @@ class BatchScheduler:
         if self.round_one is not None and self.round_one.costs is not None:
             self.engine.save_costs()
         res = TurnResult(s.emitter.text(), list(s.emitter.ids), len(s.prompt), reason or s.emitter.reason,
-                         list(s.accept_lens), error, internal, s.t_admitted)
+                         list(s.accept_lens), error, internal, s.t_admitted, list(s.logprobs[: len(s.emitter.ids)]))
         self._done(s.req, res)
+
+    @staticmethod
+    def _report(s: _Live, tokens: list) -> None:
+        """Hand the tokens ``s`` committed this step to its request: ``on_logprobs`` (their entries, when the
+        request asked for log-probabilities), then ``on_tokens``."""
+        if s.req.on_logprobs is not None and s.gen.logprobs is not None:
+            s.req.on_logprobs(s.req, s.logprobs[len(s.logprobs) - len(tokens):])
+        if s.req.on_tokens is not None:
+            s.req.on_tokens(s.req, tokens)
 
     @staticmethod
     def _done(req: Request, res: TurnResult) -> None:

@@ -546,3 +546,24 @@ def test_coupled_speculation_emits_what_teacher_only_sampling_emits_with_the_see
             seq += [root] + [tokens[j] for j in res.path[1:].tolist()]
             root = int(res.tokens[-1])
         assert out == ref[: len(out)], f"seed {seed}"
+
+
+# ------------------------------------------------------------------------------------------- logprobs
+def test_token_logprobs_against_a_direct_log_softmax():
+    from mindspore_eagle.core.accept import token_logprobs
+
+    rng = np.random.default_rng(3)
+    logits = rng.normal(0, 4, size=(3, 50)).astype(np.float32)
+    logits[1, [7, 9]] = logits[1].max() + 1.0                       # a tie for first place: ids ascending
+    tokens = [4, 9, 49]
+    got = token_logprobs(logits, tokens, 3)
+    x = logits.astype(np.float64)
+    ref = x - np.log(np.exp(x - x.max(1, keepdims=True)).sum(1, keepdims=True)) - x.max(1, keepdims=True)
+    for j, (tid, lp, top) in enumerate(got):
+        assert tid == tokens[j] and lp == pytest.approx(ref[j, tokens[j]], abs=1e-12)
+        order = sorted(range(50), key=lambda i: (-ref[j, i], i))[:3]
+        assert [i for i, _ in top] == order
+        assert [v for _, v in top] == pytest.approx([ref[j, i] for i in order], abs=1e-12)
+    assert [i for i, _ in got[1][2][:2]] == [7, 9]
+    assert token_logprobs(logits[:1], [0], 0)[0][2] == []
+    assert len(token_logprobs(logits[:1], [0], 80)[0][2]) == 50                # at most V alternatives

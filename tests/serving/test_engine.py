@@ -391,3 +391,32 @@ def test_adaptive_engine_measures_nothing_up_front_and_keeps_its_table(ms_runtim
     assert eng3.policy.costs is fixed and eng3.running_costs is None
     # a table kept from the steps keeps observing a decode (plain probes); a table given stays as given
     assert eng.policy.plain_every == eng2.policy.plain_every == PLAIN_EVERY and eng3.policy.plain_every == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_logprobs_under_speculation_equal_teacher_only_bit_for_bit(ms_runtime, tiny, tiny_dir, tmp_path, temperature):
+    """generation.logprobs: every emitted token's log-probability and its top alternatives, the same to the last
+    bit with and without speculation (float32 CPU kernels: a token's logits are the same in a tree), and equal
+    to a log-softmax of the teacher's own logits for the first token."""
+    import dataclasses
+
+    from tiny_engines import tiny_drafter_dir, tiny_engine
+
+    from mindspore_eagle.core.accept import token_logprobs
+
+    eng, cfg = tiny_engine(tiny_dir, tiny_drafter_dir(tmp_path, tiny[0]), "fused",
+                           ["speculative.M=4", "speculative.D_max=2", "speculative.top_k=2",
+                            "speculative.method=hybrid"])            # suffix copies get accepted on the tiny teacher
+    gen = dataclasses.replace(cfg.generation, max_new_tokens=40, temperature=temperature, seed=7, logprobs=3)
+    ids = eng.encode_chat("Tell me about the sea.")
+    spec = eng.generate_ids(ids, gen, speculative=True)
+    plain = eng.generate_ids(ids, gen, speculative=False)
+    assert spec.token_ids == plain.token_ids and any(st.accept_len > 1 for st in spec.steps)
+    assert spec.logprobs == plain.logprobs and [e[0] for e in spec.logprobs] == spec.token_ids
+    assert all(len(top) == 3 and top[0][1] >= top[-1][1] for _, _, top in spec.logprobs)
+    sid = eng.teacher.new_seq()
+    logits, _ = eng.teacher.prefill(sid, ids)
+    eng.teacher.free(sid)
+    assert spec.logprobs[0] == token_logprobs(np.asarray(logits)[None], [spec.token_ids[0]], 3)[0]
+    off = eng.generate_ids(ids, dataclasses.replace(gen, logprobs=None), speculative=True)
+    assert off.logprobs == [] and off.token_ids == spec.token_ids

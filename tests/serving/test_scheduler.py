@@ -361,3 +361,32 @@ def test_request_core_per_request_settings_streaming_cancel_and_abort(ms_runtime
     while sched.has_work:
         sched.step()
     assert done["after"].text == eng.generate(PROMPTS[0], gen, speculative=False).text
+
+
+def test_logprobs_in_a_batch_equal_one_at_a_time_and_reach_on_logprobs(ms_runtime, tiny_dir):
+    """Requests asking for log-probabilities (greedy and seeded, 2 alternatives) in one batch of 3: each result's
+    entries equal the request alone, bit for bit, one per token; ``on_logprobs`` hands them over before each
+    ``on_tokens``, adding up to the result's."""
+    import dataclasses
+
+    from mindspore_eagle.serving.scheduler import Request
+
+    eng, cfg = tiny_engine(tiny_dir)
+    sched = BatchScheduler(eng, cfg.generation, 3, single_round=True)
+    gens = {"g": dataclasses.replace(cfg.generation, logprobs=2),
+            "s": dataclasses.replace(cfg.generation, logprobs=2, temperature=0.9, seed=3),
+            "off": cfg.generation}
+    handed, done = {}, {}
+    for (rid, gen), prompt in zip(gens.items(), PROMPTS):
+        sched.add(Request(rid, gen, messages=[{"role": "user", "content": prompt}], tag=rid,
+                          on_logprobs=lambda r, e: handed.setdefault(r.rid, []).extend(e),
+                          on_done=lambda r, res: done.__setitem__(r.rid, res)))
+    while sched.has_work:
+        sched.step()
+    assert sched.peak_live == 3 and done["off"].logprobs == [] and "off" not in handed
+    for (rid, gen), prompt in zip(gens.items(), PROMPTS):
+        if rid == "off":
+            continue
+        alone = eng.generate(prompt, gen, speculative=False)
+        assert done[rid].token_ids == alone.token_ids and done[rid].logprobs == alone.logprobs
+        assert handed[rid] == done[rid].logprobs and [e[0] for e in handed[rid]] == done[rid].token_ids

@@ -229,6 +229,44 @@ def test_chat_greedy_equals_generate_streamed_or_not(server, reference):
 
 
 @pytest.mark.slow
+def test_logprobs_equal_teacher_only_alone_and_with_8_requests_in_flight(server, reference, tiny_dir):
+    """``logprobs: true, top_logprobs: 5`` through the openai client: the values equal a teacher-only run's
+    log-softmax, alone, with 8 other requests in flight (batched with trees) and streamed; completions'
+    ``logprobs: 2`` likewise."""
+    import dataclasses
+
+    from mindspore_eagle.serving import protocol as P
+
+    eng = reference.engine
+    gen = dataclasses.replace(load_config(None, tiny_overrides(tiny_dir)).generation, logprobs=5)
+    prompt = PROMPTS[2]
+    want_gen = eng.generate_ids(eng.encode_chat(prompt), gen, speculative=False)
+    want = P.chat_logprobs(want_gen.logprobs, eng.tokenizer, eng.eos)["content"]
+    assert want and len(want[0]["top_logprobs"]) == 5
+    c = server.client()
+
+    def got(r):
+        return [e.model_dump() for e in r.choices[0].logprobs.content]
+
+    assert got(chat(c, prompt, logprobs=True, top_logprobs=5)) == want
+    with ThreadPoolExecutor(9) as pool:
+        others = [pool.submit(chat, c, p) for p in PROMPTS[3:11]]
+        mine = pool.submit(chat, c, prompt, logprobs=True, top_logprobs=5)
+        assert got(mine.result()) == want and all(o.result().choices[0].logprobs is None for o in others)
+    streamed = []
+    for ch in chat(c, prompt, stream=True, logprobs=True, top_logprobs=5):
+        if ch.choices and ch.choices[0].logprobs is not None:
+            streamed += [e.model_dump() for e in ch.choices[0].logprobs.content]
+    assert streamed == want
+    raw = eng.generate_ids(eng.tokenizer.encode("Once upon a time"), dataclasses.replace(gen, max_new_tokens=8,
+                                                                                         logprobs=2), False)
+    r = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, logprobs=2)
+    lp = P.completion_logprobs(raw.logprobs, eng.tokenizer, eng.eos)
+    assert r.choices[0].logprobs.token_logprobs == lp["token_logprobs"] and r.choices[0].logprobs.tokens == lp["tokens"]
+    assert r.choices[0].logprobs.top_logprobs == lp["top_logprobs"]
+
+
+@pytest.mark.slow
 def test_completions_raw_prompt_streamed_or_not(server, reference):
     c = server.client()
     want = reference("Once upon a time", 12, raw=True)
@@ -328,7 +366,9 @@ GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
     ({**GOOD, "messages": [{"role": "user", "content": " "}]}, 400, "messages", "invalid_value"),
     ({**GOOD, "frobnicate": 1}, 400, "frobnicate", "unknown_parameter"),
     ({**GOOD, "n": 2}, 400, "n", "unsupported_parameter"),
-    ({**GOOD, "logprobs": True}, 400, "logprobs", "unsupported_parameter"),
+    ({**GOOD, "logprobs": 3}, 400, "logprobs", "invalid_type"),
+    ({**GOOD, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "invalid_value"),
+    ({**GOOD, "top_logprobs": 2}, 400, "top_logprobs", "invalid_value"),
     ({**GOOD, "presence_penalty": 0.5}, 400, "presence_penalty", "unsupported_parameter"),
     ({**GOOD, "frequency_penalty": 1}, 400, "frequency_penalty", "unsupported_parameter"),
     ({**GOOD, "response_format": {"type": "json_object"}}, 400, "response_format", "unsupported_parameter"),
