@@ -238,19 +238,33 @@ def accept_coupled(tt: TreeTensors, probs, seed: int, first_pos: int) -> VerifyR
     deterministic draft (q = 1) a node's children are accepted with total probability sum_c p(c), the same as
     multi-candidate rejection sampling (:func:`accept_sampling`), so coupling costs no accepted length
     (tests/core/test_accept.py measures both).
+    The walk draws only at the nodes of the accepted path (the draw at a node decides which of its children, if
+    any, is accepted; siblings carry distinct tokens), so a step costs L_k draws whatever the tree's size; it
+    equals ``accept_greedy`` over every node's draw (tests/core/test_accept.py).
     Args:
-        tt: TreeTensors for budget M. probs: float [M, V] warped teacher distributions (pad rows ignored).
+        tt: TreeTensors for budget M. probs: float [M, V] warped teacher distributions (pad rows ignored), or a
+            callable ``i -> float [V]`` giving node i's row (computed only for the nodes the walk reaches).
         seed: the sequence's seed. first_pos: position of the token after the root (committed length + 1).
     Returns:
         VerifyResult with accept_len = accepted drafts + 1.
     Raises:
         ValueError: probs has the wrong shape or invalid rows, or a draft token is >= V.
     """
-    p = _check_probs(tt, probs)
     n = tt.n_nodes
-    samples = np.zeros(tt.budget, np.int64)
-    samples[:n] = keyed_draw(p[:n], seed, first_pos + tt.depth[:n].astype(np.int64))
-    return accept_greedy(tt, samples)
+    if callable(probs):
+        row = probs
+    else:
+        p = _check_probs(tt, probs)
+        row = p.__getitem__
+    parent, tokens = tt.parent[:n], tt.tokens[:n]
+    node, path = 0, [0]
+    while True:                  # draws along the accepted path only: L_k draws, not one per node
+        draw = int(keyed_draw(np.asarray(row(node), np.float64), seed, first_pos + int(tt.depth[node])))
+        kids = np.flatnonzero((parent[1:] == node) & (tokens[1:] == draw)) + 1   # siblings are distinct tokens
+        if kids.size == 0:
+            return _result(tt, path, draw)
+        node = int(kids[0])
+        path.append(node)
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:

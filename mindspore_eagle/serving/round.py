@@ -418,8 +418,9 @@ class DecodeRound:
                 if g.temperature == 0:
                     res = accept_greedy(tt, logits[r].argmax(-1))
                 else:
-                    res = accept_coupled(tt, warp_probs(logits[r], g.temperature, g.top_p, g.top_k), g.seed,
-                                         first_pos[i])
+                    rows = logits[r]            # warped only at the nodes the walk reaches
+                    res = accept_coupled(tt, lambda j: warp_probs(rows[j:j + 1], g.temperature, g.top_p, g.top_k)[0],
+                                         g.seed, first_pos[i])
             with timer.phase("commit"):
                 tg.commit(s.sid, res.path, D + 2)
             # emitted token j (accepted drafts, then the bonus) was predicted by the row of node path[j]

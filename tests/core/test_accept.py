@@ -567,3 +567,22 @@ def test_token_logprobs_against_a_direct_log_softmax():
     assert [i for i, _ in got[1][2][:2]] == [7, 9]
     assert token_logprobs(logits[:1], [0], 0)[0][2] == []
     assert len(token_logprobs(logits[:1], [0], 80)[0][2]) == 50                # at most V alternatives
+
+
+@settings(max_examples=60, deadline=None)
+@given(tree=draft_trees(16, 4, vocab=3), seed=st.integers(0, 2 ** 32 - 1), first_pos=st.integers(0, 500))
+def test_coupled_walk_equals_greedy_acceptance_over_every_nodes_draw(tree, seed, first_pos):
+    """accept_coupled draws only along the accepted path; the result equals accept_greedy over the draws of every
+    node (the definition), and a callable row source gives the same as the array."""
+    M, D = 16, 4
+    tt = tensorize(tree, M, D)
+    V = int(tt.tokens[: tt.n_nodes].max()) + 2
+    rng = np.random.default_rng(seed % 1000)
+    probs = rng.dirichlet(np.full(V, 0.3), size=M)
+    n = tt.n_nodes
+    draws = np.zeros(M, np.int64)
+    draws[:n] = keyed_draw(probs[:n], seed, first_pos + tt.depth[:n].astype(np.int64))
+    want = accept_greedy(tt, draws)
+    got = accept_coupled(tt, probs, seed, first_pos)
+    _check(got, want.path, want.tokens)
+    _check(accept_coupled(tt, lambda i: probs[i], seed, first_pos), want.path, want.tokens)
