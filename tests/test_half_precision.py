@@ -46,5 +46,54 @@ def test_float16_speculation_departs_from_teacher_only_only_at_near_ties(ms_runt
         departures.append((i, j, top2_gap(eng, eng.encode_chat(p) + base[:j])))
     print(f"float16 speculative == teacher-only on {same} of {N_PROMPTS} prompts; departures (prompt, position, "
           f"top-2 gap): {departures}")
-    assert same + len(departures) == N_PROMPTS
+    # README and docs/ascend.md state 22 of 24 identical on this machine type: float16 rounding decides a token
+    # only at a near-tie, and these prompts hold two (gaps 0.0051 and 0.0006); more departures mean a regression
+    assert same >= 22, departures
     assert all(gap < HALF_TIE for _, _, gap in departures), departures
+
+
+def test_float16_seeded_sampling_alone_equals_in_a_batch_of_4_up_to_keyed_near_ties(ms_runtime):
+    """Seeded sampling in float16 (temperature 0.8): each text alone equals the same request decoded in a batch of
+    4 (other row counts, other rounding), except from a position where the keyed draw's two best scores
+    (log-probability + the position's keyed Gumbel noise, ``core.accept.keyed_draw``) differ by less than
+    HALF_TIE / temperature: the keyed race changes its winner only at such a near-tie, as greedy does."""
+    import dataclasses
+
+    from mindspore_eagle.bench.batching import chat_prompts
+    from mindspore_eagle.core.accept import keyed_uniforms, warp_probs
+    from mindspore_eagle.serving.scheduler import BatchScheduler, Request
+
+    cfg = load_config(None, ["model.dtype=float16", "model.drafter=none", f"generation.max_new_tokens={NEW_TOKENS}"])
+    eng = build_engine(cfg)
+    T = 0.8
+    gens = [dataclasses.replace(cfg.generation, temperature=T, seed=11 + i) for i in range(4)]
+    prompts = chat_prompts(4)
+    sched = BatchScheduler(eng, cfg.generation, 4)
+    done = {}
+    for i, (p, g) in enumerate(zip(prompts, gens)):
+        sched.add(Request(i, g, messages=[{"role": "user", "content": p}],
+                          on_done=lambda r, res: done.__setitem__(r.rid, res)))
+    while sched.has_work:
+        sched.step()
+    assert sched.peak_live == 4
+    same = 0
+    for i, (p, g) in enumerate(zip(prompts, gens)):
+        alone = eng.generate(p, g, speculative=False).token_ids
+        batched = done[i].token_ids
+        if alone == batched:
+            same += 1
+            continue
+        j = next(k for k, (a, b) in enumerate(zip(alone, batched)) if a != b)
+        ids = eng.encode_chat(p) + alone[:j]
+        sid = eng.teacher.new_seq()
+        try:
+            logits, _ = eng.teacher.prefill(sid, ids)
+        finally:
+            eng.teacher.free(sid)
+        prob = warp_probs(np.asarray(logits, np.float64)[None], T)[0]
+        u = keyed_uniforms(g.seed, [len(ids)], prob.size)[0]
+        with np.errstate(divide="ignore"):
+            score = np.log(prob) - np.log(-np.log(u))
+        a, b = np.sort(score)[-2:]
+        assert b - a < HALF_TIE / T, (i, j, b - a)
+    print(f"float16 seeded sampling: {same} of 4 texts identical alone and in a batch of 4")

@@ -197,6 +197,21 @@ def test_a_suffix_only_server_speculates_and_counts_acceptance_per_depth(tiny_di
     assert not off.batch.speculative
 
 
+def test_smoke_one_server_process_start_chat_stream_sigterm(tiny_dir, reference):
+    """The fast smoke test (not slow): a suffix-only speculative tiny server starts, /health turns 200, one greedy
+    chat equals teacher-only decoding, one stream gives the same text, and SIGTERM ends it with exit status 0."""
+    p = ServerProcess(tiny_overrides(tiny_dir) + ["speculative.method=suffix"], ["--max-batch", "2"])
+    try:
+        p.ready(120)
+        c = p.client()
+        want = reference(PROMPTS[0])
+        assert chat(c, PROMPTS[0]).choices[0].message.content == want.text
+        assert chat_stream(c, PROMPTS[0])[0] == want.text
+    finally:
+        p.stop()
+    assert p.proc.returncode == 0, p.log()
+
+
 # ------------------------------------------------------------------------------------------------- answers --
 @pytest.mark.slow
 def test_health_models_and_metrics(server):
