@@ -31,7 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m mindspore_eagle.train regen", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="shard directory (created; reused and extended on rerun)")
-    p.add_argument("--teacher", default=None, help="teacher checkpoint (GGUF or HF dir); default: embedded SmolLM2")
+    p.add_argument("--teacher", default=None, help="teacher checkpoint (GGUF or HF dir) or a named teacher "
+                                                   "(qwen2.5-coder-0.5b-instruct); default: embedded SmolLM2")
     p.add_argument("--prompts", type=int, default=None, help="use the first N registry prompts (default: all)")
     p.add_argument("--sources", default=None, help="comma-separated registry sources (default: all)")
     p.add_argument("--max-len", type=int, default=512, help="prompt + reply tokens (the training truncation)")
@@ -227,10 +228,9 @@ def main(argv=None) -> int:
     from mindspore_eagle.models.checkpoints import load_teacher
     from mindspore_eagle.train.regen import build_batch_runner
 
-    if args.teacher is None:
-        from mindspore_eagle.models.fetch import embedded_teacher_path
+    from mindspore_eagle.serving.pipeline import resolve_teacher
 
-        args.teacher = str(embedded_teacher_path())
+    args.teacher = resolve_teacher(args.teacher or "embedded")     # a name of models.fetch.NAMED_TEACHERS too
     cfg, tensors, tok = load_teacher(args.teacher)
     meta = {"teacher": teacher_identity(args.teacher), "max_len": args.max_len, "temperature": 0.0,
             "min_reply": args.min_reply, "registry": reg.meta}
