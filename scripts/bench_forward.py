@@ -208,6 +208,8 @@ def llamacpp_cost(cfg, loaded, ctx, ks, decode_ms, repeat, ours_rows):
     out = os.path.join(tempfile.gettempdir(), "mseagle_bench_forward")
     os.makedirs(out, exist_ok=True)
     p = peer.make_peer(cfg, loaded, out, threads, lookup=())
+    if p is None:                            # the reason was printed
+        return
     try:
         got = p.forward_ms(ctx, ks, repeat)
     finally:

@@ -8,7 +8,7 @@ docs/performance.md, "Peers").
 
 Protocol: one JSON object a line on stdin, one JSON answer a line on stdout (``{"error": "..."}`` on failure).
 
-    {"cmd": "env"}        -> {"env": {name: value} of every OMP_ / GOMP_ / KMP_ / MSEAGLE_ variable, "pid"}
+    {"cmd": "env"}        -> {"env": {name: value} of every OMP_ / GOMP_ / KMP_ / MSEAGLE_ / MS_ variable, "pid"}
     {"cmd": "load", "model": PATH, "n_threads": T, "n_ctx": C, "lookup": [2, 10]}
                           -> {"variants": ["greedy", "lookup2", "lookup10"]}: one llama_cpp.Llama per variant, greedy
                              and greedy with llama-cpp-python's LlamaPromptLookupDecoding(num_pred_tokens=n)
@@ -28,7 +28,7 @@ import time
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
     sys.path.pop(0)                       # run by path: do not shadow installed modules with this folder's files
 
-OURS = ("OMP_", "GOMP_", "KMP_", "MSEAGLE_")
+OURS = ("OMP_", "GOMP_", "KMP_", "MSEAGLE_", "MS_")
 
 _models: dict = {}
 _forward = {}
@@ -109,6 +109,11 @@ def _forward_ms(req: dict) -> dict:
 
 
 def main() -> int:
+    # the protocol gets its own copy of stdout; fd 1 then points at stderr, so whatever llama.cpp or a library
+    # prints can never be read as an answer
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -129,8 +134,8 @@ def main() -> int:
                 ans = {"error": f"unknown cmd {cmd!r}"}
         except Exception as e:  # noqa: BLE001  (the parent gets the reason in one line)
             ans = {"error": f"{type(e).__name__}: {e}"}
-        sys.stdout.write(json.dumps(ans) + "\n")
-        sys.stdout.flush()
+        proto.write(json.dumps(ans) + "\n")
+        proto.flush()
     return 0
 
 

@@ -164,7 +164,11 @@ class PeerProcess:
             self.close()
             raise PeerError(f"llama.cpp peer process gave no answer to {req.get('cmd')!r} "
                             f"({'timed out' if not ready else 'exited'})")
-        ans = json.loads(line)
+        try:
+            ans = json.loads(line)
+        except json.JSONDecodeError:
+            self.close()
+            raise PeerError(f"llama.cpp peer answered {line[:120]!r}, not a JSON line") from None
         if "error" in ans:
             raise PeerError(f"llama.cpp peer: {ans['error']}")
         return ans

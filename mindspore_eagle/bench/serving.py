@@ -203,7 +203,11 @@ def start_llamacpp(cfg, out: str, threads: int, timeout: float):
            # its default cuts a running request short when another arrives; queue them instead
            "--interrupt_requests", "False"]
     p = ServeProcess(cmd, f"http://127.0.0.1:{port}", os.path.join(out, "server_llama_cpp.log"), peer.peer_env())
-    _wait_health(p.url, p.proc, timeout, "/v1/models")
+    try:
+        _wait_health(p.url, p.proc, timeout, "/v1/models")
+    except BaseException:
+        p.stop()                            # a server that did not become ready is not left running
+        raise
     return p
 
 

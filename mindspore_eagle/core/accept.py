@@ -259,7 +259,12 @@ def accept_coupled(tt: TreeTensors, probs, seed: int, first_pos: int) -> VerifyR
     parent, tokens = tt.parent[:n], tt.tokens[:n]
     node, path = 0, [0]
     while True:                  # draws along the accepted path only: L_k draws, not one per node
-        draw = int(keyed_draw(np.asarray(row(node), np.float64), seed, first_pos + int(tt.depth[node])))
+        p_node = np.asarray(row(node), np.float64)
+        if not np.isfinite(p_node).all() or (p_node < 0).any() or p_node.sum() <= 0:
+            raise ValueError(f"probs row {node} must be finite, >= 0, with positive sum")
+        if node == 0 and (tokens[1:] >= p_node.size).any():
+            raise ValueError(f"draft tokens must be in [0, V={p_node.size}), got max {tokens[1:].max()}")
+        draw = int(keyed_draw(p_node, seed, first_pos + int(tt.depth[node])))
         kids = np.flatnonzero((parent[1:] == node) & (tokens[1:] == draw)) + 1   # siblings are distinct tokens
         if kids.size == 0:
             return _result(tt, path, draw)

@@ -113,10 +113,14 @@ static inline v8 exp8(v8 x) {
 // ops (or any other library) run on next: an OpenMP pool that spins by default took them and needed a process-wide
 // OMP_WAIT_POLICY=PASSIVE, which slowed every other OpenMP library in the process (docs/cpu_kernels.md, "Threads").
 // Each output element is computed by one thread with the same float operations whichever thread it is, so the
-// split never changes a result. A loop started while the pool is busy (a call from a second thread, or a nested
-// loop) runs its parts one after another in the caller; a child after fork() gets a fresh pool.
-static int g_threads = 1;
-static int64_t g_spin_us = 50;
+// split never changes a result. A loop started while the pool is busy (a call from a second thread, or a loop
+// inside a part) runs its parts one after another in the caller. One pool per thread count is made on first use and
+// never destroyed, so SetThreads while another thread runs a loop cannot free a pool in use; a child after fork()
+// makes fresh pools (the parent's workers are not in it).
+static std::atomic<int> g_threads{1};
+static std::atomic<int64_t> g_spin_us{50};
+static thread_local bool t_in_part = false;  // this thread runs a part of a loop: a loop inside it runs serially
+constexpr int MAX_POOL_THREADS = 256;
 
 #if defined(__x86_64__) || defined(__i386__)
 static inline void cpu_relax() { __builtin_ia32_pause(); }
@@ -172,7 +176,7 @@ class Pool {
       int spins = 0;
       while ((e = epoch_.load(std::memory_order_acquire)) == seen) {
         if (++spins % 64 == 0 &&
-            std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(g_spin_us)) {
+            std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(g_spin_us.load(std::memory_order_relaxed))) {
           std::unique_lock<std::mutex> lk(m_);
           sleepers_.fetch_add(1);
           cv_.wait(lk, [&] { return epoch_.load() != seen; });
@@ -196,30 +200,38 @@ class Pool {
 };
 
 static std::mutex g_pool_mutex;
-static Pool *g_pool = nullptr;
-static void pool_after_fork() { g_pool = nullptr; }  // the workers are not in the child: leak the parent's pool
-
-static Pool *pool() {
-  std::lock_guard<std::mutex> lk(g_pool_mutex);
-  static bool hooked = (pthread_atfork(nullptr, nullptr, pool_after_fork), true);
-  (void)hooked;
-  if (g_threads > 1 && (!g_pool || g_pool->size() != g_threads)) {
-    delete g_pool;
-    g_pool = new Pool(g_threads - 1);
-  }
-  return g_threads > 1 ? g_pool : nullptr;
+static Pool *g_pools[MAX_POOL_THREADS + 1] = {};  // by thread count; made on first use, never destroyed
+static void pool_fork_prepare() { g_pool_mutex.lock(); }
+static void pool_fork_parent() { g_pool_mutex.unlock(); }
+static void pool_fork_child() {  // the workers are not in the child: forget (leak) the parent's pools
+  for (auto &p : g_pools) p = nullptr;
+  g_pool_mutex.unlock();
 }
 
-// body(begin, end) over [0, n) in g_threads contiguous parts, one per thread (an empty part is skipped)
+static Pool *pool(int threads) {
+  if (threads < 2) return nullptr;
+  if (threads > MAX_POOL_THREADS) threads = MAX_POOL_THREADS;
+  std::lock_guard<std::mutex> lk(g_pool_mutex);
+  static bool hooked = (pthread_atfork(pool_fork_prepare, pool_fork_parent, pool_fork_child), true);
+  (void)hooked;
+  if (!g_pools[threads]) g_pools[threads] = new Pool(threads - 1);
+  return g_pools[threads];
+}
+
+// body(begin, end) over [0, n) in g_threads contiguous parts, one per thread (an empty part is skipped). The body
+// must not throw (the kernels' bodies do not allocate inside a part except their scratch vectors; a bad_alloc there
+// ends the process, as it would in an OpenMP region).
 template <typename F>
 static void parallel_for(int64_t n, const F &body) {
   if (n <= 0) return;
-  Pool *p = g_threads > 1 && n > 1 ? pool() : nullptr;
+  Pool *p = n > 1 && !t_in_part ? pool(g_threads.load(std::memory_order_relaxed)) : nullptr;
   const int parts = p ? p->size() : 1;  // every worker takes part in every loop (an empty part does nothing)
   auto part = [](const void *ctx, int i, int P) {
     const auto &c = *(const std::pair<const F *, int64_t> *)ctx;
     const int64_t b = c.second * i / P, e = c.second * (i + 1) / P;
+    t_in_part = true;
     if (b < e) (*c.first)(b, e);
+    t_in_part = false;
   };
   const std::pair<const F *, int64_t> ctx{&body, n};
   if (parts > 1 && p->run(Job{part, &ctx, parts})) return;
@@ -251,14 +263,14 @@ extern "C" int ResetKernelStats() {
 }
 
 extern "C" int SetThreads(int n) {
-  g_threads = n < 1 ? 1 : n;
+  g_threads = n < 1 ? 1 : (n > MAX_POOL_THREADS ? MAX_POOL_THREADS : n);
   return g_threads;
 }
 
 // microseconds an idle worker spins before it sleeps (0: sleep at once); returns the value now in force
 extern "C" int SetSpinMicros(int us) {
   g_spin_us = us < 0 ? 0 : us;
-  return (int)g_spin_us;
+  return (int)g_spin_us.load();
 }
 
 // dot(a, b) over n floats: 8-lane partial sums over i = 0, 8, 16, ... in order (the tail zero-padded), folded by
@@ -276,7 +288,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 // Threads split N into blocks of NR weight rows; a block runs tiles of NR weight rows x KR rows of x (then tiles
 // of KR / 2, ..., 1 rows for the rows left). k <= 4 (a decode, a small tree: bandwidth-bound): 1 x 4, so the
 // weights stream in memory order and each weight row, in L1, meets every row of x. k > 4 (compute-bound on a
-// 2-core CPU): 4 x 6 for k < 8 and 3 x 8 from 8 rows with AVX-512 (24 accumulators in its 32 vector registers),
+// 2-core CPU): 4 x 6 for k < 8 and 3 x 8 from 8 rows with AVX-512VL (24 accumulators in its 32 vector registers),
 // 2 x 4 without; those tiles prefetch each weight row 512 bytes ahead (the weights come from DRAM while the FMAs
 // run). Weight rows left after the last full block: 1 x 1. Measured tiles: docs/cpu_kernels.md, "Tiles". Every
 // output is one dot product accumulated in the same float order whatever the tile, so results do not depend on k
@@ -355,7 +367,7 @@ template <typename W>
 static void linear_into(const float *x, const W *w, float *y, int64_t k, int64_t K, int64_t N) {
   if (k <= 4)          // bandwidth-bound: one weight row at a time (the weights read in order) against 4 / 2 / 1 rows
     tiled<1, 4>(x, w, y, k, K, N);
-#if defined(__AVX512F__)
+#if defined(__AVX512VL__)
   else if (k < 8)      // compute-bound, 24 accumulators in AVX-512VL's 32 vector registers
     tiled<4, 6>(x, w, y, k, K, N);
   else

@@ -36,7 +36,7 @@ from mindspore_eagle.errors import MsEagleError
 from mindspore_eagle.kernels import graph_cache
 from mindspore_eagle.kernels.kv import CacheExhaustedError
 from mindspore_eagle.runners.warmup import budgets_at_hand
-from mindspore_eagle.serving.round import DecodeRound, Sequence
+from mindspore_eagle.serving.round import DecodeRound, Sequence, non_finite_message
 
 
 class GenerationError(MsEagleError, ValueError):
@@ -260,6 +260,8 @@ class Engine:
         try:
             t0 = time.perf_counter()
             logits, aux = self.teacher.prefill(seq.sid, ids)
+            if not np.isfinite(logits).all():
+                raise GenerationError(non_finite_message(0))
             seq.next = sample_token(logits, gen, len(ids))
             if gen.logprobs is not None:
                 seq.logprobs += token_logprobs(np.asarray(logits)[None], [seq.next], gen.logprobs)

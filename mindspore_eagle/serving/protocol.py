@@ -12,7 +12,8 @@ Supported per-request parameters: ``max_tokens`` (or ``max_completion_tokens``),
 ``stream_options.include_usage``, ``logprobs`` (chat: true / false with ``top_logprobs`` 0-20; completions: an
 int 0-5): each generated token's log-probability under the teacher, log-softmax of its raw logits (before
 temperature, top-k and top-p, as vLLM's default), exact under speculation (every token's logits come from the
-teacher's own forward); ``user`` is accepted and not used. Parameters the engine does not implement
+teacher's own forward; on the CPU kernels bit for bit those of the token decoded alone, except in a batched tree
+step of more than 32 rows, which takes MatMul); ``user`` is accepted and not used. Parameters the engine does not implement
 (``n`` > 1, ``logit_bias``, the penalties, ``response_format``, tools and
 functions, ``echo``, ``suffix``, ``best_of`` > 1) are refused with a 400 naming the field unless they hold their
 neutral value (``n: 1``, ``presence_penalty: 0``, ``response_format: {"type": "text"}``,

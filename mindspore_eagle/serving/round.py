@@ -444,12 +444,17 @@ def _logprobs(s, rows, tokens) -> list | None:
     return None if n is None else token_logprobs(rows, tokens, n)
 
 
+def non_finite_message(at: int) -> str:
+    """The error of a sequence whose teacher logits were NaN or infinite at output token ``at``."""
+    return (f"the teacher's logits for this sequence were not finite (NaN or infinity) at output token {at}; "
+            "this request was stopped, the others go on")
+
+
 def _poisoned(s, rows) -> bool:
     """True (and ``s.error`` set) when the teacher's logits rows of ``s`` hold a NaN or an infinity."""
     if np.isfinite(rows).all():
         return False
-    s.error = ("the teacher's logits for this sequence were not finite (NaN or infinity) at output token "
-               f"{len(s.emitter.ids)}; this request was stopped, the others go on")
+    s.error = non_finite_message(len(s.emitter.ids))
     return True
 
 
@@ -464,4 +469,4 @@ def _take_pending(state: _DraftState) -> tuple:
     return aux, toks
 
 
-__all__ = ["BatchLayout", "DecodeRound", "Sequence"]
+__all__ = ["BatchLayout", "DecodeRound", "Sequence", "non_finite_message"]

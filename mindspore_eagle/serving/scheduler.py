@@ -47,7 +47,7 @@ from mindspore_eagle.config import GenerationConfig
 from mindspore_eagle.core.accept import sample_token, token_logprobs
 from mindspore_eagle.core.emit import Emitter
 from mindspore_eagle.serving.engine import Engine, GenerationError
-from mindspore_eagle.serving.round import Sequence
+from mindspore_eagle.serving.round import Sequence, non_finite_message
 
 
 @dataclass
@@ -387,6 +387,9 @@ class BatchScheduler:
         s.filled += len(part)
         s.auxes.append(aux)
         if s.filled < len(s.prompt):
+            return
+        if not np.isfinite(logits).all():        # this sequence alone ends, before its first token
+            self._end(s, "error", non_finite_message(0), internal=True)
             return
         s.next = sample_token(logits, s.gen, len(s.prompt))
         if s.gen.logprobs is not None:

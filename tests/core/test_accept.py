@@ -586,3 +586,15 @@ def test_coupled_walk_equals_greedy_acceptance_over_every_nodes_draw(tree, seed,
     got = accept_coupled(tt, probs, seed, first_pos)
     _check(got, want.path, want.tokens)
     _check(accept_coupled(tt, lambda i: probs[i], seed, first_pos), want.path, want.tokens)
+
+
+def test_coupled_walk_checks_the_rows_it_reaches():
+    tt = tensorize(DraftTree([0, 1, 2], [0, 0, 1]), 4, 3)
+    good = np.full(4, 0.25)
+    with pytest.raises(ValueError, match="probs row 0 must be finite"):
+        accept_coupled(tt, lambda i: np.array([np.nan, 1.0, 1.0, 1.0]), 1, 0)
+    with pytest.raises(ValueError, match="probs row 0 must be finite"):
+        accept_coupled(tt, lambda i: np.zeros(4), 1, 0)
+    with pytest.raises(ValueError, match=r"draft tokens must be in \[0, V=2\)"):
+        accept_coupled(tt, lambda i: np.ones(2), 1, 0)
+    assert accept_coupled(tt, lambda i: good, 1, 0).accept_len >= 1

@@ -49,7 +49,7 @@ def kern(ms_runtime):
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6, 7, 8, 11, 15, 16, 32])  # every tile mix: 4/2/1-row tiles of
 def test_linear(kern, k):                                                   # k < 8, then 8/4/2/1-row tiles
     rng = np.random.default_rng(k)
-    K, N = 44, 13           # N = 2 blocks of 6 + 1, 4 blocks of 3 + 1: full tiles and the one-row tail
+    K, N = 44, 13           # N = 3 blocks of 4 + 1, 4 blocks of 3 + 1, 13 of 1: full blocks and a one-row tail
     x = rng.normal(size=(k, K)).astype(np.float32)
     w = rng.normal(size=(N, K)).astype(np.float32)
     y = call(kern.linear, x, w)

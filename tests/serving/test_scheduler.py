@@ -170,6 +170,42 @@ def test_a_record_whose_logits_turn_nan_fails_alone(ms_runtime, tiny_dir, monkey
     same_answers({k: got[k] for k in ("a", "b")}, one_at_a_time(eng, gen, [recs[0], recs[2]]))
 
 
+def test_a_record_whose_prefill_logits_are_nan_fails_alone(ms_runtime, tiny_dir, monkeypatch):
+    """The first token's logits (after the prefill) are NaN for one record: it ends with its own error before any
+    token, greedy and seeded alike; the records beside it finish with their one-at-a-time answers."""
+    import numpy as np
+
+    eng, cfg = tiny_engine(tiny_dir)
+    gen = cfg.generation
+    recs = records([{"id": "a", "prompt": "Hi"}, {"id": "bad", "prompt": "Tell me about the sea.", "temperature": 0.7},
+                    {"id": "b", "prompt": "2+2?"}])
+    tg = eng.teacher
+    sids = []
+    new_seq, prefill = tg.new_seq, tg.prefill
+
+    def spy_new_seq():
+        sids.append(new_seq())
+        return sids[-1]
+
+    def poisoned(sid, ids):
+        logits, aux = prefill(sid, ids)
+        return (np.full_like(logits, np.nan) if sid == sids[1] else logits), aux
+
+    monkeypatch.setattr(tg, "new_seq", spy_new_seq)
+    monkeypatch.setattr(tg, "prefill", poisoned)
+    got, _, _ = run_batched(eng, gen, recs, max_batch=3)
+    assert got["bad"]["error"].startswith("the teacher's logits for this sequence were not finite") and \
+        "at output token 0" in got["bad"]["error"]
+    monkeypatch.setattr(tg, "prefill", prefill)
+    same_answers({k: got[k] for k in ("a", "b")}, one_at_a_time(eng, gen, [recs[0], recs[2]]))
+    monkeypatch.setattr(tg, "prefill", lambda sid, ids: (np.full_like(prefill(sid, ids)[0], np.inf), None))
+    from mindspore_eagle.serving.engine import GenerationError
+
+    with pytest.raises(GenerationError, match="not finite"):
+        eng.generate("Hi", gen, speculative=False)
+    assert tg.bm.free_blocks() == tg.bm.num_blocks
+
+
 def test_max_batch_must_be_positive(ms_runtime, tiny_dir):
     eng, cfg = tiny_engine(tiny_dir)
     with pytest.raises(ValueError, match=r"batch.max_batch must be an integer >= 1, got 0"):

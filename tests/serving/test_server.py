@@ -217,8 +217,7 @@ def test_smoke_one_server_process_start_chat_stream_sigterm(tiny_dir, reference)
 def test_health_models_and_metrics(server):
     assert 503 in server.warming                 # /health answered 503 while the warm-up ran
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
-    head = httpx.head(server.url + "/health")                 # load balancers' probes
-    assert head.status_code == 200 and head.content == b""
+    assert httpx.head(server.url + "/health").status_code == 200      # load balancers' probes (405 before)
     models = server.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
     m = server.metrics()
@@ -246,8 +245,9 @@ def test_chat_greedy_equals_generate_streamed_or_not(server, reference):
 @pytest.mark.slow
 def test_logprobs_equal_teacher_only_alone_and_with_8_requests_in_flight(server, reference, tiny_dir):
     """``logprobs: true, top_logprobs: 5`` through the openai client: the values equal a teacher-only run's
-    log-softmax, alone, with 8 other requests in flight (batched with trees) and streamed; completions'
-    ``logprobs: 2`` likewise."""
+    log-softmax, bit for bit alone and streamed; with 8 other requests in flight within 1e-5 (a batched tree step
+    of 16 x 4 rows takes MatMul, whose sums round differently), the same tokens; completions' ``logprobs: 2``
+    likewise."""
     import dataclasses
 
     from mindspore_eagle.serving import protocol as P
@@ -267,7 +267,10 @@ def test_logprobs_equal_teacher_only_alone_and_with_8_requests_in_flight(server,
     with ThreadPoolExecutor(9) as pool:
         others = [pool.submit(chat, c, p) for p in PROMPTS[3:11]]
         mine = pool.submit(chat, c, prompt, logprobs=True, top_logprobs=5)
-        assert got(mine.result()) == want and all(o.result().choices[0].logprobs is None for o in others)
+        batched = got(mine.result())
+        assert all(o.result().choices[0].logprobs is None for o in others)
+    assert [e["token"] for e in batched] == [e["token"] for e in want]
+    assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(batched, want)) < 1e-5
     streamed = []
     for ch in chat(c, prompt, stream=True, logprobs=True, top_logprobs=5):
         if ch.choices and ch.choices[0].logprobs is not None:
