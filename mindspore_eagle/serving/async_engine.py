@@ -328,7 +328,7 @@ class AsyncEngine:
         self._free_rows = s.N - len(s.live)
         if self.metrics is not None:
             self.metrics.set_load(len(s.live), len(s.waiting), s.kv_blocks_used(), s.reserved, s.NB,
-                                  self.engine.compiles - self._graphs0)
+                                  self.engine.compiles - self._graphs0, s.peak_live)
 
 
 __all__ = ["AsyncEngine", "Handle", "NotReady", "QueueFull", "TextDeltas"]

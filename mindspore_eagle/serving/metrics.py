@@ -4,6 +4,7 @@ Every metric lives in the server's own :class:`~prometheus_client.CollectorRegis
 never share counts). Names (prefix ``mseagle_``):
 
     num_requests_running / num_requests_waiting     gauges: sequences in the batch / requests queued for a row
+    num_requests_running_peak                       gauge: most sequences one teacher step has run since the start
     kv_blocks_used / kv_blocks_reserved / kv_blocks_total
                                                      gauges: teacher KV blocks holding tokens now / promised to
                                                      running sequences (prompt + max_tokens) / in the pool
@@ -47,6 +48,8 @@ class ServerMetrics:
         self.registry = r = CollectorRegistry(auto_describe=True)
         p = "mseagle_"
         self.running = Gauge(p + "num_requests_running", "Sequences in the running batch", registry=r)
+        self.peak_running = Gauge(p + "num_requests_running_peak", "Most sequences one teacher step has run since "
+                                  "the start (continuous batching at work when > 1)", registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting for a batch row or KV blocks", registry=r)
         self.kv_used = Gauge(p + "kv_blocks_used", "Teacher KV-cache blocks holding tokens", registry=r)
         self.kv_reserved = Gauge(p + "kv_blocks_reserved", "Teacher KV-cache blocks reserved by running sequences",
@@ -102,9 +105,10 @@ class ServerMetrics:
                     self.accept_rate.labels(str(d)).set(n["depth"][d] / n["verifications"])
 
     def set_load(self, running: int, waiting: int, kv_used: int, kv_reserved: int, kv_total: int,
-                 graphs_after_warmup: int = 0) -> None:
-        """The scheduler's state after a step (gauges)."""
+                 graphs_after_warmup: int = 0, peak_running: int = 0) -> None:
+        """The scheduler's state after a step (gauges; ``peak_running``: most sequences one step has run)."""
         self.graphs_after_warmup.set(graphs_after_warmup)
+        self.peak_running.set(peak_running)
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_used.set(kv_used)
