@@ -146,7 +146,8 @@ def reference(prompt: list, n_new: int, rule=truth) -> list:
 
 
 def run(rnd: DecodeRound, teacher: FakeTeacher, prompts: list, gen: GenerationConfig) -> list:
-    """Prefill each prompt, then step all sequences together until every Emitter ends; returns the ids."""
+    """Prefill each prompt, then step all sequences together until every Emitter ends (or the round fails a
+    sequence: ``s.error``); returns the sequences."""
     seqs = []
     for p in prompts:
         s = Sequence(teacher.new_seq(), -1, gen, Emitter(Tok(), {EOS}, gen))
@@ -159,7 +160,8 @@ def run(rnd: DecodeRound, teacher: FakeTeacher, prompts: list, gen: GenerationCo
     while live:
         for s, toks in zip(live, rnd.step(live)):
             assert toks == s.emitter.ids[len(s.emitter.ids) - len(toks):]
-        live = [s for s in live if not s.emitter.reason]
+            assert not s.error or toks == []              # a failed sequence emits nothing more
+        live = [s for s in live if not s.emitter.reason and not s.error]
     for s in seqs:
         rnd.finish(s)
     return seqs
@@ -397,22 +399,7 @@ def test_a_sequence_with_non_finite_logits_fails_alone(value, drafter, temperatu
 
     def go(tg):
         dr = FakeDrafter(True) if drafter else None
-        rnd = DecodeRound(tg, dr, spec if drafter else None, rows=3)
-        seqs = []
-        for p in PROMPTS:
-            s = Sequence(tg.new_seq(), -1, gen, Emitter(Tok(), {EOS}, gen))
-            logits, aux = tg.prefill(s.sid, p)
-            s.next = int(np.argmax(logits))
-            s.emitter.push(s.next)
-            rnd.start(s, p, aux)
-            seqs.append(s)
-        live = list(seqs)
-        while live:
-            for s, toks in zip(live, rnd.step(live)):
-                if s.error:
-                    assert toks == []
-            live = [s for s in live if not s.emitter.reason and not s.error]
-        return seqs
+        return run(DecodeRound(tg, dr, spec if drafter else None, rows=3), tg, PROMPTS, gen)
 
     clean = go(FakeTeacher())
     faulty = go(PoisonTeacher(bad=2, after=len(PROMPTS[1]) + 5, value=value))
