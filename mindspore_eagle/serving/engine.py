@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mindspore_eagle.config import GenerationConfig, SpeculativeConfig
-from mindspore_eagle.core.accept import accept_greedy, sample_token, token_logprobs
+from mindspore_eagle.core.accept import accept_greedy
 from mindspore_eagle.core.costs import (
     CostTable,
     RunningCosts,
@@ -36,7 +36,7 @@ from mindspore_eagle.errors import MsEagleError
 from mindspore_eagle.kernels import graph_cache
 from mindspore_eagle.kernels.kv import CacheExhaustedError
 from mindspore_eagle.runners.warmup import budgets_at_hand
-from mindspore_eagle.serving.round import DecodeRound, Sequence, non_finite_message
+from mindspore_eagle.serving.round import DecodeRound, Sequence, first_token
 
 
 class GenerationError(MsEagleError, ValueError):
@@ -260,11 +260,9 @@ class Engine:
         try:
             t0 = time.perf_counter()
             logits, aux = self.teacher.prefill(seq.sid, ids)
-            if not np.isfinite(logits).all():
-                raise GenerationError(non_finite_message(0))
-            seq.next = sample_token(logits, gen, len(ids))
-            if gen.logprobs is not None:
-                seq.logprobs += token_logprobs(np.asarray(logits)[None], [seq.next], gen.logprobs)
+            seq.next = first_token(seq, logits, len(ids))
+            if seq.error:
+                raise GenerationError(seq.error)
             prefill_ms = (time.perf_counter() - t0) * 1e3
             t1 = time.perf_counter()
             if not emitter.push(seq.next):

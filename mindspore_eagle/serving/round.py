@@ -444,6 +444,19 @@ def _logprobs(s, rows, tokens) -> list | None:
     return None if n is None else token_logprobs(rows, tokens, n)
 
 
+def first_token(s, logits, pos: int) -> int | None:
+    """The first token of ``s`` from the prefill's last logits row (f32 [V]), drawn at position ``pos`` (the prompt
+    length) as ``core.accept.sample_token``, its log-probability entry appended when asked (``gen.logprobs``); None
+    (and ``s.error`` set) when those logits are not finite. Every caller's prologue (engine, scheduler) uses it."""
+    row = np.asarray(logits)[None]
+    if _poisoned(s, row):
+        return None
+    tok = sample_token(logits, s.gen, pos)
+    if s.gen.logprobs is not None:
+        s.logprobs += token_logprobs(row, [tok], s.gen.logprobs)
+    return tok
+
+
 def non_finite_message(at: int) -> str:
     """The error of a sequence whose teacher logits were NaN or infinite at output token ``at``."""
     return (f"the teacher's logits for this sequence were not finite (NaN or infinity) at output token {at}; "
@@ -469,4 +482,4 @@ def _take_pending(state: _DraftState) -> tuple:
     return aux, toks
 
 
-__all__ = ["BatchLayout", "DecodeRound", "Sequence", "non_finite_message"]
+__all__ = ["BatchLayout", "DecodeRound", "Sequence", "first_token", "non_finite_message"]

@@ -44,10 +44,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mindspore_eagle.config import GenerationConfig
-from mindspore_eagle.core.accept import sample_token, token_logprobs
 from mindspore_eagle.core.emit import Emitter
 from mindspore_eagle.serving.engine import Engine, GenerationError
-from mindspore_eagle.serving.round import Sequence, non_finite_message
+from mindspore_eagle.serving.round import Sequence, first_token
 
 
 @dataclass
@@ -291,7 +290,7 @@ class BatchScheduler:
         lens = [lk for s, n0 in zip(ready, n_lens) for lk in s.accept_lens[n0:]]
         for s, tokens in zip(ready, emitted):
             self.new_tokens += len(tokens)
-            if getattr(s, "error", ""):             # its logits were not finite: it alone ends, with an error
+            if s.error:                              # its logits were not finite: it alone ends, with an error
                 self._end(s, "error", s.error, internal=True)
                 continue
             if tokens:
@@ -388,12 +387,10 @@ class BatchScheduler:
         s.auxes.append(aux)
         if s.filled < len(s.prompt):
             return
-        if not np.isfinite(logits).all():        # this sequence alone ends, before its first token
-            self._end(s, "error", non_finite_message(0), internal=True)
+        s.next = first_token(s, logits, len(s.prompt))
+        if s.error:                                # non-finite logits: this sequence alone ends, before any token
+            self._end(s, "error", s.error, internal=True)
             return
-        s.next = sample_token(logits, s.gen, len(s.prompt))
-        if s.gen.logprobs is not None:
-            s.logprobs += token_logprobs(np.asarray(logits)[None], [s.next], s.gen.logprobs)
         self.new_tokens += 1
         ended = s.emitter.push(s.next)
         self._report(s, [s.next])
