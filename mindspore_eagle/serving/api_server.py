@@ -395,8 +395,9 @@ async def _chat_stream(server: Server, handle, request: Request, rid: str, inclu
             server.metrics.http_errors.labels(str(e.status)).inc()
             yield _sse(e.body())
             break
-        if final or (want and lp(event[3])["content"]):
-            yield _sse(P.chat_chunk(rid, name, created, {"content": final}, logprobs=lp(event[3])))
+        tail = lp(event[3])
+        if final or (tail and tail["content"]):
+            yield _sse(P.chat_chunk(rid, name, created, {"content": final}, logprobs=tail))
         yield _sse(P.chat_chunk(rid, name, created, {}, P.FINISH[res.stop_reason]))
         if include_usage:
             yield _sse(P.chat_chunk(rid, name, created, None, use=_usage(res)))
