@@ -72,8 +72,9 @@ def config_from_args(args) -> Config:
         cfg.context.mode = 0 if args.mode == "fused" else 1
     if getattr(args, "max_new_tokens", None) is not None:
         cfg.generation.max_new_tokens = args.max_new_tokens
-    if getattr(args, "baseline", False):
+    if getattr(args, "baseline", False):      # teacher-only: no drafter, and no suffix drafting either
         cfg.model.drafter = "none"
+        cfg.serve.speculative = cfg.batch.speculative = False
     if getattr(args, "trace", None):
         cfg.speculative.trace = args.trace
     if getattr(args, "max_batch", None) is not None:
@@ -218,7 +219,7 @@ def cmd_generate(args) -> int:
     live = {"streamer": None}
     log = line_breaking_log(lambda: live["streamer"], sys.stdout.isatty() and sys.stderr.isatty())
     engine = _engine(cfg, ("full" if multi else "none") if args.warmup == "auto" else args.warmup, log)
-    speculative = engine.speculates
+    speculative = engine.speculates and not args.baseline      # suffix-only engines speculate without a drafter
     gen, steps, turns = cfg.generation, [], []
     turns_in = args.prompt if args.prompt else _stdin_turns(sys.stdin.isatty())
     labelled = args.chat or len(args.prompt) > 1
@@ -262,6 +263,15 @@ def _parse_shard(text: str) -> tuple:
     return rank, size
 
 
+def _batch_speculates(cfg: Config, args) -> bool:
+    """Whether a ``batch`` job drafts: never with ``--baseline``; a batched job (``batch.max_batch`` > 1) only with
+    ``batch.speculative``; else whenever the engine has something to draft with (a drafter, or suffix candidates
+    with ``speculative.method: suffix``, which needs no drafter)."""
+    if getattr(args, "baseline", False):
+        return False
+    return cfg.batch.max_batch == 1 or cfg.batch.speculative
+
+
 def cmd_batch(args) -> int:
     """``batch``: run a JSONL file (see mindspore_eagle.serving.batch_job), one result line per record."""
     from mindspore_eagle.serving import batch_job as batch
@@ -273,7 +283,7 @@ def cmd_batch(args) -> int:
     if args.shard:
         records = batch.shard(records, *_parse_shard(args.shard))
     stats = batch.run_batch(lambda: _engine(cfg, args.warmup), records, args.output, cfg.generation,
-                            speculative=cfg.model.drafter != "none", resume=args.resume, overwrite=args.overwrite,
+                            speculative=_batch_speculates(cfg, args), resume=args.resume, overwrite=args.overwrite,
                             progress=not args.no_progress, max_batch=cfg.batch.max_batch)
     print(f"batch: {stats.written} record(s) written ({stats.errors} with an error), {stats.skipped} already done, "
           f"{stats.total} in total -> {args.output} in {stats.seconds:.1f} s", file=sys.stderr)

@@ -268,6 +268,41 @@ def test_generate_multi_turn_streams_and_summarises(capsys, tiny, tmp_path):
     assert base_out == out  # greedy speculative decoding is lossless: same streamed text as teacher-only
 
 
+def test_suffix_without_a_drafter_generate_and_batch_equal_teacher_only(capsys, tiny, tmp_path):
+    """``speculative.method: suffix`` needs no drafter: ``generate`` and ``batch`` speculate with copies of earlier
+    text (the tiny teacher repeats itself, so some are accepted) and print teacher-only greedy output."""
+    sets = ["--set", f"model.teacher={tiny}", "--set", "model.drafter=none", "--set", "speculative.method=suffix",
+            "--mode", "eager", "--max-new-tokens", "40", "--set", "speculative.policy=fixed"]
+    prompts = ["--prompt", "Tell me about the sea.", "--prompt", "Again, please."]
+    rc, out, err = run_main(capsys, ["generate", *sets, *prompts])
+    assert rc == 0, err
+    lks = [float(x) for x in re.findall(r"mean L_k ([\d.]+) over \d+ steps[^,]*, \d+ compiles, eager, speculative", err)]
+    assert len(lks) == 2 and max(lks) > 1.0, err
+    rc, base, base_err = run_main(capsys, ["generate", *sets, *prompts, "--baseline"])
+    assert rc == 0 and "teacher-only" in base_err and base == out
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n"
+                           for i, p in enumerate(["Tell me about the sea.", "Count to five.", "Hello"])))
+    texts = {}
+    for name, extra in (("spec", []), ("base", ["--baseline"])):
+        rc, _, err = run_main(capsys, ["batch", "--input", str(inp), "--output", str(tmp_path / f"{name}.jsonl"),
+                                       "--no-progress", "--max-batch", "2", "--set", "batch.speculative=true",
+                                       *sets, *extra])
+        assert rc == 0, err
+        rows = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        texts[name] = {r["id"]: (r["text"], r["mean_accept_len"]) for r in rows}
+    assert {k: v[0] for k, v in texts["spec"].items()} == {k: v[0] for k, v in texts["base"].items()}
+    assert len(texts["spec"]) == 3 and max(v[1] for v in texts["spec"].values()) > 1.0
+    assert all(v[1] == 1.0 for v in texts["base"].values())              # --baseline drafts nothing
+
+    from mindspore_eagle.serving.api_server import serve_config
+    for extra, spec in (([], True), (["--baseline"], False)):
+        args = cli.build_parser().parse_args(["serve", "--set", f"model.teacher={tiny}", "--set", "model.drafter=none",
+                                              "--set", "speculative.method=suffix", *extra])
+        assert serve_config(cli.config_from_args(args)).batch.speculative is spec
+
+
 def test_generate_chat_from_stdin(capsys, tiny, monkeypatch):
     """--chat reads turns from stdin; a turn that overflows the context is reported and the session goes on."""
     long_turn = "word " * 100

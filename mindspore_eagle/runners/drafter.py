@@ -60,6 +60,11 @@ class DrafterRunner:
         return self._ctx.compiles + self._step.compiles
 
     @property
+    def loads(self) -> int:
+        """Graphs loaded from the graph store so far (fused mode; 0 in eager)."""
+        return self._ctx.loads + self._step.loads
+
+    @property
     def compile_ms(self) -> float:
         return self._ctx.compile_ms + self._step.compile_ms
 

@@ -48,6 +48,11 @@ class TeacherRunner:
         return sum(f.compiles for f in (self._fwd, self._hidden, self._both, self._compact))
 
     @property
+    def loads(self) -> int:
+        """Distinct graphs loaded from the graph store so far (fused mode; 0 in eager)."""
+        return sum(f.loads for f in (self._fwd, self._hidden, self._both, self._compact))
+
+    @property
     def compile_ms(self) -> float:
         """Wall ms spent in calls that compiled a graph (fused mode)."""
         return sum(f.compile_ms for f in (self._fwd, self._hidden, self._both, self._compact))

@@ -204,7 +204,7 @@ class AsyncEngine:
                 self.on_failed(e)
             return
         self.sched.on_step = self._on_step
-        self._graphs0 = self.engine.compiles          # graphs made by the warm-up; any later one a request paid for
+        self._graphs0 = self.engine.graphs_made       # graphs made by the warm-up; any later one a request paid for
         self._publish()
         self.state = "ready"
         try:
@@ -328,7 +328,7 @@ class AsyncEngine:
         self._free_rows = s.N - len(s.live)
         if self.metrics is not None:
             self.metrics.set_load(len(s.live), len(s.waiting), s.kv_blocks_used(), s.reserved, s.NB,
-                                  self.engine.compiles - self._graphs0, s.peak_live)
+                                  self.engine.graphs_made - self._graphs0, s.peak_live, s.drafter_kv_blocks_used())
 
 
 __all__ = ["AsyncEngine", "Handle", "NotReady", "QueueFull", "TextDeltas"]

@@ -202,6 +202,11 @@ class Engine:
         return self.teacher.compiles + (self.drafter.compiles if self.drafter else 0)
 
     @property
+    def graphs_made(self) -> int:
+        """Graphs compiled or loaded from the graph store by this engine's runners so far (fused mode)."""
+        return self.compiles + self.teacher.loads + (self.drafter.loads if self.drafter else 0)
+
+    @property
     def compile_ms(self) -> float:
         return self.teacher.compile_ms + (self.drafter.compile_ms if self.drafter else 0.0)
 

@@ -55,6 +55,8 @@ class ServerMetrics:
         self.kv_reserved = Gauge(p + "kv_blocks_reserved", "Teacher KV-cache blocks reserved by running sequences",
                                  registry=r)
         self.kv_total = Gauge(p + "kv_blocks_total", "Teacher KV-cache blocks in the pool", registry=r)
+        self.drafter_kv_used = Gauge(p + "drafter_kv_blocks_used", "Drafter KV-cache blocks holding features "
+                                     "(0 without a drafter)", registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens", registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Request arrival to its first token (s)",
@@ -105,8 +107,10 @@ class ServerMetrics:
                     self.accept_rate.labels(str(d)).set(n["depth"][d] / n["verifications"])
 
     def set_load(self, running: int, waiting: int, kv_used: int, kv_reserved: int, kv_total: int,
-                 graphs_after_warmup: int = 0, peak_running: int = 0) -> None:
-        """The scheduler's state after a step (gauges; ``peak_running``: most sequences one step has run)."""
+                 graphs_after_warmup: int = 0, peak_running: int = 0, drafter_kv_used: int = 0) -> None:
+        """The scheduler's state after a step (gauges; ``peak_running``: most sequences one step has run;
+        ``drafter_kv_used``: drafter cache blocks in use)."""
+        self.drafter_kv_used.set(drafter_kv_used)
         self.graphs_after_warmup.set(graphs_after_warmup)
         self.peak_running.set(peak_running)
         self.running.set(running)

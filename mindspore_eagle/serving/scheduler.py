@@ -260,6 +260,11 @@ class BatchScheduler:
         """Teacher KV blocks holding tokens now (of ``cache.num_blocks``)."""
         return self.NB - self.teacher.bm.free_blocks()
 
+    def drafter_kv_blocks_used(self) -> int:
+        """Drafter KV blocks holding features now (0 when the engine has no drafter)."""
+        d = self.engine.drafter
+        return 0 if d is None else d.bm.num_blocks - d.bm.free_blocks()
+
     # ------------------------------------------------------------------ one iteration
     def step(self) -> None:
         """One iteration (module docstring): admit, one prefill chunk per filling sequence, one decode round step

@@ -129,16 +129,24 @@ RUN = textwrap.dedent("""
     gc.collect()
     released = graph_cache.active() is None and not mindspore.get_context("enable_compile_cache")
     print(json.dumps({"logits": got, "stats": store.stats, "graphs": runtime.graph_stats(),
-                      "holder": [again, released]}))
+                      "runner": [tg.compiles, tg.loads], "holder": [again, released]}))
 """)
 
 
-def _run(tmp_path, tiny_dir, order):
+def _start(tmp_path, tiny_dir, order) -> subprocess.Popen:
     env = dict(os.environ, GLOG_v="3")
-    res = subprocess.run([sys.executable, "-c", RUN, str(tiny_dir), str(tmp_path / "graphs"), ":".join(sys.path),
-                          order], capture_output=True, text=True, env=env, timeout=900, check=False)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return subprocess.Popen([sys.executable, "-c", RUN, str(tiny_dir), str(tmp_path / "graphs"), ":".join(sys.path),
+                             order], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _result(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _run(tmp_path, tiny_dir, order):
+    return _result(_start(tmp_path, tiny_dir, order))
 
 
 @pytest.mark.slow
@@ -153,6 +161,7 @@ def test_graphs_compiled_in_one_order_load_in_another_and_bad_files_are_rebuilt(
     second = _run(tmp_path, tiny_dir, "long,one,short")
     assert second["stats"] == {"loaded": 4, "compiled": 0, "stored": 0, "rejected": 0}
     assert second["graphs"]["compiles"] == 0 and second["graphs"]["loads"] == 4
+    assert first["runner"] == [4, 0] and second["runner"] == [0, 4]    # the runner counts loads (server gauge)
     assert second["logits"]["short"] == first["logits"]["short"] and second["logits"]["long"] == first["logits"]["long"]
 
     store = next((tmp_path / "graphs").glob("ms-*"))
@@ -181,3 +190,21 @@ def test_graphs_compiled_in_one_order_load_in_another_and_bad_files_are_rebuilt(
     assert third["logits"] == first["logits"]
     assert np.array_equal(np.frombuffer(bytes.fromhex(third["logits"]["short"]), np.float32),
                           np.frombuffer(bytes.fromhex(first["logits"]["short"]), np.float32))
+
+
+@pytest.mark.slow
+def test_two_processes_fill_one_graph_store_at_once(tmp_path, tiny_dir):
+    """Two processes start on one empty store together and compile the same four graphs: both finish with the
+    same logits, the store ends with one entry per graph and no staging left, and a third process loads all
+    four without compiling."""
+    a, b = _start(tmp_path, tiny_dir, "short,long"), _start(tmp_path, tiny_dir, "long,short")
+    ra, rb = _result(a), _result(b)
+    assert ra["logits"] == rb["logits"]
+    assert ra["stats"]["loaded"] + ra["stats"]["compiled"] == 4 and rb["stats"]["loaded"] + rb["stats"]["compiled"] == 4
+    assert ra["stats"]["rejected"] == rb["stats"]["rejected"] == 0
+    store = next((tmp_path / "graphs").glob("ms-*"))
+    assert len(list(store.glob("entries/*.json"))) == len(list(store.glob("entries/*.mindir"))) == 4
+    assert not list((store / "stage").iterdir())
+    third = _run(tmp_path, tiny_dir, "short,long")
+    assert third["stats"] == {"loaded": 4, "compiled": 0, "stored": 0, "rejected": 0}
+    assert third["logits"] == ra["logits"]

@@ -185,10 +185,16 @@ def test_traces_parse_and_phases_add_up(ms_runtime, tiny_dir, drafter_dir, tmp_p
     turns = [r for r in records if r.kind == "turn"]
     assert len(steps) == len(g.steps) > 0 and len(turns) == 1
     assert turns[0].new_tokens == len(g.token_ids)
+    coverage = []
     for s in steps:
         phases = s.draft_ms + s.tensorize_ms + s.mask_ms + s.verify_ms + s.accept_ms + s.commit_ms
-        assert phases <= s.total_ms * 1.0001 and phases >= 0.9 * s.total_ms
+        assert phases <= s.total_ms * 1.0001  # the phase timers nest inside the step timer
+        coverage.append(phases / s.total_ms)
         assert s.accept_len == len(s.accepted) >= 1
+    # Which phases cover the step is pinned with a fake clock in tests/core/test_trace.py; on a real clock one
+    # preempted step on a 2-core machine may leave >10 % of it between timers, so the median step is checked:
+    # a phase left untimed (verify is ~half a step) would drop every step's coverage far below 0.8.
+    assert np.median(coverage) >= 0.8, coverage
 
 
 def test_bad_generation_inputs(ms_runtime, tiny_dir, drafter_dir):

@@ -383,21 +383,48 @@ def test_per_request_sampling_parameters(server, reference):
     assert [got[i] for i in range(1, 8, 2)] == [ask(i) for i in range(1, 8, 2)]
 
 
+def _blocks_in_use(server) -> bool:
+    """One request running and blocks of both caches (teacher and drafter) holding its tokens."""
+    m = server.metrics()
+    return (metric(m, "mseagle_num_requests_running") == 1 and metric(m, "mseagle_kv_blocks_used") > 0
+            and metric(m, "mseagle_drafter_kv_blocks_used") > 0)
+
+
+def _all_blocks_back(server, cancelled_before: float) -> None:
+    wait_for(lambda: metric(server.metrics(), "mseagle_request_success_total", finish_reason="cancelled")
+             == cancelled_before + 1, what="the cancelled request")
+    m = server.metrics()
+    assert metric(m, "mseagle_num_requests_running") == 0
+    assert metric(m, "mseagle_kv_blocks_used") == 0 and metric(m, "mseagle_kv_blocks_reserved") == 0
+    assert metric(m, "mseagle_drafter_kv_blocks_used") == 0
+
+
 @pytest.mark.slow
-def test_disconnect_mid_stream_cancels_and_frees_kv_blocks(server):
+def test_disconnect_mid_stream_cancels_and_frees_teacher_and_drafter_blocks(server):
     before = metric(server.metrics(), "mseagle_request_success_total", finish_reason="cancelled")
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 220, "stream": True}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         assert next(line for line in lines if '"content": "' in line and '"role"' not in line)   # some text
-        wait_for(lambda: (lambda m: metric(m, "mseagle_num_requests_running") == 1
-                          and metric(m, "mseagle_kv_blocks_used") > 0)(server.metrics()), 10, "the running gauge")
-    wait_for(lambda: metric(server.metrics(), "mseagle_request_success_total", finish_reason="cancelled")
-             == before + 1, what="the cancelled request")
-    m = server.metrics()
-    assert metric(m, "mseagle_num_requests_running") == 0
-    assert metric(m, "mseagle_kv_blocks_used") == 0 and metric(m, "mseagle_kv_blocks_reserved") == 0
+        wait_for(lambda: _blocks_in_use(server), 10, "the running gauge and both caches in use")
+    _all_blocks_back(server, before)
+
+
+@pytest.mark.slow
+def test_disconnect_without_streaming_cancels_and_frees_teacher_and_drafter_blocks(server):
+    """A non-streamed client that closes its connection while its answer is computed (the 499 path)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    before = metric(server.metrics(), "mseagle_request_success_total", finish_reason="cancelled")
+    u = urlsplit(server.url)
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 220}).encode()
+    with socket.create_connection((u.hostname, u.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        wait_for(lambda: _blocks_in_use(server), 10, "the running gauge and both caches in use")
+    _all_blocks_back(server, before)
 
 
 # ------------------------------------------------------------------------------------------------- errors --
@@ -571,12 +598,55 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(small_server):
     wait_for(lambda: len(events) >= 2 or metric(small_server.metrics(), "mseagle_num_requests_running") == 1,
              what="the stream to start")
     small_server.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: any("SIGTERM" in line for line in small_server.lines), 10, "the drain to start")
+    try:                                 # a new request during the drain is not admitted: the listening socket is
+        late = httpx.post(small_server.url + "/v1/chat/completions", json=GOOD, timeout=30,   # closed, or (in the
+                          headers={"Authorization": "Bearer sekret"})                          # moment before) 503
+    except httpx.TransportError:
+        pass
+    else:
+        assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down", late.text
     th.join(120)
     assert small_server.proc.wait(60) == 0, small_server.log()
     assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
     with pytest.raises(httpx.TransportError):
         httpx.get(small_server.url + "/health")
     assert any("SIGTERM" in line for line in small_server.lines)
+
+
+@pytest.mark.slow
+def test_drain_timeout_cancels_what_is_left_and_exits_0(tiny_dir):
+    """``serve.drain_timeout_s`` 1: a request that needs longer than that is cut at the timeout (the client's
+    stream ends without its last chunk), the engine cancels it and the process exits 0 well before the request
+    could have finished."""
+    p = ServerProcess(tiny_overrides(tiny_dir) + ["serve.drain_timeout_s=1", "cache.max_seq_len=2048",
+                                                  "cache.num_blocks=256", "generation.max_new_tokens=2000"],
+                      ["--max-batch", "1"])
+    p.ready(300)
+    events, errors = [], []
+
+    def stream():
+        body = {**GOOD, "max_tokens": 2000, "stream": True}
+        try:
+            with httpx.stream("POST", p.url + "/v1/chat/completions", json=body, timeout=120) as r:
+                events.extend(line[6:] for line in r.iter_lines() if line.startswith("data: "))
+        except httpx.TransportError as e:
+            errors.append(e)
+    th = threading.Thread(target=stream)
+    try:
+        th.start()
+        wait_for(lambda: len(events) >= 3, 60, "the stream to start")
+        t0 = time.monotonic()
+        p.proc.send_signal(signal.SIGTERM)
+        assert p.proc.wait(60) == 0, p.log()
+        waited = time.monotonic() - t0
+        th.join(30)
+    finally:
+        p.stop()
+    chunks = [json.loads(e) for e in events if e != "[DONE]"]
+    assert chunks and not any(c["choices"][0]["finish_reason"] for c in chunks if c.get("choices"))   # cut short
+    assert 1.0 <= waited < 30, waited                                    # the drain waited its second, no more
+    assert any("draining in-flight ones for up to 1 s" in line for line in p.lines), p.log()
 
 
 def test_modelarts_boot_serve_address_and_ranks(monkeypatch, capsys):
