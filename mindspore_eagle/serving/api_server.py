@@ -289,55 +289,11 @@ def build_app(server: Server) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(request: Request):
-        req = P.parse_request(P.ChatCompletionRequest, await _body(request, server.cfg.serve.max_body_bytes))
-        server.check_model(req.model)
-        server.check_ready()
-        eng = server.engine.engine
-        try:
-            ids = await run_in_threadpool(eng.encode_chat, P.chat_messages(req))
-        except GenerationError as e:        # e.g. every message empty
-            raise P.APIError(400, str(e), "messages", "invalid_value") from None
-        gen, explicit = P.generation_config(req, server.cfg.generation)
-        gen = dataclasses.replace(gen, logprobs=P.requested_logprobs(req))
-        handle = server.submit(ids, server.fit(len(ids), gen, explicit, "messages"))
-        rid = P.new_id("chatcmpl")
-        if req.stream:
-            use = bool(req.stream_options and req.stream_options.include_usage)
-            return EventSourceResponse(_chat_stream(server, handle, request, rid, use))
-        res, text = await _collect(server, handle, request)
-        if res is None:
-            return Response(status_code=499)
-        lp = P.chat_logprobs(res.logprobs, eng.tokenizer, eng.eos) if gen.logprobs is not None else None
-        return P.chat_response(rid, server.name, text, P.FINISH[res.stop_reason], _usage(res), lp)
+        return await _answer(server, request, CHAT)
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(request: Request):
-        req = P.parse_request(P.CompletionRequest, await _body(request, server.cfg.serve.max_body_bytes))
-        server.check_model(req.model)
-        server.check_ready()
-        eng = server.engine.engine
-        prompt = P.completion_prompt(req)
-        if isinstance(prompt, str):
-            ids = await run_in_threadpool(eng.tokenizer.encode, prompt)
-        else:
-            vocab = eng.tokenizer.vocab_size
-            bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise P.APIError(400, f"prompt[{bad}] = {prompt[bad]} is not a token id (0 <= id < {vocab})",
-                                 f"prompt[{bad}]", "invalid_value")
-            ids = list(prompt)
-        gen, explicit = P.generation_config(req, server.cfg.generation, P.COMPLETIONS_DEFAULT_MAX_TOKENS)
-        gen = dataclasses.replace(gen, logprobs=P.requested_logprobs(req))
-        handle = server.submit(ids, server.fit(len(ids), gen, explicit, "prompt"))
-        rid = P.new_id("cmpl")
-        if req.stream:
-            use = bool(req.stream_options and req.stream_options.include_usage)
-            return EventSourceResponse(_completion_stream(server, handle, request, rid, use))
-        res, text = await _collect(server, handle, request)
-        if res is None:
-            return Response(status_code=499)
-        lp = P.completion_logprobs(res.logprobs, eng.tokenizer, eng.eos) if gen.logprobs is not None else None
-        return P.completion_response(rid, server.name, text, P.FINISH[res.stop_reason], _usage(res), lp)
+        return await _answer(server, request, COMPLETION)
 
     return app
 
@@ -374,20 +330,115 @@ def _sse(obj: dict) -> bytes:
     return format_sse_event(data_str=json.dumps(obj, ensure_ascii=False))
 
 
-async def _chat_stream(server: Server, handle, request: Request, rid: str, include_usage: bool):
-    """Server-sent events of a streamed chat completion: a role chunk, content chunks as text becomes final,
-    the finish chunk, the usage chunk (``stream_options.include_usage``), ``[DONE]``; a failure is sent as an
-    ``{"error": ...}`` event before ``[DONE]``."""
+class _Route:
+    """What ``/v1/chat/completions`` and ``/v1/completions`` do differently; :func:`_answer` and :func:`_stream`
+    are the one path both take (parse, check, tokenize, submit, wait or stream)."""
+    schema = P.ChatCompletionRequest
+    prompt_field, id_prefix, default_max_tokens = "messages", "chatcmpl", None
+
+    async def prompt_ids(self, eng, req) -> list:
+        try:
+            return await run_in_threadpool(eng.encode_chat, P.chat_messages(req))
+        except GenerationError as e:        # e.g. every message empty
+            raise P.APIError(400, str(e), "messages", "invalid_value") from None
+
+    def logprobs(self, eng):
+        """``callable(entries) -> logprobs object`` for one request's chunks, in order."""
+        return lambda entries: P.chat_logprobs(entries, eng.tokenizer, eng.eos)
+
+    def response(self, rid, name, text, finish, use, lp) -> dict:
+        return P.chat_response(rid, name, text, finish, use, lp)
+
+    def chunk(self, rid, name, created, text, finish=None, use=None, logprobs=None) -> dict:
+        return P.chat_chunk(rid, name, created, None if text is None else {"content": text}, finish, use, logprobs)
+
+    def opening(self, rid, name, created) -> list:
+        return [P.chat_chunk(rid, name, created, {"role": "assistant", "content": ""})]
+
+    def closing(self, rid, name, created, final, finish, tail) -> list:
+        """The chunks after the last delta: the final text (when there is any) and then the finish reason."""
+        out = [self.chunk(rid, name, created, final, logprobs=tail)] if final or (tail and tail["content"]) else []
+        return out + [P.chat_chunk(rid, name, created, {}, finish)]
+
+
+class _CompletionRoute(_Route):
+    schema = P.CompletionRequest
+    prompt_field, id_prefix, default_max_tokens = "prompt", "cmpl", P.COMPLETIONS_DEFAULT_MAX_TOKENS
+
+    async def prompt_ids(self, eng, req) -> list:
+        prompt = P.completion_prompt(req)
+        if isinstance(prompt, str):
+            return await run_in_threadpool(eng.tokenizer.encode, prompt)
+        vocab = eng.tokenizer.vocab_size
+        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise P.APIError(400, f"prompt[{bad}] = {prompt[bad]} is not a token id (0 <= id < {vocab})",
+                             f"prompt[{bad}]", "invalid_value")
+        return list(prompt)
+
+    def logprobs(self, eng):
+        offset = 0                           # text_offset runs on across a request's chunks
+
+        def lp(entries):
+            nonlocal offset
+            out = P.completion_logprobs(entries, eng.tokenizer, eng.eos, offset)
+            offset += sum(len(t) for t in out["tokens"])
+            return out
+        return lp
+
+    def response(self, rid, name, text, finish, use, lp) -> dict:
+        return P.completion_response(rid, name, text, finish, use, lp)
+
+    def chunk(self, rid, name, created, text, finish=None, use=None, logprobs=None) -> dict:
+        return P.completion_chunk(rid, name, created, text, finish, use, logprobs)
+
+    def opening(self, rid, name, created) -> list:
+        return []
+
+    def closing(self, rid, name, created, final, finish, tail) -> list:
+        return [self.chunk(rid, name, created, final, finish, logprobs=tail)]
+
+
+CHAT, COMPLETION = _Route(), _CompletionRoute()
+
+
+async def _answer(server: Server, request: Request, route: _Route):
+    """One request of either route: parsed and checked, tokenized, submitted; the answer (or its stream)."""
+    req = P.parse_request(route.schema, await _body(request, server.cfg.serve.max_body_bytes))
+    server.check_model(req.model)
+    server.check_ready()
+    eng = server.engine.engine
+    ids = await route.prompt_ids(eng, req)
+    gen, explicit = P.generation_config(req, server.cfg.generation, route.default_max_tokens)
+    gen = dataclasses.replace(gen, logprobs=P.requested_logprobs(req))
+    handle = server.submit(ids, server.fit(len(ids), gen, explicit, route.prompt_field))
+    rid = P.new_id(route.id_prefix)
+    if req.stream:
+        use = bool(req.stream_options and req.stream_options.include_usage)
+        return EventSourceResponse(_stream(server, handle, request, rid, use, route))
+    res, text = await _collect(server, handle, request)
+    if res is None:
+        return Response(status_code=499)
+    lp = route.logprobs(eng)(res.logprobs) if gen.logprobs is not None else None
+    return route.response(rid, server.name, text, P.FINISH[res.stop_reason], _usage(res), lp)
+
+
+async def _stream(server: Server, handle, request: Request, rid: str, include_usage: bool, route: _Route):
+    """Server-sent events of a streamed answer: the route's opening chunks (chat: the role), a chunk per text
+    delta as text becomes final, the closing chunks (the rest of the text, the finish reason), the usage chunk
+    (``stream_options.include_usage``), ``[DONE]``; a failure is sent as an ``{"error": ...}`` event before
+    ``[DONE]``."""
     created, name = int(time.time()), server.name
-    eng, want = server.engine.engine, handle.gen.logprobs is not None
+    to_lp = route.logprobs(server.engine.engine) if handle.gen.logprobs is not None else None
 
     def lp(entries):                     # the chunk's tokens' log-probabilities (None when not asked)
-        return P.chat_logprobs(entries, eng.tokenizer, eng.eos) if want else None
+        return to_lp(entries) if to_lp is not None else None
 
-    yield _sse(P.chat_chunk(rid, name, created, {"role": "assistant", "content": ""}))
+    for c in route.opening(rid, name, created):
+        yield _sse(c)
     async for event in server.wait_events(handle, request):
         if event[0] == "delta":
-            yield _sse(P.chat_chunk(rid, name, created, {"content": event[1]}, logprobs=lp(event[3])))
+            yield _sse(route.chunk(rid, name, created, event[1], logprobs=lp(event[3])))
             continue
         res, final = event[1], event[2]
         if res.error or res.stop_reason == "cancelled":
@@ -395,41 +446,10 @@ async def _chat_stream(server: Server, handle, request: Request, rid: str, inclu
             server.metrics.http_errors.labels(str(e.status)).inc()
             yield _sse(e.body())
             break
-        tail = lp(event[3])
-        if final or (tail and tail["content"]):
-            yield _sse(P.chat_chunk(rid, name, created, {"content": final}, logprobs=tail))
-        yield _sse(P.chat_chunk(rid, name, created, {}, P.FINISH[res.stop_reason]))
+        for c in route.closing(rid, name, created, final, P.FINISH[res.stop_reason], lp(event[3])):
+            yield _sse(c)
         if include_usage:
-            yield _sse(P.chat_chunk(rid, name, created, None, use=_usage(res)))
-    yield DONE
-
-
-async def _completion_stream(server: Server, handle, request: Request, rid: str, include_usage: bool):
-    """Server-sent events of a streamed completion (as :func:`_chat_stream`, ``text_completion`` chunks)."""
-    created, name = int(time.time()), server.name
-    eng, want, offset = server.engine.engine, handle.gen.logprobs is not None, 0
-
-    def lp(entries):                     # the chunk's tokens' log-probabilities (None when not asked)
-        nonlocal offset
-        if not want:
-            return None
-        out = P.completion_logprobs(entries, eng.tokenizer, eng.eos, offset)
-        offset += sum(len(t) for t in out["tokens"])
-        return out
-
-    async for event in server.wait_events(handle, request):
-        if event[0] == "delta":
-            yield _sse(P.completion_chunk(rid, name, created, event[1], logprobs=lp(event[3])))
-            continue
-        res, final = event[1], event[2]
-        if res.error or res.stop_reason == "cancelled":
-            e = _failure(res)
-            server.metrics.http_errors.labels(str(e.status)).inc()
-            yield _sse(e.body())
-            break
-        yield _sse(P.completion_chunk(rid, name, created, final, P.FINISH[res.stop_reason], logprobs=lp(event[3])))
-        if include_usage:
-            yield _sse(P.completion_chunk(rid, name, created, None, use=_usage(res)))
+            yield _sse(route.chunk(rid, name, created, None, use=_usage(res)))
     yield DONE
 
 
