@@ -1,0 +1,31 @@
+"""runners/shapes.py: the row and width buckets that decide which graphs a run compiles."""
+from __future__ import annotations
+
+import pytest
+
+from mindspore_eagle.runners.shapes import context_widths, pow2_buckets
+
+
+def test_pow2_buckets():
+    assert pow2_buckets(16) == [1, 2, 4, 8, 16]
+    assert pow2_buckets(128, lo=16) == [16, 32, 64, 128]
+    assert pow2_buckets(1) == [1]
+    for bad in (0, 12, 3):
+        with pytest.raises(ValueError, match=rf"cache.prefill_chunk must be a power of two >= 1, got {bad}"):
+            pow2_buckets(bad)
+    with pytest.raises(ValueError, match="power of two >= 16, got 8"):
+        pow2_buckets(8, lo=16)
+
+
+@pytest.mark.parametrize("S, B, want", [
+    (1024, 16, [256, 512, 1024]),
+    (256, 8, [256]),                  # nothing below S: the one width is S
+    (2048, 8, [256, 512, 1024, 2048]),
+    (600, 8, [256, 512, 600]),        # S itself closes the list even when it is not a power of two
+    (96, 16, [96]),
+    (1536, 384, [1536]),              # 256, 512, 1024 are not whole blocks of 384: skipped
+])
+def test_context_widths(S, B, want):
+    got = context_widths(S, B)
+    assert got == want
+    assert all(w % B == 0 for w in got) and got == sorted(set(got)) and got[-1] == S
