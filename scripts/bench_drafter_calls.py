@@ -5,11 +5,12 @@
 Prints the median ms of: the context pass over n = 1, 2, 4 new pairs (``DrafterRunner.extend``, what a step adds
 after L_k accepted tokens), the tree expansion for D_max = 2, 3 (``build_tree``), and a teacher decode; each
 drafter call once back to back (weights hot in the CPU caches) and once right after a teacher decode, which is how
-the engine calls it (the teacher's weights have just evicted the drafter's). Figures in docs/results.md, "2026-12-01,
-morning", and later sections came from this script run against the code before and after a change: run each
-worktree's own copy (``python <worktree>/scripts/bench_drafter_calls.py``), which imports the package beside it
-(PYTHONPATH does not override that). Nothing is written to disk; the timed context passes extend the scratch
-sequence (by 7 pairs a repeat), the tree expansions' writes are rolled back.
+the engine calls it (the teacher's weights have just evicted the drafter's). The figures in docs/design.md,
+"Measurements behind the design: The drafter's context pass" and docs/cpu_kernels.md, "Host calls" came from this
+script run against the code before and after a change: run each worktree's own copy
+(``python <worktree>/scripts/bench_drafter_calls.py``), which imports the package beside it (PYTHONPATH does not
+override that). Nothing is written to disk; the timed context passes extend the scratch sequence (by 7 pairs a
+repeat), the tree expansions' writes are rolled back.
 """
 from __future__ import annotations
 

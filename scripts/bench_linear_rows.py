@@ -3,9 +3,10 @@
     python scripts/bench_linear_rows.py [--rows 1,2,3,4,5,6,8,16] [--calls 30]
 
 Prints, per row count k, the kernel's own time (``cpu.kernel_stats``) of one gate/up (3072 x 576) plus one down
-(576 x 1536) call on random float32 data, and the FLOP rate. Figures in docs/results.md ("2026-12-02, evening")
-came from this script, alternating with an older worktree's copy (``python <worktree>/scripts/...``: the script
-imports the package beside it, whatever PYTHONPATH says). Not a test.
+(576 x 1536) call on random float32 data, and the FLOP rate. Use it to compare the kernel library before and
+after a change of its matmul tiles (the current tiles and the loop that chose them: docs/cpu_kernels.md, "Tiles"),
+alternating with an older worktree's copy (``python <worktree>/scripts/...``: the script imports the package
+beside it, whatever PYTHONPATH says). Not a test.
 """
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ training data; no evaluation prompt).
 The simulation drives the real policy objects (mindspore_eagle.core.policy) step by step over the recorded positions:
 a step at position p with budget m accepts the recorded labels of the best m - 1 candidates drafted so far, then
 moves to p + L. It prints tokens per modelled ms against plain decoding for fixed budgets and the adaptive policy.
-Not a test: data for docs/results.md.
+Not a test: the data behind docs/design.md, "Measurements behind the design: What the drafter's confidence is
+worth" and "... The adaptive policy against fixed budgets".
 """
 import argparse
 import os
@@ -56,7 +57,7 @@ def simulate(path, costs_path, M, D, K):
     z = np.load(path)
     if costs_path:
         costs = CostTable(**json.load(open(costs_path)))
-    else:   # docs/results.md, "2026-11-29, night" cost curve (quiet machine); m = 2 interpolated
+    else:   # docs/design.md, "Measurements behind the design: Cost curve by row count"; m = 2 interpolated
         costs = CostTable(decode_ms=55.0, verify_ms={2: 66.0, 4: 76.4, 8: 83.5, 16: 97.8}, draft_ctx_ms=7.8,
                           draft_step_ms=8.8, host_ms=2.0)
     turns = z["turn"]

@@ -36,7 +36,8 @@ def test_shipped_config_loads(path):
 
 def test_default_yaml_equals_builtin_defaults():
     """configs/default.yaml documents the dataclass defaults exactly (policy adaptive included: a run without
-    --config gets the fastest measured configuration, docs/results.md)."""
+    --config gets the policy measured best, docs/design.md, "Measurements behind the design: The adaptive policy
+    against fixed budgets")."""
     yaml_cfg = load_config(str(ROOT / "configs" / "default.yaml")).to_dict()
     assert yaml_cfg["speculative"]["policy"] == "adaptive"
     assert yaml_cfg == Config().validate().to_dict()

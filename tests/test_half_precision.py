@@ -1,4 +1,5 @@
-"""The half-precision guarantee, on the real embedded teacher in float16 on CPU (docs/ascend.md, "Half precision").
+"""The half-precision guarantee, on the real embedded teacher in float16 on CPU (docs/ascend.md, "The
+half-precision guarantee").
 
 Stated in README and docs/ascend.md: in float16 (and bfloat16), greedy speculative output equals teacher-only
 output of the same dtype, except where the teacher's two best logits differ by less than ``HALF_TIE``: CPU half

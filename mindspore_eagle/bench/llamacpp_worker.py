@@ -4,7 +4,7 @@ It imports neither ``mindspore_eagle`` nor MindSpore, so nothing of ours (``runt
 an inherited ``OMP_*`` variable) reaches llama.cpp: bench/peer.py starts it with a cleaned environment
 (``peer.peer_env``). A peer measured inside our process ran at half its speed (llama.cpp synchronises its threads
 with OpenMP barriers after every op, and a passive wait policy turns each into a sleep and a wake-up;
-docs/performance.md, "Peers").
+docs/performance.md, "How peers are measured").
 
 Protocol: one JSON object a line on stdin, one JSON answer a line on stdout (``{"error": "..."}`` on failure).
 

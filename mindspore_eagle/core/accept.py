@@ -163,7 +163,7 @@ def keyed_draw(probs, seed: int, positions) -> np.ndarray:
     change of p changes the draw only where two tokens' keyed scores nearly tie, as greedy decoding changes only
     at a near-tie of the top-2 logits (an inverse-CDF draw with one uniform per position moves every CDF
     boundary instead). vLLM's model runner v2 and SGLang's deterministic mode key Gumbel noise by (seed,
-    position, token) in the same way (docs/design.md, "Sampling").
+    position, token) in the same way (docs/design.md, "Verification and acceptance").
     Args:
         probs: float [k, V] (or [V]), rows non-negative with positive sum (need not be normalised).
         seed: the sequence's seed. positions: int [k] (or a scalar for [V]) absolute positions.

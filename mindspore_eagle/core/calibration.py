@@ -23,8 +23,8 @@ class AcceptanceModel:
     that way (core/suffix.py), over-confident after a single occurrence. The rank
     matters: on 3,672 replayed positions the embedded drafter's likeliest depth-1 child at path probability
     0.1-0.2 was accepted 27 % of the time, while a less likely sibling of the same probability is accepted far less
-    (docs/results.md, "2026-11-30, evening"). Each bin keeps decayed counts of verified nodes and of accepted ones; the
-    estimate is ``(hits + w * prior) / (n + w)`` with the prior = the bin's mean drafter probability (identity
+    (docs/design.md, "Measurements behind the design: What the drafter's confidence is worth"). Each bin keeps
+    decayed counts of verified nodes and of accepted ones; the estimate is ``(hits + w * prior) / (n + w)`` with the prior = the bin's mean drafter probability (identity
     calibration) and weight w = ``prior_weight``. Counts decay by ``decay`` per observed step, so the table
     follows a drafter whose reliability drifts (half-life ln 2 / (1 - decay) steps).
     """

@@ -142,9 +142,10 @@ def cap_verify_costs(verify_ms: dict) -> dict:
     budget's times the prior's ratio of the two (``prior_verify_ratio(m) / prior_verify_ratio(m')`` < 1).
 
     A cap at equality is absorbing for the policy: a budget held at a larger one's cost is never chosen (the larger
-    one offers more nodes for the same cost), so never observed again (:class:`RunningCosts`, docs/results.md,
-    "2026-12-02, evening"). Budget 1 is a plain decode (``prior_verify_ratio(1)`` = 1): a decode is held below the
-    smallest verification by the prior's ratio, as :class:`RunningCosts` and ``Engine.measure_costs`` pass it.
+    one offers more nodes for the same cost), so never observed again (:class:`RunningCosts`, docs/design.md,
+    "Measurements behind the design: A budget capped at a larger one's cost"). Budget 1 is a plain decode
+    (``prior_verify_ratio(1)`` = 1): a decode is held below the smallest verification by the prior's ratio, as
+    :class:`RunningCosts` and ``Engine.measure_costs`` pass it.
 
     Args:
         verify_ms: {budget m: cost in ms} (m >= 1; any units, only ratios are used).
@@ -183,16 +184,16 @@ class RunningCosts:
       policy keeps choosing it where its nodes suffice and its estimate keeps learning (:func:`cap_verify_costs`).
       A cap at equality was absorbing: a budget held at a larger one's cost is never chosen again, so never
       observed again (in a 240-turn run, stopped at turn 138, m = 2 verified ~310 trees per 20 turns over the
-      first 60 turns and 0-13 from turn 80 on, m = 4 2-21 per 20 turns throughout, m = 8 400-750, while on the
-      same machine a 4-row forward costs ~0.9x an 8-row one: docs/results.md, "2026-12-02, evening"). The ratio
-      assumes verification cost grows with m at least as the prior's curve does; where it is flatter (a fused
+      first 60 turns and 0-13 per 20 turns after turn 80, while on the same machine a 4-row forward costs ~0.9x an
+      8-row one: docs/design.md, "Measurements behind the design: A budget capped at a larger one's cost"). The
+      ratio assumes verification cost grows with m at least as the prior's curve does; where it is flatter (a fused
       accelerator kernel), the cap makes a small budget look slightly cheaper than it is, never dearer;
     - a decode is capped the same way below the smallest verification (budget 1 in the chain). A decode inferred
       from the speed factor alone can come out dearer than the verifications actually observed (the prior's flat
       verification ratios, 1.08 / 1.6 decodes for m = 2 / 16 where the machine's were 1.2 / 2.8, made the speed
       factor, so the inferred decode, ~35 % too high); the policy then decodes plainly almost never, so decode's
-      estimate is almost never observed again (4 plain steps in 240 turns: docs/results.md, "2026-12-03, night:
-      ... a trap in the cost table"). ``AdaptivePolicy(plain_every=...)`` keeps it observed.
+      estimate is almost never observed again (4 plain steps in 240 turns: docs/design.md, "Measurements behind
+      the design: A decode held dearer than a verification"). ``AdaptivePolicy(plain_every=...)`` keeps it observed.
 
     The drafter's two costs are running estimates of their own, by the same rule, from the steps that ran the
     drafter (:meth:`observe_draft`: a step's context pass, and its tree expansion divided by the expansion calls it

@@ -105,9 +105,9 @@ class AdaptivePolicy:
         plain_every: a plain step (no drafting) at least every this many steps, so a cost table kept current from
             the steps taken (core.costs.RunningCosts) keeps observing a decode; 0: never forced (a table measured
             up front). Where trees always look cheaper, a decode is otherwise never taken, so never measured, and
-            an estimate that came out too dear stays so (docs/results.md, "2026-12-03, night: ... a trap in the
-            cost table"). Each probe costs at most one step's speculative gain (~1/4 of a step at 1.3x, so ~0.4 %
-            of the time at 64).
+            an estimate that came out too dear stays so (docs/design.md, "Measurements behind the design: A
+            decode held dearer than a verification"). Each probe costs at most one step's speculative gain (~1/4
+            of a step at 1.3x, so ~0.4 % of the time at 64).
     Raises:
         ValueError: a budget has no verification cost in ``costs``, or ``plain_every`` is 1 or negative.
     """
@@ -159,9 +159,9 @@ class AdaptivePolicy:
         Value of information: after the context pass the policy can still decode plainly, so drafting is worth its
         cost when the expected advantage it enables, E[max(profit of the best tree - profit of plain decoding, 0)]
         (an EMA over the steps that drafted), exceeds rho * draft_ctx_ms. The teacher's own confidence in the root
-        token did not predict acceptance on 3,672 replayed positions (docs/results.md, "2026-11-30, evening"), so there is no
-        per-step feature here; a drafter that stops paying is probed every ``probe_every`` steps. False on a
-        plain probe (``plain_due``)."""
+        token did not predict acceptance on 3,672 replayed positions (docs/design.md, "Measurements behind the
+        design: What the drafter's confidence is worth"), so there is no per-step feature here; a drafter that
+        stops paying is probed every ``probe_every`` steps. False on a plain probe (``plain_due``)."""
         if max_m < 2 or self.plain_due:
             return False
         have = 0.0

@@ -381,7 +381,8 @@ class Eagle3Drafter(nn.Cell):
     With ``num_hidden_layers`` L > 1 every call runs the L layers in turn, each with its own cache (``blocks``);
     ``context`` is ``fuse`` + ``construct`` in one call with the head applied to the ``pick`` rows alone: a context
     pass needs the prediction of its last pair only (of each sequence's last pair when batched), and the 8192-row
-    head is about half of a row's multiply-adds (docs/results.md, "2026-12-01, morning").
+    head is about half of a row's multiply-adds (docs/design.md, "Measurements behind the design: The drafter's context
+    pass").
     ``top_logp`` are log-softmax values over the draft vocabulary in fp32 (docs/design.md, "Tree expansion"),
     ``top_ids`` already mapped to teacher ids through d2t. ``h`` / ``h_out`` are in the compute dtype.
 

@@ -21,7 +21,8 @@ decides what each query sees, so the same code handles a causal prefill, a decod
 Weights are fused at load time (q/k/v into one [ (nh + 2 n_kv) hd, H ] matrix, gate/up into one [2F, H]) and
 kept in HF layout [out, in] with ``transpose_b`` matmuls: on the 2-core CPU that layout is 1.5x faster at k = 8
 than pre-transposed weights (docs/design.md, "Matmul formulations on CPU"). Three per-layer elementwise ops are folded
-into those matrices at load, since each graph op costs ~10 us of launch overhead on the CPU (docs/results.md, profile):
+into those matrices at load, since each graph op costs ~10 us of launch overhead on the CPU
+(docs/design.md, "Measurements behind the design: Graph-op overhead"):
 the input / post-attention RMSNorm weights g scale the input columns of ``wqkv`` / ``w_gate_up``
 (norm(x) * g @ W.T == norm(x) @ (W * g).T), and the attention scale 1/sqrt(hd) scales the q rows of ``wqkv`` and
 ``bqkv`` (RoPE is linear, so scaling q before it is exact up to float rounding).

@@ -92,9 +92,11 @@ def test_ascend_presets(size):
 def test_float16_decode_rounds_like_verification(ms_runtime, real_loaded):
     """Half precision, embedded teacher: a decode's logits and the root row of a tree verification from the same
     context (M = 8) are the same computation (within 0.2 over the 49k-token vocabulary) and pick the same token
-    unless the top two are closer than README's 0.05 near-tie bound. Bit-equal on the 2026-12-01 VM; on a 2026-12-02 VM without
-    AVX-512 MindSpore's CPU float16 MatMul rounded them up to 0.053 apart by row count (the batch variance vLLM
-    documents for bfloat16), so bit equality is not promised."""
+    unless the top two are closer than the 0.05 near-tie bound (docs/speculative.md, "Output guarantees";
+    docs/ascend.md, "The half-precision guarantee"). Bit-equal on one VM; on another without AVX-512 MindSpore's CPU
+    float16 MatMul rounded them up to 0.053 apart by row count (docs/design.md, "Measurements behind the design:
+    Float16 MatMul by row count"; the batch variance vLLM documents for bfloat16), so bit equality is not
+    promised."""
     from mindspore_eagle.core.tree import DraftTree, tensorize
     from mindspore_eagle.models.llama import LlamaModel
     from mindspore_eagle.runners.teacher import TeacherRunner

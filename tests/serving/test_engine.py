@@ -343,10 +343,11 @@ def test_cap_verify_costs_matches_a_brute_force_cap():
 
 
 def test_running_costs_hold_an_inferred_decode_below_the_smallest_verification():
-    """The 240-turn trap (docs/results.md, "2026-12-03, night: ... a trap in the cost table"): verifications
-    observed at this machine's ratios (1.2 / 1.5 / 1.85 / 2.8 decodes of 22.6 ms, steeper than the prior's), decode
-    never observed: the speed factor alone would infer decode dearer than a 2-token verification; the table holds
-    it below by the prior's ratio, and a decode's own steps then pull it to its cost."""
+    """The 240-turn trap (docs/design.md, "Measurements behind the design: A decode held dearer than a
+    verification"): verifications observed at that machine's ratios (1.2 / 2.8 decodes of 22.6 ms at m = 2 / 16,
+    1.5 / 1.85 between them: steeper than the prior's), decode never observed: the speed factor alone would infer
+    decode dearer than a 2-token verification; the table holds it below by the prior's ratio, and a decode's own
+    steps then pull it to its cost."""
     from mindspore_eagle.core.costs import RunningCosts, prior_table, prior_verify_ratio
 
     t = prior_table([2, 4, 8, 16])
