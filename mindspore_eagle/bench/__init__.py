@@ -107,70 +107,60 @@ def _threads(cfg) -> int:
     return cfg.context.threads or int(os.environ.get("MSEAGLE_THREADS", 0)) or min(os.cpu_count() or 1, 8)
 
 
-def cli_main(argv=None) -> int:
-    """Entry point of ``mindspore-eagle bench``; returns the exit code (0 ok, 2 usage/config error, 3 mismatch)."""
-    from mindspore_eagle.bench import report as report_mod
+def _inputs(args):
+    """Config, subset, evaluation items and the sweep value lists from the parsed arguments.
+
+    Returns (cfg, subset, items, (budgets, depths, top_ks, windows)). Raises ConfigError / ValueError (usage)."""
     from mindspore_eagle.bench import sweeps as sw
-    from mindspore_eagle.bench.throughput import (
-        EnginePool,
-        OutputMismatchError,
-        read_records,
-        run_turns,
-        turn_specs,
-    )
     from mindspore_eagle.config import ConfigError, load_config
-    from mindspore_eagle.core.costs import CostTable
     from mindspore_eagle.evalsets import eval_turns
 
-    args = build_parser().parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.set)
-        if args.max_new_tokens < 1:
-            raise ConfigError(f"--max-new-tokens = {args.max_new_tokens} is out of range: must be >= 1")
-        subset = [s.strip() for s in args.subset.split(",") if s.strip()] if args.subset else None
-        items = eval_turns(args.turns, subset)
-        budgets = sw.parse_int_list(args.budgets)
-        depths = sw.parse_int_list(args.depths)
-        top_ks = sw.parse_int_list(args.top_ks) if args.top_ks.strip() else ()
-        windows = sw.parse_int_list(args.windows, allow_none=True)
-    except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if cfg.generation.temperature != 0:
-        _log("generation.temperature forced to 0: the benchmark is greedy (identical-output check)")
-    gen = dataclasses.replace(cfg.generation, max_new_tokens=args.max_new_tokens, temperature=0.0)
-    if args.batch_sizes:
-        return _batch_sizes_main(args, cfg, gen, argv)
-    turns = turn_specs(items)
-    main = sw.main_setting(cfg.speculative)
+    cfg = load_config(args.config, args.set)
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens = {args.max_new_tokens} is out of range: must be >= 1")
+    subset = [s.strip() for s in args.subset.split(",") if s.strip()] if args.subset else None
+    items = eval_turns(args.turns, subset)
+    budgets = sw.parse_int_list(args.budgets)
+    depths = sw.parse_int_list(args.depths)
+    top_ks = sw.parse_int_list(args.top_ks) if args.top_ks.strip() else ()
+    windows = sw.parse_int_list(args.windows, allow_none=True)
+    return cfg, subset, items, (budgets, depths, top_ks, windows)
+
+
+def _sweep_settings(sp, sweep: str, budgets, depths, top_ks, windows):
+    """The main setting, the distinct settings to time (main first) and the sweep rows of each study.
+
+    Returns (main, settings, {"budget": rows, "window": rows, "policy": rows}); a study not asked for has []."""
+    from mindspore_eagle.bench import sweeps as sw
+
+    main = sw.main_setting(sp)
     points = {"budget": [], "window": [], "policy": []}
-    if args.sweep in ("budget", "all"):
-        points["budget"] = sw.budget_points(cfg.speculative, budgets, depths, top_ks)
-    if args.sweep in ("window", "all"):
-        points["window"] = sw.window_points(cfg.speculative, windows)
-    if args.sweep in ("policy", "all"):
-        points["policy"] = sw.policy_points(cfg.speculative)
+    if sweep in ("budget", "all"):
+        points["budget"] = sw.budget_points(sp, budgets, depths, top_ks)
+    if sweep in ("window", "all"):
+        points["window"] = sw.window_points(sp, windows)
+    if sweep in ("policy", "all"):
+        points["policy"] = sw.policy_points(sp)
     settings, rows_all = sw.dedupe(main, points["budget"] + points["window"] + points["policy"])
     rows, at = {}, 0
     for k in ("budget", "window", "policy"):
         rows[k], at = rows_all[at:at + len(points[k])], at + len(points[k])
-    try:
-        for s in settings:
-            s.spec(cfg.speculative)
-    except ConfigError as e:
-        print(f"error: sweep setting invalid: {e}", file=sys.stderr)
-        return 2
+    return main, settings, rows
 
+
+def _run_name(args, cfg, n_turns: int) -> str:
+    """Default run name: <date>_<config stem>_M.._D.._K..[_W..]_t<turns>[_sweep-<study>]."""
     stem = os.path.splitext(os.path.basename(args.config))[0] if args.config else "defaults"
     sp = cfg.speculative
-    name = (f"{time.strftime('%Y%m%d-%H%M%S')}_{stem}_M{sp.M}_D{sp.D_max}_K{sp.top_k}"
-            f"{'_W' + str(sp.window) if sp.window else ''}_t{len(turns)}"
+    return (f"{time.strftime('%Y%m%d-%H%M%S')}_{stem}_M{sp.M}_D{sp.D_max}_K{sp.top_k}"
+            f"{'_W' + str(sp.window) if sp.window else ''}_t{n_turns}"
             f"{'' if args.sweep == 'none' else '_sweep-' + args.sweep}")
-    out = args.out or os.path.join("runs", name)
-    os.makedirs(out, exist_ok=True)
-    fixed = {"turn_ids": [t.turn_id for t in turns], "settings": [s.to_dict() for s in settings],
-             "max_new_tokens": gen.max_new_tokens, "teacher": cfg.model.teacher, "drafter": cfg.model.drafter,
-             "cache": dataclasses.asdict(cfg.cache), "mode": cfg.exec_mode}
+
+
+def _open_run(out: str, name: str, fixed: dict, cfg):
+    """Write run.json in a new run folder, or check that an existing one holds the same fixed parameters.
+
+    Returns the run's name (the stored one when resuming), or None (error printed) when the parameters differ."""
     run_json = os.path.join(out, "run.json")
     if os.path.exists(run_json):
         with open(run_json, encoding="utf-8") as f:
@@ -179,56 +169,67 @@ def cli_main(argv=None) -> int:
             diff = sorted(k for k in fixed if prev.get("fixed", {}).get(k) != fixed[k])
             print(f"error: {out} holds a run with different parameters ({', '.join(diff)}); use another --out",
                   file=sys.stderr)
-            return 2
-        name = prev.get("name", name)
+            return None
         _log(f"resuming {out}")
-    else:
-        with open(run_json, "w", encoding="utf-8") as f:
-            json.dump({"name": name, "fixed": fixed, "config": cfg.to_dict()}, f, indent=1)
-    jsonl = os.path.join(out, "turns.jsonl")
-    machine = machine_info()
-    command = "python -m mindspore_eagle bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None
-                                                                                    else sys.argv[1:]))
-    todo = [t for t in turns if t.turn_id not in read_records(jsonl)]
-    warm = {"mode": args.warmup, "seconds": 0.0, "compiles": 0}
-    peer_note = None
-    failed = None
-    policy_state = None
-    t_start = time.time()
-    if todo:
-        from mindspore_eagle.serving.pipeline import load_models
+        return prev.get("name", name)
+    with open(run_json, "w", encoding="utf-8") as f:
+        json.dump({"name": name, "fixed": fixed, "config": cfg.to_dict()}, f, indent=1)
+    return name
 
-        _log(f"{len(todo)} of {len(turns)} turns to run, {len(settings)} speculative setting(s): "
-             + ", ".join(f"{s.name}(M={s.M},D={s.D_max},K={s.top_k},W={s.window or 'none'})" for s in settings))
-        t0 = time.perf_counter()
-        loaded = load_models(cfg)
-        pool = EnginePool(cfg, loaded, settings)
-        _log(f"models loaded and engines built in {time.perf_counter() - t0:.1f} s")
-        warm.update(pool.warmup(gen, args.warmup, log=_log))
-        peer = None
+
+def _command(argv) -> str:
+    """The invocation as a shell command line (for report.md and sessions.jsonl)."""
+    return "python -m mindspore_eagle bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None
+                                                                                 else sys.argv[1:]))
+
+
+def _time_turns(args, cfg, gen, turns, todo, settings, out: str, jsonl: str) -> dict:
+    """Load the models, build and warm the engines (and the llama.cpp peer), time the turns not yet in ``jsonl``
+    and write policy.json. Returns {"warm", "peer_note", "failed" (mismatch message or None), "policy_state"}."""
+    from mindspore_eagle.bench.throughput import EnginePool, OutputMismatchError, run_turns
+
+    res = {"warm": {"mode": args.warmup, "seconds": 0.0, "compiles": 0}, "peer_note": None, "failed": None,
+           "policy_state": None}
+    if not todo:
         if args.peer_llamacpp:
-            from mindspore_eagle.bench.peer import make_peer
+            res["peer_note"] = "resumed run: no turns left to time"
+        return res
+    from mindspore_eagle.serving.pipeline import load_models
 
-            peer = make_peer(cfg, loaded, out, _threads(cfg), log=_log)
-            peer_note = ("llama.cpp peer ran in its own process (greedy; prompt lookup "
-                         + ", ".join(map(str, peer.variants[1:])) + ")") if peer else \
-                "llama_cpp not importable (or teacher not GGUF): skipped"
-        try:
-            run_turns(pool, turns, gen, settings, jsonl, args.attn_samples, peer, args.allow_mismatch,
-                      progress=not args.no_progress)
-        except OutputMismatchError as e:
-            failed = str(e)
-        finally:
-            if peer is not None:
-                peer.close()
-        policy_state = pool.engine("main").policy.report()
-        with open(os.path.join(out, "policy.json"), "w", encoding="utf-8") as f:
-            json.dump(policy_state, f, indent=1)
-    elif args.peer_llamacpp:
-        peer_note = "resumed run: no turns left to time"
-    records = [r for r in (read_records(jsonl).get(t.turn_id) for t in turns) if r is not None]
-    machine["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    machine["threads"] = _threads(cfg)
+    _log(f"{len(todo)} of {len(turns)} turns to run, {len(settings)} speculative setting(s): "
+         + ", ".join(f"{s.name}(M={s.M},D={s.D_max},K={s.top_k},W={s.window or 'none'})" for s in settings))
+    t0 = time.perf_counter()
+    loaded = load_models(cfg)
+    pool = EnginePool(cfg, loaded, settings)
+    _log(f"models loaded and engines built in {time.perf_counter() - t0:.1f} s")
+    res["warm"].update(pool.warmup(gen, args.warmup, log=_log))
+    peer = None
+    if args.peer_llamacpp:
+        from mindspore_eagle.bench.peer import make_peer
+
+        peer = make_peer(cfg, loaded, out, _threads(cfg), log=_log)
+        res["peer_note"] = ("llama.cpp peer ran in its own process (greedy; prompt lookup "
+                            + ", ".join(map(str, peer.variants[1:])) + ")") if peer else \
+            "llama_cpp not importable (or teacher not GGUF): skipped"
+    try:
+        run_turns(pool, turns, gen, settings, jsonl, args.attn_samples, peer, args.allow_mismatch,
+                  progress=not args.no_progress)
+    except OutputMismatchError as e:
+        res["failed"] = str(e)
+    finally:
+        if peer is not None:
+            peer.close()
+    res["policy_state"] = pool.engine("main").policy.report()
+    with open(os.path.join(out, "policy.json"), "w", encoding="utf-8") as f:
+        json.dump(res["policy_state"], f, indent=1)
+    return res
+
+
+def _sessions(out: str, todo, command: str, t_start: float, warm: dict, machine: dict):
+    """Append this invocation's line to sessions.jsonl when it timed turns, then read them all back.
+
+    Returns (sessions, warm, machine): warm-up and machine summed / taken over the sessions that produced the
+    records (not a later report-only invocation); unchanged when there are none and turns were timed."""
     sessions_path = os.path.join(out, "sessions.jsonl")
     if todo:   # one line per invocation that timed turns: its warm-up, machine state, wall time
         with open(sessions_path, "a", encoding="utf-8") as f:
@@ -246,19 +247,13 @@ def cli_main(argv=None) -> int:
         machine = dict(sessions[0]["machine"], loadavg_end=sessions[-1]["machine"].get("loadavg_end"))
     elif not todo:
         warm = {"mode": "unknown (no sessions.jsonl)", "seconds": float("nan"), "compiles": "?"}
-    if policy_state is None and os.path.exists(os.path.join(out, "policy.json")):
-        with open(os.path.join(out, "policy.json"), encoding="utf-8") as f:
-            policy_state = json.load(f)
-    sweeps = {k: sw.summarize_points(records, rows[k], settings) for k in ("budget", "window", "policy") if rows[k]}
-    meta = {"name": name, "main": main.to_dict(), "command": sessions[0]["command"] if sessions else command,
-            "turns_requested": len(turns), "subset": subset, "max_new_tokens": gen.max_new_tokens,
-            "teacher": cfg.model.teacher, "drafter": cfg.model.drafter, "mode": cfg.exec_mode, "machine": machine,
-            "warmup": warm, "sessions": sessions, "settings": [s.to_dict() for s in settings], "sweeps": sweeps,
-            "peer_llamacpp": peer_note, "wall_s": sum(x["wall_s"] for x in sessions) if sessions else
-            time.time() - t_start, "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "config": cfg.to_dict(),
-            "policy_state": policy_state}
-    rep = report_mod.build_report(records, meta)
-    report_mod.write_all(rep, out)
+    return sessions, warm, machine
+
+
+def _log_summary(rep: dict, policy_state, out: str) -> None:
+    """The closing log lines: headline numbers, the adaptive policy's cost table, what was written."""
+    from mindspore_eagle.core.costs import CostTable
+
     s, a = rep["speedup"], rep["accept_len"]
     _log(f"{rep['turns']} turns: baseline {rep['baseline_tok_s']['mean']:.2f} tok/s, EAGLE-3 "
          f"{rep['ea_tok_s']['mean']:.2f} tok/s, speedup mean {s['mean']:.3f}x p10 {s['p10']:.3f}x min "
@@ -267,8 +262,71 @@ def cli_main(argv=None) -> int:
     if policy_state and policy_state.get("costs"):
         _log("cost table (adaptive policy):\n" + CostTable(**policy_state["costs"]).describe())
     _log(f"wrote {os.path.join(out, 'report.json')}, report.md and {len(rep['run']['figure_files'])} figures")
-    if failed:
-        print(f"error: OUTPUT MISMATCH: {failed}", file=sys.stderr)
+
+
+def cli_main(argv=None) -> int:
+    """Entry point of ``mindspore-eagle bench``; returns the exit code (0 ok, 2 usage/config error, 3 mismatch)."""
+    from mindspore_eagle.bench import report as report_mod
+    from mindspore_eagle.bench import sweeps as sw
+    from mindspore_eagle.bench.throughput import read_records, turn_specs
+    from mindspore_eagle.config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        cfg, subset, items, lists = _inputs(args)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if cfg.generation.temperature != 0:
+        _log("generation.temperature forced to 0: the benchmark is greedy (identical-output check)")
+    gen = dataclasses.replace(cfg.generation, max_new_tokens=args.max_new_tokens, temperature=0.0)
+    if args.batch_sizes:
+        return _batch_sizes_main(args, cfg, gen, argv)
+    turns = turn_specs(items)
+    main, settings, rows = _sweep_settings(cfg.speculative, args.sweep, *lists)
+    try:
+        for s in settings:
+            s.spec(cfg.speculative)
+    except ConfigError as e:
+        print(f"error: sweep setting invalid: {e}", file=sys.stderr)
+        return 2
+
+    name = _run_name(args, cfg, len(turns))
+    out = args.out or os.path.join("runs", name)
+    os.makedirs(out, exist_ok=True)
+    fixed = {"turn_ids": [t.turn_id for t in turns], "settings": [s.to_dict() for s in settings],
+             "max_new_tokens": gen.max_new_tokens, "teacher": cfg.model.teacher, "drafter": cfg.model.drafter,
+             "cache": dataclasses.asdict(cfg.cache), "mode": cfg.exec_mode}
+    name = _open_run(out, name, fixed, cfg)
+    if name is None:
+        return 2
+    jsonl = os.path.join(out, "turns.jsonl")
+    machine = machine_info()
+    command = _command(argv)
+    todo = [t for t in turns if t.turn_id not in read_records(jsonl)]
+    t_start = time.time()
+    timed = _time_turns(args, cfg, gen, turns, todo, settings, out, jsonl)
+    records = [r for r in (read_records(jsonl).get(t.turn_id) for t in turns) if r is not None]
+    machine["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    machine["threads"] = _threads(cfg)
+    sessions, warm, machine = _sessions(out, todo, command, t_start, timed["warm"], machine)
+    policy_state = timed["policy_state"]
+    if policy_state is None and os.path.exists(os.path.join(out, "policy.json")):
+        with open(os.path.join(out, "policy.json"), encoding="utf-8") as f:
+            policy_state = json.load(f)
+    sweeps = {k: sw.summarize_points(records, rows[k], settings) for k in ("budget", "window", "policy") if rows[k]}
+    meta = {"name": name, "main": main.to_dict(), "command": sessions[0]["command"] if sessions else command,
+            "turns_requested": len(turns), "subset": subset, "max_new_tokens": gen.max_new_tokens,
+            "teacher": cfg.model.teacher, "drafter": cfg.model.drafter, "mode": cfg.exec_mode, "machine": machine,
+            "warmup": warm, "sessions": sessions, "settings": [s.to_dict() for s in settings], "sweeps": sweeps,
+            "peer_llamacpp": timed["peer_note"], "wall_s": sum(x["wall_s"] for x in sessions) if sessions else
+            time.time() - t_start, "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "config": cfg.to_dict(),
+            "policy_state": policy_state}
+    rep = report_mod.build_report(records, meta)
+    report_mod.write_all(rep, out)
+    _log_summary(rep, policy_state, out)
+    if timed["failed"]:
+        print(f"error: OUTPUT MISMATCH: {timed['failed']}", file=sys.stderr)
         return 3
     return 0
 
@@ -300,8 +358,7 @@ def _batch_sizes_main(args, cfg, gen, argv) -> int:
     if args.warmup != "none":
         prepare(engine, bcfg, gen, args.warmup, _log, graph_cache=bcfg.context.graph_cache)
     machine = machine_info()
-    command = "python -m mindspore_eagle bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None
-                                                                                    else sys.argv[1:]))
+    command = _command(argv)
     _log(f"{len(prompts)} prompts x {gen.max_new_tokens} new tokens at max_batch {', '.join(map(str, sizes))}")
     result = batching.run_batch_sizes(engine, prompts, sizes, gen, _log)
     meta = {"name": name, "command": command, "machine": machine["summary"], "loadavg_start":

@@ -138,6 +138,89 @@ def peer_aggregate(ok: list) -> dict:
     return {"turns": len(turns), "baseline_tok_s": base, "ea_tok_s": ea, "rows": rows}
 
 
+def _identical(records) -> bool:
+    """True when no speculative output of any record differed from its baseline."""
+    return bool(all(s.get("identical", True) for r in records for s in r.get("settings", {}).values())
+                and not any(r.get("mismatch") for r in records))
+
+
+def _aggregate(ok) -> dict:
+    """Total new tokens over total end-to-end seconds of the baseline and of the main setting, and their ratio."""
+    base_new = sum(r["baseline"]["new_tokens"] for r in ok)
+    base_s = sum(r["baseline"]["prefill_ms"] + r["baseline"]["decode_ms"] for r in ok) / 1e3
+    ea_new = sum(r["settings"]["main"]["new_tokens"] for r in ok)
+    ea_s = sum(r["settings"]["main"]["prefill_ms"] + r["settings"]["main"]["decode_ms"] for r in ok) / 1e3
+    return {"baseline_tok_s": base_new / base_s if base_s else float("nan"),
+            "ea_tok_s": ea_new / ea_s if ea_s else float("nan"),
+            "speedup": (ea_new / ea_s) / (base_new / base_s) if ea_s and base_s and base_new else float("nan"),
+            "baseline_tokens": base_new, "ea_tokens": ea_new, "baseline_s": base_s, "ea_s": ea_s}
+
+
+def _compiles_during_timing(ok) -> int:
+    """Graph compilations inside the timed generations (baseline and every setting)."""
+    return int(sum(r["baseline"]["compile_count"] for r in ok)
+               + sum(s.get("compile_count", 0) for r in ok for s in r["settings"].values()))
+
+
+def _by_source(ok) -> dict:
+    """Per evaluation source (sorted): turns, mean tok/s of both paths, speedup and L_k stats, accepted shares."""
+    out = {}
+    for src in sorted({r["source"] for r in ok}):
+        sub = [r for r in ok if r["source"] == src]
+        out[src] = {
+            "turns": len(sub), "baseline_tok_s": stats([r["baseline"]["tok_s"] for r in sub])["mean"],
+            "ea_tok_s": stats([r["settings"]["main"]["tok_s"] for r in sub])["mean"],
+            "speedup": stats([r["settings"]["main"]["speedup"] for r in sub]),
+            "accept_len": stats([x for r in sub for x in r["settings"]["main"]["accept_lens"]]),
+            "accepted_from": accepted_shares(sub)}
+    return out
+
+
+def _peer_summary(records, ok) -> dict:
+    """The llama.cpp peer's keys of report.json (peer_llamacpp_tok_s, peer_llamacpp_match, peers); {} when the
+    peer never ran."""
+    peers = [r["peer_llamacpp"] for r in records if isinstance(r.get("peer_llamacpp"), dict)
+             and "tok_s" in r["peer_llamacpp"]]
+    if not peers:
+        return {}
+    return {"peer_llamacpp_tok_s": stats([p["tok_s"] for p in peers]),
+            "peer_llamacpp_match": stats([p.get("match_prefix", float("nan")) for p in peers]),
+            "peers": peer_aggregate(ok)}
+
+
+def _speedup_vs_accept(ok) -> dict:
+    """Figure 2's data: per-turn mean L_k and speedup, and their Pearson r (NaN when undefined)."""
+    pts = [{"turn_id": r["turn_id"], "source": r["source"],
+            "accept_len_mean": float(np.mean(r["settings"]["main"]["accept_lens"]))
+            if r["settings"]["main"]["accept_lens"] else 1.0,
+            "speedup": r["settings"]["main"]["speedup"]} for r in ok]
+    corr = float(np.corrcoef([p["accept_len_mean"] for p in pts], [p["speedup"] for p in pts])[0, 1]) \
+        if len(pts) > 2 and np.std([p["speedup"] for p in pts]) > 0 and \
+        np.std([p["accept_len_mean"] for p in pts]) > 0 else float("nan")
+    return {"points": pts, "pearson_r": corr}
+
+
+def _figures(records, ok, flat, main, sweeps) -> dict:
+    """Every figure's data (report.json "figures"): fig1_lengths .. fig8_policy_sweep."""
+    dists = [d for r in ok for d in r.get("attn_dist", [])]
+    tops = [t for r in ok for t in r.get("attn_top", [])]
+    cols = [c for _, c in tops] if len(tops) == len(dists) else None
+    return {
+        "fig1_lengths": {"prompt_tokens": [r["prompt_tokens"] for r in ok],
+                         "new_tokens": [r["baseline"]["new_tokens"] for r in ok],
+                         "prompt_stats": stats([r["prompt_tokens"] for r in ok]),
+                         "new_stats": stats([r["baseline"]["new_tokens"] for r in ok])},
+        "fig2_speedup_vs_accept": _speedup_vs_accept(ok),
+        "fig3_accept_by_depth": accept_by_depth(flat, main["D_max"]),
+        "fig4_budget_sweep": sweeps.get("budget", []),
+        "fig5_overheads": overheads(records),
+        "fig6_window": sweeps.get("window", []),
+        "fig7_attention": {**attention_buckets(dists, cols), "distances": dists, "top": tops,
+                           "window": main["window"]},
+        "fig8_policy_sweep": sweeps.get("policy", []),
+    }
+
+
 def build_report(records, meta: dict) -> dict:
     """Assemble report.json from the turn records and run metadata.
 
@@ -153,75 +236,29 @@ def build_report(records, meta: dict) -> dict:
     main = meta["main"]
     ok = _ok(records)
     flat = [x for r in ok for x in r["settings"]["main"]["accept_lens"]]
-    identical = all(s.get("identical", True) for r in records for s in r.get("settings", {}).values()) and \
-        not any(r.get("mismatch") for r in records)
-    base_new = sum(r["baseline"]["new_tokens"] for r in ok)
-    base_s = sum(r["baseline"]["prefill_ms"] + r["baseline"]["decode_ms"] for r in ok) / 1e3
-    ea_new = sum(r["settings"]["main"]["new_tokens"] for r in ok)
-    ea_s = sum(r["settings"]["main"]["prefill_ms"] + r["settings"]["main"]["decode_ms"] for r in ok) / 1e3
     rep = {
         "turns": len(ok), "M": main["M"], "D_max": main["D_max"], "top_k": main["top_k"], "window": main["window"],
-        "identical_outputs": bool(identical),
+        "identical_outputs": _identical(records),
         "baseline_tok_s": stats([r["baseline"]["tok_s"] for r in ok]),
         "ea_tok_s": stats([r["settings"]["main"]["tok_s"] for r in ok]),
         "speedup": stats([r["settings"]["main"]["speedup"] for r in ok]),
         "accept_len": stats(flat),
-        "aggregate": {"baseline_tok_s": base_new / base_s if base_s else float("nan"),
-                      "ea_tok_s": ea_new / ea_s if ea_s else float("nan"),
-                      "speedup": (ea_new / ea_s) / (base_new / base_s) if ea_s and base_s and base_new else float("nan"),
-                      "baseline_tokens": base_new, "ea_tokens": ea_new, "baseline_s": base_s, "ea_s": ea_s},
+        "aggregate": _aggregate(ok),
         "paper": PAPER,
         "turns_skipped": [{"turn_id": r["turn_id"], "reason": r["skipped"]} for r in records if "skipped" in r],
-        "compiles_during_timing": int(sum(r["baseline"]["compile_count"] for r in ok)
-                                      + sum(s.get("compile_count", 0) for r in ok for s in r["settings"].values())),
-        "by_source": {},
+        "compiles_during_timing": _compiles_during_timing(ok),
+        "by_source": _by_source(ok),
         "policy": main.get("policy", "fixed"),
         "spec_share": stats([r["settings"]["main"].get("spec_share", 1.0) for r in ok]),
         "calibration": calibration_of_lengths(records),
         "policy_state": meta.get("policy_state"),
     }
-    for src in sorted({r["source"] for r in ok}):
-        sub = [r for r in ok if r["source"] == src]
-        rep["by_source"][src] = {
-            "turns": len(sub), "baseline_tok_s": stats([r["baseline"]["tok_s"] for r in sub])["mean"],
-            "ea_tok_s": stats([r["settings"]["main"]["tok_s"] for r in sub])["mean"],
-            "speedup": stats([r["settings"]["main"]["speedup"] for r in sub]),
-            "accept_len": stats([x for r in sub for x in r["settings"]["main"]["accept_lens"]]),
-            "accepted_from": accepted_shares(sub)}
     rep["accepted_from"] = accepted_shares(ok)
     rep["by_category"] = by_category(ok)
-    peers = [r["peer_llamacpp"] for r in records if isinstance(r.get("peer_llamacpp"), dict)
-             and "tok_s" in r["peer_llamacpp"]]
-    if peers:
-        rep["peer_llamacpp_tok_s"] = stats([p["tok_s"] for p in peers])
-        rep["peer_llamacpp_match"] = stats([p.get("match_prefix", float("nan")) for p in peers])
-        rep["peers"] = peer_aggregate(ok)
-    dists = [d for r in ok for d in r.get("attn_dist", [])]
-    tops = [t for r in ok for t in r.get("attn_top", [])]
-    cols = [c for _, c in tops] if len(tops) == len(dists) else None
+    rep.update(_peer_summary(records, ok))
     loads = [r["loadavg_1m"] for r in ok if "loadavg_1m" in r]
-    pts = [{"turn_id": r["turn_id"], "source": r["source"],
-            "accept_len_mean": float(np.mean(r["settings"]["main"]["accept_lens"]))
-            if r["settings"]["main"]["accept_lens"] else 1.0,
-            "speedup": r["settings"]["main"]["speedup"]} for r in ok]
-    corr = float(np.corrcoef([p["accept_len_mean"] for p in pts], [p["speedup"] for p in pts])[0, 1]) \
-        if len(pts) > 2 and np.std([p["speedup"] for p in pts]) > 0 and \
-        np.std([p["accept_len_mean"] for p in pts]) > 0 else float("nan")
     sweeps = meta.get("sweeps", {})
-    rep["figures"] = {
-        "fig1_lengths": {"prompt_tokens": [r["prompt_tokens"] for r in ok],
-                         "new_tokens": [r["baseline"]["new_tokens"] for r in ok],
-                         "prompt_stats": stats([r["prompt_tokens"] for r in ok]),
-                         "new_stats": stats([r["baseline"]["new_tokens"] for r in ok])},
-        "fig2_speedup_vs_accept": {"points": pts, "pearson_r": corr},
-        "fig3_accept_by_depth": accept_by_depth(flat, main["D_max"]),
-        "fig4_budget_sweep": sweeps.get("budget", []),
-        "fig5_overheads": overheads(records),
-        "fig6_window": sweeps.get("window", []),
-        "fig7_attention": {**attention_buckets(dists, cols), "distances": dists, "top": tops,
-                           "window": main["window"]},
-        "fig8_policy_sweep": sweeps.get("policy", []),
-    }
+    rep["figures"] = _figures(records, ok, flat, main, sweeps)
     rep["loadavg_1m"] = stats(loads)
     rep["sweeps"] = sweeps
     rep["run"] = {k: v for k, v in meta.items() if k not in ("sweeps",)}
@@ -259,10 +296,9 @@ def _stat_row(name, s, nd=2, suffix=""):
            f"{_f(s['p99'], nd, suffix)} |"
 
 
-def markdown(rep: dict) -> str:
-    """report.md text: run summary, Table 1 beside the paper, acceptance by depth, overheads, sweeps, attention,
-    figure links, notes on what differs from the paper's setup."""
-    run = rep.get("run", {})
+def _md_summary(rep: dict, run: dict) -> list:
+    """report.md title and run summary: command, turns, setting, models, machine, sessions, identical outputs,
+    CPU load, compilations."""
     L = [f"# EAGLE-3 tree speculative decoding benchmark ({run.get('name', '')})", ""]
     L += [f"- Command: `{run.get('command', '')}`",
           f"- Turns timed: {rep['turns']} (requested {run.get('turns_requested', '?')}, subset "
@@ -271,7 +307,8 @@ def markdown(rep: dict) -> str:
           f"{rep['window'] or 'none'}; greedy, max_new_tokens = {run.get('max_new_tokens', '?')}",
           f"- Teacher: {run.get('teacher', '?')}; drafter: {run.get('drafter', '?')}",
           f"- Machine: {run.get('machine', {}).get('summary', '?')}",
-          *[f"- Session {i + 1}: started {x['started']}, {x['turns_timed']} turns timed in {_f(x['wall_s'] / 60, 1)} min, "
+          *[f"- Session {i + 1}: started {x['started']}, {x['turns_timed']} turns timed in "
+            f"{_f(x['wall_s'] / 60, 1)} min, "
             f"1-minute load average {_f((x['machine'].get('loadavg_start') or [float('nan')])[0])} at start, "
             f"{_f((x['machine'].get('loadavg_end') or [float('nan')])[0])} at end"
             for i, x in enumerate(run.get("sessions", []))],
@@ -281,12 +318,17 @@ def markdown(rep: dict) -> str:
           f"- Graph compilations inside timed turns: {rep['compiles_during_timing']} (warm-up: "
           f"{run.get('warmup', {}).get('mode', '?')}, {run.get('warmup', {}).get('compiles', '?')} graphs in "
           f"{_f(run.get('warmup', {}).get('seconds'), 1)} s)", ""]
-    L += ["## Table 1: throughput microbenchmark (per turn, baseline then speculative, same process)", "",
-          "| metric | mean | p50 | p90 | p99 |", "|---|---|---|---|---|",
-          _stat_row("baseline tok/s (teacher-only greedy)", rep["baseline_tok_s"]),
-          _stat_row("EAGLE-3 tok/s", rep["ea_tok_s"]),
-          _stat_row("speedup (x)", rep["speedup"], 2, "x"),
-          _stat_row("accepted length L_k (per step)", rep["accept_len"])]
+    return L
+
+
+def _md_table1(rep: dict) -> list:
+    """report.md Table 1 (per-turn stats), the llama.cpp peer rows when it ran, and the aggregate line."""
+    L = ["## Table 1: throughput microbenchmark (per turn, baseline then speculative, same process)", "",
+         "| metric | mean | p50 | p90 | p99 |", "|---|---|---|---|---|",
+         _stat_row("baseline tok/s (teacher-only greedy)", rep["baseline_tok_s"]),
+         _stat_row("EAGLE-3 tok/s", rep["ea_tok_s"]),
+         _stat_row("speedup (x)", rep["speedup"], 2, "x"),
+         _stat_row("accepted length L_k (per step)", rep["accept_len"])]
     if "peer_llamacpp_tok_s" in rep:
         L.append(_stat_row("llama.cpp F32 greedy tok/s (peer)", rep["peer_llamacpp_tok_s"]))
     if rep.get("peers"):
@@ -301,63 +343,108 @@ def markdown(rep: dict) -> str:
     agg = rep["aggregate"]
     L += ["", f"Aggregate (total tokens / total seconds): baseline {_f(agg['baseline_tok_s'])} tok/s, EAGLE-3 "
               f"{_f(agg['ea_tok_s'])} tok/s, speedup {_f(agg['speedup'])}x.", ""]
+    return L
+
+
+def _md_paper(rep: dict) -> list:
+    """report.md: our headline numbers beside the paper's, and what differs in the setup."""
     P = rep["paper"]
-    L += ["### Beside the paper", "", "| | ours | paper (Ascend) |", "|---|---|---|",
-          f"| mean speedup | {_f(rep['speedup']['mean'])}x | {P['speedup_mean']:.2f}x |",
-          f"| p99 speedup | {_f(rep['speedup']['p99'])}x | {P['speedup_p99']:.2f}x |",
-          f"| mean L_k | {_f(rep['accept_len']['mean'])} | {P['accept_len_mean']:.2f} |", "",
-          "What differs: the paper runs an openPangu teacher on Ascend NPUs with fused kernels, where one verify "
-          "call over M tree tokens costs about the same as one decode step (memory-bound), so every accepted token "
-          "is nearly free. Here the teacher is SmolLM2-135M-Instruct (30 layers, H = 576) in fp32 on a shared "
-          "2-core CPU under MindSpore graph mode: compute-bound, so a verify over M tokens costs noticeably more "
-          "than a decode, the drafter's layer is a larger fraction of a small teacher's cost, and host-side work "
-          "(tree building, masks, Python) is not hidden behind device time. The drafter is our own small EAGLE-3 "
-          "head trained on a CPU budget, not the paper's. Speedup and L_k are therefore not expected to match; "
-          "the identical-output check and the shape of the distributions are the comparable parts.", ""]
-    if rep["by_source"]:
-        L += ["### By source", "", "| source | turns | baseline tok/s | EAGLE-3 tok/s | speedup mean | speedup p90 | "
-              "L_k mean | accepted from suffix | from both |", "|---|---|---|---|---|---|---|---|---|"]
-        for src, s in rep["by_source"].items():
-            a = s.get("accepted_from", {})
-            L.append(f"| {src} | {s['turns']} | {_f(s['baseline_tok_s'])} | {_f(s['ea_tok_s'])} | "
-                     f"{_f(s['speedup']['mean'])}x | {_f(s['speedup']['p90'])}x | {_f(s['accept_len']['mean'])} | "
-                     f"{_f(a.get('suffix_share'), 3)} | {_f(a.get('both_share'), 3)} |")
-        a = rep.get("accepted_from", {})
-        if rep.get("by_category"):
-            L += ["", "### By category", "",
-                  f"Accepted draft tokens by who proposed them (Figure 9: {FIGURES[9]}).", "",
-                  "| category | turns | speedup mean | speedup p10 | L_k mean | from drafter | from suffix | from both |",
-                  "|---|---|---|---|---|---|---|---|"]
-            for cat, c in rep["by_category"].items():
-                f = c["accepted_from"]
-                L.append(f"| {cat} | {c['turns']} | {_f(c['speedup']['mean'])}x | {_f(c['speedup']['p10'])}x | "
-                         f"{_f(c['accept_len_mean'])} | {f.get('drafter', 0)} ({_f(f.get('drafter_share'), 3)}) | "
-                         f"{f.get('suffix', 0)} ({_f(f.get('suffix_share'), 3)}) | "
-                         f"{f.get('both', 0)} ({_f(f.get('both_share'), 3)}) |")
-        L += ["", f"Accepted draft tokens by who proposed them (speculative.method "
-              f"{rep['run'].get('config', {}).get('speculative', {}).get('method', 'eagle3')}"
-              f"): drafter {a.get('drafter', 0)}, suffix candidates {a.get('suffix', 0)}, both {a.get('both', 0)}.",
-              ""]
-    L += policy_markdown(rep)
+    return ["### Beside the paper", "", "| | ours | paper (Ascend) |", "|---|---|---|",
+            f"| mean speedup | {_f(rep['speedup']['mean'])}x | {P['speedup_mean']:.2f}x |",
+            f"| p99 speedup | {_f(rep['speedup']['p99'])}x | {P['speedup_p99']:.2f}x |",
+            f"| mean L_k | {_f(rep['accept_len']['mean'])} | {P['accept_len_mean']:.2f} |", "",
+            "What differs: the paper runs an openPangu teacher on Ascend NPUs with fused kernels, where one verify "
+            "call over M tree tokens costs about the same as one decode step (memory-bound), so every accepted token "
+            "is nearly free. Here the teacher is SmolLM2-135M-Instruct (30 layers, H = 576) in fp32 on a shared "
+            "2-core CPU under MindSpore graph mode: compute-bound, so a verify over M tokens costs noticeably more "
+            "than a decode, the drafter's layer is a larger fraction of a small teacher's cost, and host-side work "
+            "(tree building, masks, Python) is not hidden behind device time. The drafter is our own small EAGLE-3 "
+            "head trained on a CPU budget, not the paper's. Speedup and L_k are therefore not expected to match; "
+            "the identical-output check and the shape of the distributions are the comparable parts.", ""]
+
+
+def _md_by_category(rep: dict) -> list:
+    """report.md "By category" table (Figure 9's numbers); [] without per-category data."""
+    if not rep.get("by_category"):
+        return []
+    L = ["", "### By category", "",
+         f"Accepted draft tokens by who proposed them (Figure 9: {FIGURES[9]}).", "",
+         "| category | turns | speedup mean | speedup p10 | L_k mean | from drafter | from suffix | from both |",
+         "|---|---|---|---|---|---|---|---|"]
+    for cat, c in rep["by_category"].items():
+        f = c["accepted_from"]
+        L.append(f"| {cat} | {c['turns']} | {_f(c['speedup']['mean'])}x | {_f(c['speedup']['p10'])}x | "
+                 f"{_f(c['accept_len_mean'])} | {f.get('drafter', 0)} ({_f(f.get('drafter_share'), 3)}) | "
+                 f"{f.get('suffix', 0)} ({_f(f.get('suffix_share'), 3)}) | "
+                 f"{f.get('both', 0)} ({_f(f.get('both_share'), 3)}) |")
+    return L
+
+
+def _md_by_source(rep: dict) -> list:
+    """report.md "By source" table, then "By category", then the accepted-draft-token counts; [] without
+    per-source data."""
+    if not rep["by_source"]:
+        return []
+    L = ["### By source", "", "| source | turns | baseline tok/s | EAGLE-3 tok/s | speedup mean | speedup p90 | "
+         "L_k mean | accepted from suffix | from both |", "|---|---|---|---|---|---|---|---|---|"]
+    for src, s in rep["by_source"].items():
+        a = s.get("accepted_from", {})
+        L.append(f"| {src} | {s['turns']} | {_f(s['baseline_tok_s'])} | {_f(s['ea_tok_s'])} | "
+                 f"{_f(s['speedup']['mean'])}x | {_f(s['speedup']['p90'])}x | {_f(s['accept_len']['mean'])} | "
+                 f"{_f(a.get('suffix_share'), 3)} | {_f(a.get('both_share'), 3)} |")
+    a = rep.get("accepted_from", {})
+    L += _md_by_category(rep)
+    L += ["", f"Accepted draft tokens by who proposed them (speculative.method "
+          f"{rep['run'].get('config', {}).get('speculative', {}).get('method', 'eagle3')}"
+          f"): drafter {a.get('drafter', 0)}, suffix candidates {a.get('suffix', 0)}, both {a.get('both', 0)}.",
+          ""]
+    return L
+
+
+def _md_fig3(rep: dict) -> list:
+    """report.md Figure 3 table: acceptance by tree depth (reach and conditional rate)."""
     f3 = rep["figures"]["fig3_accept_by_depth"]
-    L += ["## Figure 3: acceptance by tree position", "",
-          "Fraction of speculative steps whose accepted draft path reaches depth d (L_k - 1 >= d), and the "
-          f"conditional rate given depth d - 1 was reached ({f3['n_steps']} steps).", "",
-          "| depth d | " + " | ".join(str(d) for d in f3["depth"]) + " |",
-          "|---|" + "---|" * len(f3["depth"]),
-          "| reach | " + " | ".join(_f(x, 3) for x in f3["reach"]) + " |",
-          "| conditional | " + " | ".join(_f(x, 3) for x in f3["conditional"]) + " |", ""]
+    return ["## Figure 3: acceptance by tree position", "",
+            "Fraction of speculative steps whose accepted draft path reaches depth d (L_k - 1 >= d), and the "
+            f"conditional rate given depth d - 1 was reached ({f3['n_steps']} steps).", "",
+            "| depth d | " + " | ".join(str(d) for d in f3["depth"]) + " |",
+            "|---|" + "---|" * len(f3["depth"]),
+            "| reach | " + " | ".join(_f(x, 3) for x in f3["reach"]) + " |",
+            "| conditional | " + " | ".join(_f(x, 3) for x in f3["conditional"]) + " |", ""]
+
+
+def _md_fig5(rep: dict) -> list:
+    """report.md Figure 5 table: time of the speculative turns by phase."""
     ov = rep["figures"]["fig5_overheads"]
-    L += ["## Figure 5: overhead breakdown of the speculative turns", "",
-          f"{ov['turns']} turns, {ov['steps']} speculative steps. other = decode time outside the named phases.", "",
-          "| phase | total ms | ms / turn | ms / step | share |", "|---|---|---|---|---|"]
+    L = ["## Figure 5: overhead breakdown of the speculative turns", "",
+         f"{ov['turns']} turns, {ov['steps']} speculative steps. other = decode time outside the named phases.", "",
+         "| phase | total ms | ms / turn | ms / step | share |", "|---|---|---|---|---|"]
     for p in ov["phases"]:
         L.append(f"| {p} | {_f(ov['total_ms'][p], 1)} | {_f(ov['ms_per_turn'][p], 1)} | "
                  f"{_f(ov['ms_per_step'].get(p), 2) if p != 'prefill' else '-'} | {_f(100 * ov['share'][p], 1)}% |")
     L.append("")
-    for key, title, what in (("budget", "Table 2 / Figure 4: budget sweeps", "--sweep budget"),
-                             ("window", "Table 3 / Figure 6: drafter-only window truncation", "--sweep window"),
-                             ("policy", "Figure 8: policies side by side", "--sweep policy")):
+    return L
+
+
+_SWEEP_SECTIONS = (("budget", "Table 2 / Figure 4: budget sweeps", "--sweep budget"),
+                   ("window", "Table 3 / Figure 6: drafter-only window truncation", "--sweep window"),
+                   ("policy", "Figure 8: policies side by side", "--sweep policy"))
+
+
+def _md_sweep_row(p: dict) -> str:
+    """One sweep point (sweeps.summarize_points row) as a report.md table row."""
+    star = " **(fastest)**" if p["fastest"] else ""
+    p10 = stats(p.get("speedups", []))["p10"]
+    return (f"| {p['axis']} | {p['value'] if p['value'] else 'none'} | {p.get('policy', 'fixed')} | {p['M']} "
+            f"| {p['D_max']} | {p['top_k']} | {p['window'] or 'none'} | {p['turns']} | {_f(p['tok_s'])}{star} "
+            f"| {_f(p['speedup'])}x | {_f(p10)}x | {_f(p['speedup_agg'])}x | {_f(p['accept_len_mean'])} | "
+            f"{_f(p['accept_len_p90'])} | {p['identical']} |")
+
+
+def _md_sweeps(rep: dict) -> list:
+    """report.md sections of the budget sweep, the window study and the policy comparison ("Not run" when absent)."""
+    L = []
+    for key, title, what in _SWEEP_SECTIONS:
         rows = rep["sweeps"].get(key) or []
         L += [f"## {title}", ""]
         if not rows:
@@ -369,42 +456,63 @@ def markdown(rep: dict) -> str:
         L += ["| axis | value | policy | M | D_max | top_k | W | turns | tok/s | speedup (mean) | speedup p10 | "
               "speedup (aggregate) | L_k mean | L_k p90 | identical |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for p in rows:
-            star = " **(fastest)**" if p["fastest"] else ""
-            p10 = stats(p.get("speedups", []))["p10"]
-            L.append(f"| {p['axis']} | {p['value'] if p['value'] else 'none'} | {p.get('policy', 'fixed')} | {p['M']} "
-                     f"| {p['D_max']} | {p['top_k']} | {p['window'] or 'none'} | {p['turns']} | {_f(p['tok_s'])}{star} "
-                     f"| {_f(p['speedup'])}x | {_f(p10)}x | {_f(p['speedup_agg'])}x | {_f(p['accept_len_mean'])} | "
-                     f"{_f(p['accept_len_p90'])} | {p['identical']} |")
+        L += [_md_sweep_row(p) for p in rows]
         L.append("")
+    return L
+
+
+def _md_fig7(rep: dict) -> list:
+    """report.md Figure 7 table: where the drafter's top-1 attention falls, and the attention-sink share."""
     f7 = rep["figures"]["fig7_attention"]
-    L += ["## Figure 7: draft attention evidence", "",
-          f"Where the drafter's top-1 attention falls (distance in tokens back from the drafting row), "
-          f"{f7['n']} sampled context-pass rows (mean over heads).", "",
-          "| distance | 0-31 | 32-127 | 128-255 | 256+ |", "|---|---|---|---|---|",
-          f"| fraction | {_f(f7['0-31'], 3)} | {_f(f7['32-127'], 3)} | {_f(f7['128-255'], 3)} | {_f(f7['256+'], 3)} |", ""]
+    L = ["## Figure 7: draft attention evidence", "",
+         f"Where the drafter's top-1 attention falls (distance in tokens back from the drafting row), "
+         f"{f7['n']} sampled context-pass rows (mean over heads).", "",
+         "| distance | 0-31 | 32-127 | 128-255 | 256+ |", "|---|---|---|---|---|",
+         f"| fraction | {_f(f7['0-31'], 3)} | {_f(f7['32-127'], 3)} | {_f(f7['128-255'], 3)} | "
+         f"{_f(f7['256+'], 3)} |", ""]
     if "sink" in f7:
-        L += [f"Top-1 on one of the first 4 tokens of the sequence (attention sink): {_f(f7['sink'], 3)}; distance >= 128 "
-              f"and not a sink: {_f(f7['far_not_sink'], 3)}.", ""]
+        L += [f"Top-1 on one of the first 4 tokens of the sequence (attention sink): {_f(f7['sink'], 3)}; "
+              f"distance >= 128 and not a sink: {_f(f7['far_not_sink'], 3)}.", ""]
+    return L
+
+
+def _md_fig1_fig2(rep: dict) -> list:
+    """report.md Figure 1 length stats and Figure 2's correlation line."""
     f1 = rep["figures"]["fig1_lengths"]
-    L += ["## Figure 1: lengths", "", "| | mean | p50 | p90 | p99 |", "|---|---|---|---|---|",
-          _stat_row("prompt tokens", f1["prompt_stats"], 1), _stat_row("new tokens", f1["new_stats"], 1), "",
-          f"Figure 2: Pearson r between per-turn mean L_k and speedup = "
-          f"{_f(rep['figures']['fig2_speedup_vs_accept']['pearson_r'], 3)}.", ""]
+    return ["## Figure 1: lengths", "", "| | mean | p50 | p90 | p99 |", "|---|---|---|---|---|",
+            _stat_row("prompt tokens", f1["prompt_stats"], 1), _stat_row("new tokens", f1["new_stats"], 1), "",
+            f"Figure 2: Pearson r between per-turn mean L_k and speedup = "
+            f"{_f(rep['figures']['fig2_speedup_vs_accept']['pearson_r'], 3)}.", ""]
+
+
+def markdown(rep: dict) -> str:
+    """report.md text: run summary, Table 1 beside the paper, acceptance by depth, overheads, sweeps, attention,
+    figure links, notes on what differs from the paper's setup."""
+    run = rep.get("run", {})
+    L = _md_summary(rep, run)
+    L += _md_table1(rep)
+    L += _md_paper(rep)
+    L += _md_by_source(rep)
+    L += policy_markdown(rep)
+    L += _md_fig3(rep)
+    L += _md_fig5(rep)
+    L += _md_sweeps(rep)
+    L += _md_fig7(rep)
+    L += _md_fig1_fig2(rep)
     figs = run.get("figure_files", [])
     if figs:
         L += ["## Figures", ""] + [f"![{f}]({f})" for f in figs] + [""]
     return "\n".join(L)
 
 
-# ----------------------------------------------------------------------------------------------- figures --
 def policy_markdown(rep: dict) -> list:
     """report.md lines on the speculation policy: speedup tail, share of steps that speculated, predicted versus
     observed L_k, the measured cost table and the acceptance calibration (adaptive policy)."""
     sp, sh = rep["speedup"], rep["spec_share"]
     L = [f"## Speculation policy: {rep.get('policy', 'fixed')}", "",
          f"Speedup per turn: min {_f(sp.get('min'))}x, p10 {_f(sp.get('p10'))}x, mean {_f(sp['mean'])}x. Share of "
-         f"steps that verified a tree, per turn: mean {_f(sh['mean'])}, p10 {_f(sh.get('p10'))}, p90 {_f(sh['p90'])}.",
+         f"steps that verified a tree, per turn: mean {_f(sh['mean'])}, p10 {_f(sh.get('p10'))}, "
+         f"p90 {_f(sh['p90'])}.",
          ""]
     if rep.get("calibration"):
         L += ["Predicted E[L_k] (policy) against the observed L_k of the tree-verifying steps:", "",
@@ -415,20 +523,145 @@ def policy_markdown(rep: dict) -> list:
     st = rep.get("policy_state") or {}
     if st.get("costs"):
         c = st["costs"]
-        L += ["Cost table measured at warm-up (ms; multiple of a decode):", "", "| call | ms | x decode |", "|---|---|---|",
+        L += ["Cost table measured at warm-up (ms; multiple of a decode):", "", "| call | ms | x decode |",
+              "|---|---|---|",
               f"| decode (plain step) | {_f(c['decode_ms'], 1)} | 1.00 |"]
-        L += [f"| verify step, m = {m} | {_f(v, 1)} | {_f(v / c['decode_ms'])} |" for m, v in c["verify_ms"].items()]
+        L += [f"| verify step, m = {m} | {_f(v, 1)} | {_f(v / c['decode_ms'])} |"
+              for m, v in c["verify_ms"].items()]
         L += [f"| drafter context pass | {_f(c['draft_ctx_ms'], 1)} | {_f(c['draft_ctx_ms'] / c['decode_ms'])} |",
-              f"| drafter expansion step | {_f(c['draft_step_ms'], 1)} | {_f(c['draft_step_ms'] / c['decode_ms'])} |",
+              f"| drafter expansion step | {_f(c['draft_step_ms'], 1)} | "
+              f"{_f(c['draft_step_ms'] / c['decode_ms'])} |",
               ""]
     bins = (st.get("calibration") or {}).get("bins", [])
     if bins:
         L += ["Acceptance calibration at the end of the run (draft nodes, by depth and drafter path probability):",
-              "", "| depth | drafter prob | nodes | mean drafter prob | accepted | estimate |", "|---|---|---|---|---|---|"]
-        L += [f"| {b['depth']} | [{b['prob_lo']:g}, {b['prob_hi']:g}) | {b['nodes']:.0f} | {_f(b['drafter_prob'], 3)} | "
-              f"{_f(b['accepted'], 3)} | {_f(b['estimate'], 3)} |" for b in bins]
+              "", "| depth | drafter prob | nodes | mean drafter prob | accepted | estimate |",
+              "|---|---|---|---|---|---|"]
+        L += [f"| {b['depth']} | [{b['prob_lo']:g}, {b['prob_hi']:g}) | {b['nodes']:.0f} | "
+              f"{_f(b['drafter_prob'], 3)} | {_f(b['accepted'], 3)} | {_f(b['estimate'], 3)} |" for b in bins]
         L.append("")
     return L
+
+
+# ----------------------------------------------------------------------------------------------- figures --
+def _fig1_lengths(plt, f1):
+    """Figure 1: histograms of prompt tokens and generated tokens per turn."""
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.4))
+    ax[0].hist(f1["prompt_tokens"] or [0], bins=20, color="#4c72b0")
+    ax[0].set(title="Figure 1a: input length", xlabel="prompt tokens", ylabel="turns")
+    ax[1].hist(f1["new_tokens"] or [0], bins=20, color="#dd8452")
+    ax[1].set(title="Figure 1b: output length", xlabel="generated tokens", ylabel="turns")
+    return fig
+
+
+def _fig2_speedup_vs_accept(plt, f2):
+    """Figure 2: per-turn speedup against mean L_k, MT-Bench and HumanEval turns in two colours."""
+    pts = f2["points"]
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    for src, c in (("mtbench", "#4c72b0"), ("humaneval", "#55a868")):
+        sel = [p for p in pts if p["source"] == src]
+        ax.scatter([p["accept_len_mean"] for p in sel], [p["speedup"] for p in sel], s=14, c=c, label=src)
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set(title="Figure 2: speedup vs mean L_k per turn", xlabel="mean accepted length L_k", ylabel="speedup (x)")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _fig3_accept_by_depth(plt, f3):
+    """Figure 3: share of steps reaching tree depth d (bars) and the conditional rate (line)."""
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    ax.bar(f3["depth"], [x if x == x else 0 for x in f3["reach"]], color="#4c72b0", label="reach depth d")
+    ax.plot(f3["depth"], [x if x == x else 0 for x in f3["conditional"]], "o-", color="#c44e52",
+            label="conditional")
+    ax.set(title="Figure 3: acceptance by position", xlabel="tree depth d", ylabel="fraction of steps",
+           ylim=(0, 1.05))
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _fig4_budget_panel(ax, a, sel):
+    """One Figure 4 panel on ``ax``: tok/s along sweep axis ``a`` (fastest point starred, baseline dashed), mean
+    L_k on a twin axis."""
+    x = [r["value"] for r in sel]
+    ax.plot(x, [r["tok_s"] for r in sel], "o-", color="#4c72b0", label="EAGLE-3 tok/s")
+    ax.axhline(float(np.nanmean([r["baseline_tok_s"] for r in sel])), ls="--", color="gray",
+               label="baseline tok/s")
+    for r in sel:
+        if r.get("fastest_in_axis"):
+            ax.plot([r["value"]], [r["tok_s"]], "*", ms=14, color="#c44e52")
+    if a == "M":
+        ax.set_xscale("log", base=2)
+    ax.set(title=f"Figure 4: sweep {a}", xlabel=a, ylabel="tok/s")
+    t = ax.twinx()
+    t.plot(x, [r["accept_len_mean"] for r in sel], "s:", color="#55a868", label="mean L_k (right)")
+    t.set_ylabel("mean L_k")
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = t.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="best")
+
+
+def _fig4_budget_sweep(plt, rows):
+    """Figure 4: one panel per swept axis (M, D_max, top_k); None without budget sweep rows."""
+    if not rows:
+        return None
+    axes_ = [a for a in ("M", "D_max", "top_k") if any(r["axis"] == a for r in rows)]
+    fig, ax = plt.subplots(1, len(axes_), figsize=(4 * len(axes_), 3.4), squeeze=False)
+    for i, a in enumerate(axes_):
+        _fig4_budget_panel(ax[0, i], a, [r for r in rows if r["axis"] == a])
+    return fig
+
+
+def _fig5_overheads(plt, ov):
+    """Figure 5: ms per speculative turn by phase (horizontal bars labelled with their share)."""
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    names = ov["phases"]
+    ax.barh(names, [ov["ms_per_turn"][p] for p in names], color="#4c72b0")
+    for i, p in enumerate(names):
+        share = ov["share"][p]
+        ax.text(ov["ms_per_turn"][p], i, f" {100 * share:.1f}%" if share == share else "", va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set(title="Figure 5: time per speculative turn by phase", xlabel="ms per turn")
+    return fig
+
+
+def _fig6_window(plt, rows):
+    """Figure 6: tok/s and L_k against the drafter window W; None without window study rows."""
+    if not rows:
+        return None
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.4))
+    labels = [str(r["value"] or "none") for r in rows]
+    ax[0].bar(labels, [r["tok_s"] for r in rows], color=["#c44e52" if r["fastest"] else "#4c72b0" for r in rows])
+    ax[0].axhline(rows[0]["baseline_tok_s"], color="gray", ls="--", lw=0.8, label="baseline")
+    ax[0].set(title="Figure 6a: tok/s vs drafter window W", xlabel="W (context tokens)", ylabel="tok/s")
+    ax[0].legend(fontsize=8)
+    ax[1].plot(labels, [r["accept_len_mean"] for r in rows], "o-", label="mean L_k")
+    ax[1].plot(labels, [r["accept_len_p90"] for r in rows], "s--", label="p90 L_k")
+    ax[1].set(title="Figure 6b: L_k vs W", xlabel="W (context tokens)", ylabel="L_k")
+    ax[1].legend(fontsize=8)
+    return fig
+
+
+def _fig7_attention(plt, f7):
+    """Figure 7: fraction of sampled rows whose top-1 drafter attention falls in each distance bucket."""
+    keys = ("0-31", "32-127", "128-255", "256+")
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    ax.bar(keys, [f7[k] if f7[k] == f7[k] else 0 for k in keys], color="#8172b2")
+    ax.set(title=f"Figure 7: drafter top-1 attention distance (n={f7['n']})", xlabel="distance (tokens)",
+           ylabel="fraction of rows", ylim=(0, 1.05))
+    return fig
+
+
+def _fig8_policy_sweep(plt, rows):
+    """Figure 8: per-turn speedup box plot of each policy / preset; None without policy sweep rows."""
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 2, 3.6))
+    data = [[x for x in r.get("speedups", []) if x == x] or [float("nan")] for r in rows]
+    ax.boxplot(data, showmeans=True)
+    ax.set_xticks(range(1, len(rows) + 1), [str(r["value"]).replace(" M=", "\nM=") for r in rows], fontsize=7)
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set(title="Figure 8: per-turn speedup by policy", ylabel="speedup (x)")
+    return fig
 
 
 def write_figures(rep: dict, outdir: str) -> list:
@@ -441,109 +674,25 @@ def write_figures(rep: dict, outdir: str) -> list:
     written = []
 
     def save(fig, num):
+        if fig is None:
+            return
         fig.tight_layout()
         fig.savefig(os.path.join(outdir, FIGURES[num]), dpi=110)
         plt.close(fig)
         written.append(FIGURES[num])
 
     F = rep["figures"]
-    f1 = F["fig1_lengths"]
-    fig, ax = plt.subplots(1, 2, figsize=(9, 3.4))
-    ax[0].hist(f1["prompt_tokens"] or [0], bins=20, color="#4c72b0")
-    ax[0].set(title="Figure 1a: input length", xlabel="prompt tokens", ylabel="turns")
-    ax[1].hist(f1["new_tokens"] or [0], bins=20, color="#dd8452")
-    ax[1].set(title="Figure 1b: output length", xlabel="generated tokens", ylabel="turns")
-    save(fig, 1)
-
-    pts = F["fig2_speedup_vs_accept"]["points"]
-    fig, ax = plt.subplots(figsize=(5, 3.6))
-    for src, c in (("mtbench", "#4c72b0"), ("humaneval", "#55a868")):
-        sel = [p for p in pts if p["source"] == src]
-        ax.scatter([p["accept_len_mean"] for p in sel], [p["speedup"] for p in sel], s=14, c=c, label=src)
-    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-    ax.set(title="Figure 2: speedup vs mean L_k per turn", xlabel="mean accepted length L_k", ylabel="speedup (x)")
-    ax.legend(fontsize=8)
-    save(fig, 2)
-
-    f3 = F["fig3_accept_by_depth"]
-    fig, ax = plt.subplots(figsize=(5, 3.4))
-    ax.bar(f3["depth"], [x if x == x else 0 for x in f3["reach"]], color="#4c72b0", label="reach depth d")
-    ax.plot(f3["depth"], [x if x == x else 0 for x in f3["conditional"]], "o-", color="#c44e52",
-            label="conditional")
-    ax.set(title="Figure 3: acceptance by position", xlabel="tree depth d", ylabel="fraction of steps", ylim=(0, 1.05))
-    ax.legend(fontsize=8)
-    save(fig, 3)
-
-    rows = F["fig4_budget_sweep"]
-    if rows:
-        axes_ = [a for a in ("M", "D_max", "top_k") if any(r["axis"] == a for r in rows)]
-        fig, ax = plt.subplots(1, len(axes_), figsize=(4 * len(axes_), 3.4), squeeze=False)
-        for i, a in enumerate(axes_):
-            sel = [r for r in rows if r["axis"] == a]
-            x = [r["value"] for r in sel]
-            ax[0, i].plot(x, [r["tok_s"] for r in sel], "o-", color="#4c72b0", label="EAGLE-3 tok/s")
-            ax[0, i].axhline(float(np.nanmean([r["baseline_tok_s"] for r in sel])), ls="--", color="gray",
-                             label="baseline tok/s")
-            for r in sel:
-                if r.get("fastest_in_axis"):
-                    ax[0, i].plot([r["value"]], [r["tok_s"]], "*", ms=14, color="#c44e52")
-            if a == "M":
-                ax[0, i].set_xscale("log", base=2)
-            ax[0, i].set(title=f"Figure 4: sweep {a}", xlabel=a, ylabel="tok/s")
-            t = ax[0, i].twinx()
-            t.plot(x, [r["accept_len_mean"] for r in sel], "s:", color="#55a868", label="mean L_k (right)")
-            t.set_ylabel("mean L_k")
-            h1, l1 = ax[0, i].get_legend_handles_labels()
-            h2, l2 = t.get_legend_handles_labels()
-            ax[0, i].legend(h1 + h2, l1 + l2, fontsize=7, loc="best")
-        save(fig, 4)
-
-    ov = F["fig5_overheads"]
-    fig, ax = plt.subplots(figsize=(6, 3.4))
-    names = ov["phases"]
-    ax.barh(names, [ov["ms_per_turn"][p] for p in names], color="#4c72b0")
-    for i, p in enumerate(names):
-        share = ov["share"][p]
-        ax.text(ov["ms_per_turn"][p], i, f" {100 * share:.1f}%" if share == share else "", va="center", fontsize=8)
-    ax.invert_yaxis()
-    ax.set(title="Figure 5: time per speculative turn by phase", xlabel="ms per turn")
-    save(fig, 5)
-
-    rows = F["fig6_window"]
-    if rows:
-        fig, ax = plt.subplots(1, 2, figsize=(9, 3.4))
-        labels = [str(r["value"] or "none") for r in rows]
-        ax[0].bar(labels, [r["tok_s"] for r in rows], color=["#c44e52" if r["fastest"] else "#4c72b0" for r in rows])
-        ax[0].axhline(rows[0]["baseline_tok_s"], color="gray", ls="--", lw=0.8, label="baseline")
-        ax[0].set(title="Figure 6a: tok/s vs drafter window W", xlabel="W (context tokens)", ylabel="tok/s")
-        ax[0].legend(fontsize=8)
-        ax[1].plot(labels, [r["accept_len_mean"] for r in rows], "o-", label="mean L_k")
-        ax[1].plot(labels, [r["accept_len_p90"] for r in rows], "s--", label="p90 L_k")
-        ax[1].set(title="Figure 6b: L_k vs W", xlabel="W (context tokens)", ylabel="L_k")
-        ax[1].legend(fontsize=8)
-        save(fig, 6)
-
-    rows = F.get("fig8_policy_sweep") or []
-    if rows:
-        fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 2, 3.6))
-        data = [[x for x in r.get("speedups", []) if x == x] or [float("nan")] for r in rows]
-        ax.boxplot(data, showmeans=True)
-        ax.set_xticks(range(1, len(rows) + 1), [str(r["value"]).replace(" M=", "\nM=") for r in rows], fontsize=7)
-        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-        ax.set(title="Figure 8: per-turn speedup by policy", ylabel="speedup (x)")
-        save(fig, 8)
-
+    save(_fig1_lengths(plt, F["fig1_lengths"]), 1)
+    save(_fig2_speedup_vs_accept(plt, F["fig2_speedup_vs_accept"]), 2)
+    save(_fig3_accept_by_depth(plt, F["fig3_accept_by_depth"]), 3)
+    save(_fig4_budget_sweep(plt, F["fig4_budget_sweep"]), 4)
+    save(_fig5_overheads(plt, F["fig5_overheads"]), 5)
+    save(_fig6_window(plt, F["fig6_window"]), 6)
+    save(_fig8_policy_sweep(plt, F.get("fig8_policy_sweep") or []), 8)
     fig9 = draw_accepted_by_category(rep.get("by_category") or {}, outdir)
     if fig9:
         written.append(fig9)
-
-    f7 = F["fig7_attention"]
-    keys = ("0-31", "32-127", "128-255", "256+")
-    fig, ax = plt.subplots(figsize=(5, 3.4))
-    ax.bar(keys, [f7[k] if f7[k] == f7[k] else 0 for k in keys], color="#8172b2")
-    ax.set(title=f"Figure 7: drafter top-1 attention distance (n={f7['n']})", xlabel="distance (tokens)",
-           ylabel="fraction of rows", ylim=(0, 1.05))
-    save(fig, 7)
+    save(_fig7_attention(plt, F["fig7_attention"]), 7)
     return written
 
 
