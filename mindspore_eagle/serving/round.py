@@ -113,6 +113,24 @@ class Sequence:
 
 
 @dataclass
+class StepPlan:
+    """What one sequence does this step, decided before the teacher's forward (``DecodeRound._draft``)."""
+    tree: DraftTree | None = None  # the tree to verify; None: a plain step (its pending token alone)
+    choice: Choice | None = None  # the policy's choice (budget m, predicted L_k); None: nothing was drafted
+    expansions: int = 0  # drafter tree-expansion calls run for it
+    drafted: bool = False  # whether the drafter ran for it (its context pass and tree)
+
+
+@dataclass
+class StepResult:
+    """One sequence's outcome of the step's teacher forward (``DecodeRound._decode`` / ``_verify``)."""
+    path: np.ndarray  # int32 [L_k]; accepted node indices, root first ([0] for a plain step)
+    tokens: np.ndarray  # int64 [L_k]; the tokens emitted: accepted drafts, then the bonus
+    aux: np.ndarray | None  # float32 [L_k, 3H]; teacher features of the accepted nodes (None: not captured)
+    logprobs: list | None  # with gen.logprobs: core.accept.token_logprobs entries of ``tokens``, else None
+
+
+@dataclass
 class _DraftState:
     """The round's per-sequence drafting state: its drafter cache sequence (None without a drafter), the
     (feature, token) pairs the drafter has not seen yet (aux float32 [k, 3H], next tokens int64 [k]) and, with
@@ -238,54 +256,56 @@ class DecodeRound:
         timer = Timer()
         made = graph_stats()
         with timer:
-            trees, choices, expansions, ran = self._draft(live, timer)
-            if any(t is not None for t in trees):
-                results = self._verify(live, trees, [c.m if t is not None else 1 for t, c in zip(trees, choices)],
-                                       timer)
-            else:
-                results = self._decode(live, timer)
-            out = []
-            for s, res, tree, choice, grown, drafted in zip(live, results, trees, choices, expansions, ran):
-                if res is None:                          # non-finite logits: this sequence alone fails
-                    out.append([])
-                    continue
-                path, tokens, aux, entries = res
-                if s.state is not None:
-                    if s.state.dsid is not None:
-                        s.state.pending.append((aux, tokens))
-                    if s.state.text is not None:
-                        s.state.text.extend(0, tokens)
-                if tree is not None:
-                    s.accept_lens.append(len(tokens))
-                    if self.model is not None:
-                        observe_tree(self.model, tree, path)
-                if self.single and self.policy is not None:
-                    self.policy.observe(tree, path, len(tokens), self._model_ms(choice, grown, drafted))
-                s.next = int(tokens[-1])
-                out.append(s.emitter.push_all(tokens))
-                if entries is not None:
-                    s.logprobs += entries[: len(out[-1])]
+            plans = self._draft(live, timer)
+            tree_step = any(p.tree is not None for p in plans)
+            results = self._verify(live, plans, timer) if tree_step else self._decode(live, timer)
+            out = [self._take(s, plan, res) for s, plan, res in zip(live, plans, results)]
         if self.gate is not None:
-            kind = "tree" if any(t is not None for t in trees) else "plain"
-            self.gate.observe(kind, sum(len(t) for t in out), timer.total_ms)
-        for s, res, tree, choice, drafted, grown in zip(live, results, trees, choices, ran, expansions):
-            if res is None:
-                continue
-            path, tokens = res[0], res[1]
-            src = tree.source[path[1:]] if tree is not None and tree.source is not None else np.zeros(0, np.int8)
-            st = StepTrace(step=len(s.steps), accept_len=len(tokens), accepted=path.tolist(),
-                           n_nodes=len(tree) if tree is not None else 1, budget=choice.m if choice else 1,
-                           drafted=drafted, predicted_len=choice.predicted_len if choice else 1.0,
-                           accepted_suffix=int((src == SOURCE_SUFFIX).sum()),
-                           accepted_both=int((src == SOURCE_BOTH).sum()),
-                           total_ms=timer.total_ms, **timer.phase_kwargs(), **self._draft_split(timer, grown))
-            s.steps.append(st)
-            if self.trace is not None:
-                self.trace.write(st)
+            self.gate.observe("tree" if tree_step else "plain", sum(len(t) for t in out), timer.total_ms)
+        for s, plan, res in zip(live, plans, results):
+            if res is not None:
+                self._record(s, plan, res, timer)
         # a step that compiled or loaded a graph says nothing of what a step costs
         if self.single and self.costs is not None and graph_stats() == made and results[0] is not None:
             self.costs.observe_step(live[0].steps[-1])
         return out
+
+    def _take(self, s, plan: StepPlan, res: StepResult | None) -> list:
+        """Apply one sequence's result: queue its (feature, token) pairs for the drafter and its tokens for its
+        own suffix index, tell the policy, emit the tokens; returns the ids emitted ([] for a failed sequence)."""
+        if res is None:                          # non-finite logits: this sequence alone fails
+            return []
+        if s.state is not None:
+            if s.state.dsid is not None:
+                s.state.pending.append((res.aux, res.tokens))
+            if s.state.text is not None:
+                s.state.text.extend(0, res.tokens)
+        if plan.tree is not None:
+            s.accept_lens.append(len(res.tokens))
+            if self.model is not None:
+                observe_tree(self.model, plan.tree, res.path)
+        if self.single and self.policy is not None:
+            self.policy.observe(plan.tree, res.path, len(res.tokens),
+                                self._model_ms(plan.choice, plan.expansions, plan.drafted))
+        s.next = int(res.tokens[-1])
+        emitted = s.emitter.push_all(res.tokens)
+        if res.logprobs is not None:
+            s.logprobs += res.logprobs[: len(emitted)]
+        return emitted
+
+    def _record(self, s, plan: StepPlan, res: StepResult, timer: Timer) -> None:
+        """The sequence's StepTrace of this step (kept on ``s.steps``, written to the trace)."""
+        tree, choice = plan.tree, plan.choice
+        src = tree.source[res.path[1:]] if tree is not None and tree.source is not None else np.zeros(0, np.int8)
+        st = StepTrace(step=len(s.steps), accept_len=len(res.tokens), accepted=res.path.tolist(),
+                       n_nodes=len(tree) if tree is not None else 1, budget=choice.m if choice else 1,
+                       drafted=plan.drafted, predicted_len=choice.predicted_len if choice else 1.0,
+                       accepted_suffix=int((src == SOURCE_SUFFIX).sum()),
+                       accepted_both=int((src == SOURCE_BOTH).sum()),
+                       total_ms=timer.total_ms, **timer.phase_kwargs(), **self._draft_split(timer, plan.expansions))
+        s.steps.append(st)
+        if self.trace is not None:
+            self.trace.write(st)
 
     def _draft_split(self, timer: Timer, grown: int) -> dict:
         """StepTrace fields of a single-sequence step's drafting: its context pass, its tree expansion and the
@@ -297,61 +317,65 @@ class DecodeRound:
                 "expansions": int(grown)}
 
     # ------------------------------------------------------------------ plan + draft
-    def _draft(self, live: list, timer: Timer):
-        """Per sequence: the DraftTree to verify (None: a plain step), the policy's Choice (None: nothing was
-        drafted), the drafter expansion steps run and whether the drafter ran."""
-        n = len(live)
-        trees, choices, grown, ran = [None] * n, [None] * n, [0] * n, [False] * n
+    def _draft(self, live: list, timer: Timer) -> list:
+        """The StepPlan of every sequence of ``live``: a plain step for all, or the trees to verify."""
+        plans = [StepPlan() for _ in live]
         if self.drafter is None and self.suffix is None:
-            return trees, choices, grown, ran
-        dr = self.drafter
+            return plans
         if self.single:
-            (s,) = live
-            max_m = self.teacher.S - self.teacher.length(s.sid)           # tree tokens the cache has room for
-            left = s.emitter.left
-            with timer.phase("draft"):
-                tree = self._suffix_tree(s) if max_m >= 2 else None
-            if dr is not None and self.policy.want_draft(max_m, tree, left):
-                def grow(tree, frontier, depth):
-                    ok = self.policy.want_expand(tree, frontier, depth, max_m, left)
-                    grown[0] += ok
-                    return ok
-                with timer.phase("draft"):
-                    with timer.phase("draft_ctx"):
-                        first = dr.extend(s.state.dsid, *_take_pending(s.state))
-                    with timer.phase("draft_expand"):
-                        drafted = dr.build_tree(s.state.dsid, s.next, first, self.M, self.D, grow=grow)
-                    tree = drafted if self.suffix is None else merge_trees(drafted, tree)
-                ran[0] = True
-            if tree is None:
-                return trees, choices, grown, ran
-            choice = self.policy.choose(tree, max_m, left)
-            if ran[0]:
-                self.policy.after_draft(choice)
-            choices[0] = choice
-            if choice.m > 1:
-                trees[0] = self.policy.select(tree, choice.m)
-            return trees, choices, grown, ran
+            plans[0] = self._plan_one(live[0], timer)
+            return plans
         if self.gate.choose() != "tree":
-            return trees, choices, grown, ran
+            return plans
+        dr = self.drafter
         with timer.phase("draft"):
+            trees = [None] * len(live)
             if dr is not None:
                 pending = [_take_pending(s.state) for s in live]
                 trees = dr.draft_batch([s.state.dsid for s in live], pending, [s.next for s in live], self.M,
                                        self.D, self.rows)
-                ran = [True] * n
             if self.suffix is not None:
                 for i, s in enumerate(live):
                     sfx = self._suffix_tree(s)
                     t = sfx if trees[i] is None else merge_trees(trees[i], sfx)
                     trees[i] = None if t is None else select(t, self.M, self.model)
-        choices = [Choice(self.M, 0.0, 0.0) if t is not None else None for t in trees]
-        return trees, choices, [max(0, self.D - 1) if dr is not None else 0] * n, ran
+        grown = max(0, self.D - 1) if dr is not None else 0
+        return [StepPlan(t, Choice(self.M, 0.0, 0.0) if t is not None else None, grown, dr is not None)
+                for t in trees]
+
+    def _plan_one(self, s, timer: Timer) -> StepPlan:
+        """N = 1: the policy decides whether to draft, how deep the drafter's tree grows and the budget m."""
+        dr, plan = self.drafter, StepPlan()
+        max_m = self.teacher.S - self.teacher.length(s.sid)           # tree tokens the cache has room for
+        left = s.emitter.left
+        with timer.phase("draft"):
+            tree = self._suffix_tree(s) if max_m >= 2 else None
+        if dr is not None and self.policy.want_draft(max_m, tree, left):
+            def grow(tree, frontier, depth):
+                ok = self.policy.want_expand(tree, frontier, depth, max_m, left)
+                plan.expansions += ok
+                return ok
+            with timer.phase("draft"):
+                with timer.phase("draft_ctx"):
+                    first = dr.extend(s.state.dsid, *_take_pending(s.state))
+                with timer.phase("draft_expand"):
+                    drafted = dr.build_tree(s.state.dsid, s.next, first, self.M, self.D, grow=grow)
+                tree = drafted if self.suffix is None else merge_trees(drafted, tree)
+            plan.drafted = True
+        if tree is None:
+            return plan
+        plan.choice = self.policy.choose(tree, max_m, left)
+        if plan.drafted:
+            self.policy.after_draft(plan.choice)
+        if plan.choice.m > 1:
+            plan.tree = self.policy.select(tree, plan.choice.m)
+        return plan
 
     # ------------------------------------------------------------------ forwards
     def _decode(self, live: list, timer: Timer) -> list:
-        """A plain step: one teacher forward of each sequence's pending token. Returns per sequence (path int32
-        [1], tokens int64 [1], aux float32 [1, 3H]; a list holding None on teacher-only batched rounds)."""
+        """A plain step: one teacher forward of each sequence's pending token. Returns a StepResult per sequence
+        (path [0], one token; ``aux`` None on teacher-only batched rounds), None for one whose logits were not
+        finite."""
         tg = self.teacher
         with timer.phase("decode"):
             if self.single:
@@ -377,14 +401,17 @@ class DecodeRound:
                     continue
                 tokens = np.asarray([sample_token(logits[i], s.gen, tg.length(s.sid) if s.gen.temperature else 0)],
                                     np.int64)
-                out.append((np.zeros(1, np.int32), tokens, aux[i:i + 1], _logprobs(s, logits[i:i + 1], tokens)))
+                out.append(StepResult(np.zeros(1, np.int32), tokens, aux[i:i + 1],
+                                      _logprobs(s, logits[i:i + 1], tokens)))
             return out
 
-    def _verify(self, live: list, trees: list, budgets: list, timer: Timer) -> list:
+    def _verify(self, live: list, plans: list, timer: Timer) -> list:
         """A tree step: one teacher forward over every sequence's tree at its budget (a sequence without a tree
-        verifies its root alone), then acceptance and commit per sequence. Returns per sequence (path int32
-        [L_k], tokens int64 [L_k], aux float32 [L_k, 3H] of the accepted nodes)."""
+        verifies its root alone), then acceptance and commit per sequence. Returns a StepResult per sequence
+        (None for one whose logits were not finite)."""
         tg, D = self.teacher, self.D
+        trees = [p.tree for p in plans]
+        budgets = [p.choice.m if p.tree is not None else 1 for p in plans]
         first_pos = [tg.length(s.sid) + 1 if s.gen.temperature else 0 for s in live]   # the token after each root
         with timer.phase("tensorize"):
             if self.single:
@@ -424,7 +451,8 @@ class DecodeRound:
             with timer.phase("commit"):
                 tg.commit(s.sid, res.path, D + 2)
             # emitted token j (accepted drafts, then the bonus) was predicted by the row of node path[j]
-            out.append((res.path, res.tokens, aux[r][res.path], _logprobs(s, logits[r][res.path], res.tokens)))
+            out.append(StepResult(res.path, res.tokens, aux[r][res.path],
+                                  _logprobs(s, logits[r][res.path], res.tokens)))
         return out
 
     def _model_ms(self, choice, expansions: int, drafted: bool) -> float:
@@ -482,4 +510,4 @@ def _take_pending(state: _DraftState) -> tuple:
     return aux, toks
 
 
-__all__ = ["BatchLayout", "DecodeRound", "Sequence", "first_token", "non_finite_message"]
+__all__ = ["BatchLayout", "DecodeRound", "Sequence", "StepPlan", "StepResult", "first_token", "non_finite_message"]
