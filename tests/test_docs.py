@@ -487,7 +487,7 @@ def test_serving_md_names_every_metric_and_only_real_ones():
 
 
 def test_serving_md_names_every_request_field():
-    from mindspore_eagle.serving import protocol
+    from mindspore_eagle.serving import openai_protocol as protocol
 
     page = _read("docs/serving.md")
     fields = set(protocol.ChatCompletionRequest.model_fields) | set(protocol.CompletionRequest.model_fields)

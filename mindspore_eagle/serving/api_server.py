@@ -3,7 +3,7 @@
     mindspore-eagle serve --config configs/default.yaml [--host 127.0.0.1] [--port 8000] [--max-batch 16]
                           [--api-key KEY]
 
-Endpoints (OpenAI's shapes, protocol.py):
+Endpoints (OpenAI's shapes, openai_protocol.py):
 
     POST /v1/chat/completions   chat turn; ``stream: true`` answers server-sent events ending ``data: [DONE]``
     POST /v1/completions        raw prompt (no chat template), streamed or not
@@ -50,7 +50,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.sse import EventSourceResponse, format_sse_event
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mindspore_eagle.serving import protocol as P
+from mindspore_eagle.serving import openai_protocol as P
 from mindspore_eagle.serving.async_engine import AsyncEngine, NotReady, QueueFull
 from mindspore_eagle.serving.engine import GenerationError
 from mindspore_eagle.serving.metrics import ServerMetrics

@@ -64,7 +64,7 @@ from mindspore_eagle.core.suffix import SuffixIndex, propose
 from mindspore_eagle.core.trace import StepTrace, Timer
 from mindspore_eagle.core.tree import SOURCE_BOTH, SOURCE_SUFFIX, DraftTree, merge_trees, tensorize, validate_tree
 from mindspore_eagle.kernels.runtime import graph_stats
-from mindspore_eagle.runners.protocols import DrafterRunnerLike, TeacherRunnerLike
+from mindspore_eagle.runners.interfaces import DrafterRunnerLike, TeacherRunnerLike
 
 
 @dataclass
@@ -145,8 +145,8 @@ class DecodeRound:
     """One decode step for a set of live sequences (module docstring).
 
     Args:
-        teacher: a runners.protocols.TeacherRunnerLike (runners.teacher.TeacherRunner). drafter: a
-            runners.protocols.DrafterRunnerLike (runners.drafter.DrafterRunner), or None (teacher-only).
+        teacher: a runners.interfaces.TeacherRunnerLike (runners.teacher.TeacherRunner). drafter: a
+            runners.interfaces.DrafterRunnerLike (runners.drafter.DrafterRunner), or None (teacher-only).
         spec: SpeculativeConfig (M, D_max; ``validate_tree``). rows: N, the static row count of batched calls;
             N = 1 uses the single-sequence calls and ``policy``.
         policy: N = 1 with a drafter: core.policy.AdaptivePolicy or FixedPolicy (kept by the caller across turns).

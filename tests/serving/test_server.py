@@ -267,7 +267,7 @@ def test_logprobs_equal_teacher_only_alone_and_with_8_requests_in_flight(server3
     and streamed; completions' ``logprobs: 2`` likewise."""
     import dataclasses
 
-    from mindspore_eagle.serving import protocol as P
+    from mindspore_eagle.serving import openai_protocol as P
 
     eng = reference.engine
     gen = dataclasses.replace(load_config(None, tiny_overrides(tiny_dir)).generation, logprobs=5)
@@ -713,7 +713,7 @@ def test_requests_while_warming_up_or_shutting_down_get_503():
     from types import SimpleNamespace
 
     from mindspore_eagle.serving.api_server import Server
-    from mindspore_eagle.serving.protocol import APIError
+    from mindspore_eagle.serving.openai_protocol import APIError
 
     for state, ready, code in (("starting", False, "warming_up"), ("stopped", False, "shutting_down")):
         with pytest.raises(APIError) as e:

@@ -1,4 +1,4 @@
-"""runners/protocols.py: the decode round is written against TeacherRunnerLike / DrafterRunnerLike; the real runners
+"""runners/interfaces.py: the decode round is written against TeacherRunnerLike / DrafterRunnerLike; the real runners
 (and the numpy stand-ins tests/serving/test_round.py advances) must offer every member with the same parameters,
 so a signature changed on one side fails here instead of at the first call of a rare path."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import typing
 
 import pytest
 
-from mindspore_eagle.runners import protocols
+from mindspore_eagle.runners import interfaces
 
 
 def _members(proto) -> dict:
@@ -32,8 +32,8 @@ def _compatible(impl: inspect.Signature, proto: inspect.Signature) -> bool:
 
 
 @pytest.mark.parametrize("proto, impl", [
-    (protocols.TeacherRunnerLike, "mindspore_eagle.runners.teacher.TeacherRunner"),
-    (protocols.DrafterRunnerLike, "mindspore_eagle.runners.drafter.DrafterRunner"),
+    (interfaces.TeacherRunnerLike, "mindspore_eagle.runners.teacher.TeacherRunner"),
+    (interfaces.DrafterRunnerLike, "mindspore_eagle.runners.drafter.DrafterRunner"),
 ])
 def test_runner_offers_every_member_with_the_same_parameters(proto, impl):
     import importlib
@@ -58,7 +58,7 @@ def test_a_changed_signature_is_caught():
     class Wrong:
         def free(self, seq_id: int) -> None:
             pass
-    sig = _members(protocols.TeacherRunnerLike)["free"]
+    sig = _members(interfaces.TeacherRunnerLike)["free"]
     assert not _compatible(inspect.signature(Wrong.free), sig)
 
     class Extra:
