@@ -78,6 +78,71 @@ def teacher_identity(path: str) -> str:
     return f"{os.path.basename(path)} ({size} bytes)"
 
 
+class _RegenRun:
+    """The state of one :func:`regenerate_to_shards` call: the prompts to do, the finished records not yet in a
+    shard (``pending``) with the feature columns of the kept ones, the counters, and the SIGTERM flags (a signal
+    during a shard write waits for the write to end)."""
+
+    def __init__(self, runner, tok, store, done: set, todo: list, max_len: int, min_reply: int,
+                 time_limit: float | None, log, features):
+        self.runner, self.tok, self.store, self.done, self.todo = runner, tok, store, done, todo
+        self.max_len, self.min_reply, self.time_limit, self.log, self.features = (max_len, min_reply, time_limit,
+                                                                                  log, features)
+        self.feats = {}                     # prompt id -> stored feature columns of a pending kept sample
+        self.pending, self.fed = [], []
+        self.stats = {"prompts_done": 0, "generated": 0, "new_tokens": 0}
+        self.t0, self.c0, self.cpu0 = time.monotonic(), runner.compile_ms, time.process_time()
+        self.sig = {"writing": False, "stop": False}
+        self.counts = {"decoded": 0}
+
+    def flush(self) -> None:
+        """Write the pending records as one shard (after their feature shard) and log one progress line."""
+        pending, stats, features, store = self.pending, self.stats, self.features, self.store
+        if pending:
+            self.sig["writing"] = True      # a SIGTERM now waits: the shard and the manifest are written together
+            if features is not None:        # the feature shard first: a kill between the two leaves an orphan
+                features[0].write(store.next_name(), [self.feats[r["prompt_id"]] for r in pending
+                                                      if r["prompt_id"] in self.feats])
+            store.write(pending)
+            stats["prompts_done"] += len(pending)
+            pending.clear()
+            self.feats.clear()
+            self.sig["writing"] = False
+            sec, dec = time.monotonic() - self.t0, self.counts["decoded"]
+            self.log(f"[regen] {len(store.manifest['shards'])} shards, {len(self.done) + stats['prompts_done']} "
+                     f"prompts done ({stats['prompts_done']} this run, {len(self.todo) - stats['prompts_done']} "
+                     f"left); {dec} tokens decoded in {sec:.0f} s = {dec / max(sec, 1e-9):.1f} tok/s (compile "
+                     f"{(self.runner.compile_ms - self.c0) / 1e3:.0f} s, CPU {time.process_time() - self.cpu0:.0f} s)")
+
+    def items(self):
+        """(prompt ids, reply budget) of the prompts to do, lazily tokenised; too-long prompts become records
+        without a run."""
+        for p in self.todo:
+            ids = self.tok.encode_chat([{"role": "user", "content": p.text}], add_generation_prompt=True)
+            if len(ids) + self.min_reply > self.max_len:
+                self.pending.append(make_record(p, ids, [], "prompt_too_long", None))
+                continue
+            self.fed.append((p, ids))
+            yield ids, self.max_len - len(ids)
+
+    def on_term(self, signum, frame) -> None:
+        self.sig["stop"] = True
+        if not self.sig["writing"]:
+            raise _Stop()
+
+    def out_of_time(self) -> bool:
+        return self.time_limit is not None and time.monotonic() - self.t0 >= self.time_limit
+
+    def result(self) -> dict:
+        """The return value of :func:`regenerate_to_shards` (counters, rates and prompts left)."""
+        sec, comp = time.monotonic() - self.t0, (self.runner.compile_ms - self.c0) / 1e3
+        cpu, dec = time.process_time() - self.cpu0, self.counts["decoded"]
+        return {**self.stats, "decoded_tokens": dec, "seconds": round(sec, 1), "tok_s": round(dec / max(sec, 1e-9), 2),
+                "compile_s": round(comp, 1), "tok_s_excl_compile": round(dec / max(sec - comp, 1e-9), 2),
+                "cpu_s": round(cpu, 1), "tok_per_cpu_s": round(dec / max(cpu, 1e-9), 2),
+                "left": len(self.todo) - self.stats["prompts_done"]}
+
+
 def regenerate_to_shards(runner, tok, prompts: list, store, max_len: int, batch: int, shard_size: int = 64,
                          min_reply: int = 16, time_limit: float | None = None, log=print,
                          width_step: int = 512, features=None) -> dict:
@@ -104,69 +169,29 @@ def regenerate_to_shards(runner, tok, prompts: list, store, max_len: int, batch:
     from mindspore_eagle.train.shards import keep_sample, record_sample
 
     done = store.done_ids()
-    feats = {}                          # prompt id -> stored feature columns of a pending kept sample
-    todo = [p for p in prompts if p.prompt_id not in done]
-    pending, fed = [], []
-    stats = {"prompts_done": 0, "generated": 0, "new_tokens": 0}
-    t0, c0, cpu0 = time.monotonic(), runner.compile_ms, time.process_time()
-
-    sig = {"writing": False, "stop": False}
-
-    def flush():
-        if pending:
-            sig["writing"] = True           # a SIGTERM now waits: the shard and the manifest are written together
-            if features is not None:        # the feature shard first: a kill between the two leaves an orphan
-                features[0].write(store.next_name(), [feats[r["prompt_id"]] for r in pending
-                                                      if r["prompt_id"] in feats])
-            store.write(pending)
-            stats["prompts_done"] += len(pending)
-            pending.clear()
-            feats.clear()
-            sig["writing"] = False
-            sec = time.monotonic() - t0
-            log(f"[regen] {len(store.manifest['shards'])} shards, {len(done) + stats['prompts_done']} prompts "
-                f"done ({stats['prompts_done']} this run, {len(todo) - stats['prompts_done']} left); "
-                f"{counts['decoded']} tokens decoded in {sec:.0f} s = {counts['decoded'] / max(sec, 1e-9):.1f} "
-                f"tok/s (compile {(runner.compile_ms - c0) / 1e3:.0f} s, CPU {time.process_time() - cpu0:.0f} s)")
-
-    def items():                        # lazily tokenised; too-long prompts become records without a run
-        for p in todo:
-            ids = tok.encode_chat([{"role": "user", "content": p.text}], add_generation_prompt=True)
-            if len(ids) + min_reply > max_len:
-                pending.append(make_record(p, ids, [], "prompt_too_long", None))
-                continue
-            fed.append((p, ids))
-            yield ids, max_len - len(ids)
-
-    def on_term(signum, frame):
-        sig["stop"] = True
-        if not sig["writing"]:
-            raise _Stop()
-
+    run = _RegenRun(runner, tok, store, done, [p for p in prompts if p.prompt_id not in done], max_len, min_reply,
+                    time_limit, log, features)
     try:
-        old = signal.signal(signal.SIGTERM, on_term)
+        old = signal.signal(signal.SIGTERM, run.on_term)
     except ValueError:                  # not the main thread: no handler, SIGTERM acts as SIGKILL would
         old = None
-    counts = {"decoded": 0}
-    def out_of_time():
-        return time_limit is not None and time.monotonic() - t0 >= time_limit
-
-    gen = generate_stream(runner, items(), tok.eos_token_ids, batch, width_step=width_step, counts=counts,
-                          should_stop=out_of_time, features=features is not None)
+    gen = generate_stream(runner, run.items(), tok.eos_token_ids, batch, width_step=width_step, counts=run.counts,
+                          should_stop=run.out_of_time, features=features is not None)
     try:
         for j, reply, stop, end, *fx in gen:
-            p, ids = fed[j]
+            p, ids = run.fed[j]
             rec = make_record(p, ids, reply, stop, end)
             if fx:                      # stored columns now, outside the SIGTERM-deferred write
                 sample, mask = record_sample(rec, max_len)
                 if keep_sample(rec, mask):
-                    feats[p.prompt_id] = sample_columns(sample, mask, *fx[0], features[1], next_from=len(ids) - 1)
-            pending.append(rec)
-            stats["generated"] += 1
-            stats["new_tokens"] += len(reply)
-            if len(pending) >= shard_size:
-                flush()
-            if sig["stop"]:
+                    run.feats[p.prompt_id] = sample_columns(sample, mask, *fx[0], features[1],
+                                                            next_from=len(ids) - 1)
+            run.pending.append(rec)
+            run.stats["generated"] += 1
+            run.stats["new_tokens"] += len(reply)
+            if len(run.pending) >= shard_size:
+                run.flush()
+            if run.sig["stop"]:
                 raise _Stop()
     except (_Stop, KeyboardInterrupt):
         log("[regen] interrupted: flushing the finished replies")
@@ -174,13 +199,8 @@ def regenerate_to_shards(runner, tok, prompts: list, store, max_len: int, batch:
         gen.close()
         if old is not None:
             signal.signal(signal.SIGTERM, old)
-        flush()
-    sec, comp, cpu = time.monotonic() - t0, (runner.compile_ms - c0) / 1e3, time.process_time() - cpu0
-    dec = counts["decoded"]
-    return {**stats, "decoded_tokens": dec, "seconds": round(sec, 1), "tok_s": round(dec / max(sec, 1e-9), 2),
-            "compile_s": round(comp, 1), "tok_s_excl_compile": round(dec / max(sec - comp, 1e-9), 2),
-            "cpu_s": round(cpu, 1), "tok_per_cpu_s": round(dec / max(cpu, 1e-9), 2),
-            "left": len(todo) - stats["prompts_done"]}
+        run.flush()
+    return run.result()
 
 
 def status(out_dir: str) -> dict:

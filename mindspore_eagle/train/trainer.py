@@ -289,14 +289,59 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistC
     """
     from tqdm import tqdm
 
+    # set up: options, features, resume state, held-out split
     tc.check()
     dist = dist or DistContext()
     check_batch(tc.batch_size, dist.world, tc.pack_len)
     main = dist.is_main
     t_start = time.time()
-    T, S = tc.max_len, tc.ttt_length
     fs = FeatureSet(tc.features_dir)
     rpath = os.path.join(tc.out, "resume", "state.npz")
+    state, feats = _load_state(rpath, resume, fs)
+    n_total, n_eval, n_train = _sample_split(state, fs, tc)
+    # draft vocabulary and drafter: from the resume state, --init-from or new
+    used, init, icfg = _draft_vocab(tc, cfg, fs, state, n_train, main)
+    from mindspore_eagle.models.eagle3 import vocab_maps
+
+    vocab = vocab_maps(used, cfg.vocab_size)
+    mass = _vocab_mass(fs, n_train, used, cfg.vocab_size)
+    dcfg, init = _drafter_init(tc, cfg, fs, n_train, used, init, icfg, main)
+    net, ts = _make_net(tc, cfg, tensors, dcfg, used, vocab, init, dist)
+    start, cursor = _resume_weights(state, tc, net, ts, main)
+    dist.check_same([p.asnumpy() for p in net.trainable()] + [np.asarray(used)],
+                    "initial weights / draft vocabulary")
+    run = _Run(tc, dist, fs, net, ts, dcfg, vocab, rpath, state, start, cursor, n_train, n_total, used, feats,
+               tqdm)
+    # loop of steps, with a checkpoint (export, resume state, held-out score) every checkpoint_every steps
+    if run.held_idx and start == 0:              # the curve's origin: the initial (random or --init-from) weights
+        run.score(0)
+    with _TermFlag() as term:
+        for step in range(start, run.stop):
+            run.step(step)
+            halt = term.agreed(dist)                    # SIGTERM: checkpoint this step and end the run
+            if (step + 1) % tc.checkpoint_every == 0 or step + 1 == run.stop or halt:
+                run.checkpoint(step + 1, halt)
+                if halt:
+                    if main:
+                        print(f"[train] SIGTERM: stopped after step {step + 1}, state saved; continue with --resume",
+                              flush=True)
+                    run.stop, run.stopped_by = step + 1, "SIGTERM"
+                    break
+    # final export, held-out score and report
+    summary = run.finish(n_eval, mass, t_start)
+    if main:
+        with open(os.path.join(tc.out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        held = summary["heldout"]
+        print(f"[done] train acc(last 100) {summary['train_acc_last100']}; held-out {held.get('acc')}; "
+              f"coverage {held.get('cov')}; L_implied {held.get('L_implied')}", flush=True)
+    return summary
+
+
+def _load_state(rpath: str, resume: bool, fs: FeatureSet) -> tuple:
+    """(the resume state at ``rpath`` as a dict of arrays, or None without ``resume``; the JSON naming the
+    features: absolute directories and samples per directory). Raises FileNotFoundError (``resume`` without a
+    state) or ValueError (the samples per features directory changed since the run started)."""
     state = None
     if resume:
         if not os.path.exists(rpath):
@@ -307,12 +352,25 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistC
         raise ValueError(f"--resume: the samples per features directory changed since the run started (was "
                          f"{state['features']}, now {feats}), which would shift the training stream and the held-out "
                          "set; start a new run (--init-from the last export) to train on the new set")
+    return state, feats
+
+
+def _sample_split(state: dict | None, fs: FeatureSet, tc: TrainConfig) -> tuple[int, int, int]:
+    """(N samples used, held-out samples = the last min(n_eval, N // 4), training samples = the first ones).
+    A resumed run keeps its N. Raises ValueError when N < 2."""
     n_total = int(state["n_samples"]) if state is not None else min(len(fs), tc.max_samples or len(fs))
     if n_total < 2:
         raise ValueError(f"need at least 2 samples with features, have {n_total}")
     n_eval = min(tc.n_eval, n_total // 4)
-    n_train = n_total - n_eval
-    init = None
+    return n_total, n_eval, n_total - n_eval
+
+
+def _draft_vocab(tc: TrainConfig, cfg, fs: FeatureSet, state: dict | None, n_train: int, main: bool) -> tuple:
+    """(draft vocabulary: teacher ids [Vd], the ``--init-from`` drafter's tensors, its DrafterConfig), the last
+    two None unless the run starts ``--init-from``. The ids come from the resume state (whose layer count and
+    fc_norm must match ``tc``), the ``--init-from`` drafter (its t2d), or ``build_vocab`` over the training
+    samples' data and teacher-argmax tokens. Raises ValueError on a mismatch with ``tc``."""
+    init, icfg = None, None
     if state is not None:
         used = state["vocab_used"]
         got = 1 + len({k.split(".")[1] for k in state if k.startswith("w:layers.")})
@@ -339,18 +397,25 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistC
         used = dv.used
         if main:
             print(f"[vocab] {dv.report()}", flush=True)
-    from mindspore_eagle.models.eagle3 import vocab_maps
+    return used, init, icfg
 
-    vocab = vocab_maps(used, cfg.vocab_size)
-    t2d = vocab["t2d"]
-    counts = np.zeros(cfg.vocab_size, np.int64)
-    tcount = np.zeros(cfg.vocab_size, np.int64)
+
+def _vocab_mass(fs: FeatureSet, n_train: int, used: np.ndarray, vocab_size: int) -> tuple[float, float]:
+    """Shares of the training samples' loss-masked tokens (data, teacher argmax) that are in the draft ids ``used``."""
+    counts = np.zeros(vocab_size, np.int64)
+    tcount = np.zeros(vocab_size, np.int64)
     for i in range(n_train):
         d = fs[i]
         np.add.at(counts, d["input_ids"][d["loss_mask"].astype(bool)], 1)
         np.add.at(tcount, d["argmax"][:-1][d["loss_mask"][1:].astype(bool)], 1)
-    mass = (float(counts[used].sum() / max(counts.sum(), 1)), float(tcount[used].sum() / max(tcount.sum(), 1)))
+    return float(counts[used].sum() / max(counts.sum(), 1)), float(tcount[used].sum() / max(tcount.sum(), 1))
 
+
+def _drafter_init(tc: TrainConfig, cfg, fs: FeatureSet, n_train: int, used: np.ndarray, init: dict | None,
+                  icfg: DrafterConfig | None, main: bool) -> tuple:
+    """(DrafterConfig of the run, ``--init-from`` tensors completed for it: new layers as the identity, fc_norm
+    weights from the training features when the drafter had none; None without ``--init-from``). Raises
+    ValueError when the ``--init-from`` drafter has fc_norm and ``tc`` not."""
     dcfg = drafter_config(cfg, tc.vd, tc.intermediate, tc.num_layers, tc.fc_norm)
     if init is not None and dcfg.num_hidden_layers > icfg.num_hidden_layers:    # grow: new layers start as identity
         init = init_drafter_tensors(dcfg, tc.seed, used) | init
@@ -364,12 +429,27 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistC
                                                        for c in range(3)), flush=True)
     if init is not None and icfg.fc_norm and not dcfg.fc_norm:
         raise ValueError(f"--init-from {tc.init_from} has fc_norm: train it with --fc-norm")
+    return dcfg, init
+
+
+def _make_net(tc: TrainConfig, cfg, tensors: dict, dcfg: DrafterConfig, used: np.ndarray, vocab: dict,
+              init: dict | None, dist: DistContext) -> tuple[TTTDrafter, TrainStep]:
+    """The TTT drafter (rows of R = pack_len or T tokens, S steps) with its starting weights (``init`` or
+    :func:`initial_tensors`) and its optimiser step (gradients all-reduced over the ranks)."""
+    T, S = tc.max_len, tc.ttt_length
     head = head_weight(cfg, tensors)
     R = tc.pack_len or T
     net = TTTDrafter(dcfg, tensors["model.embed_tokens.weight"], head[used], vocab["d2t"], R, S, max_len=T,
                      argmax_weight=tc.argmax_weight)
     net.load_tensors(init if init is not None else initial_tensors(dcfg, tc.seed, used, tc.init, cfg, tensors))
     ts = TrainStep(net, grad_reduce=dist.grad_reduce())
+    return net, ts
+
+
+def _resume_weights(state: dict | None, tc: TrainConfig, net: TTTDrafter, ts: TrainStep, main: bool) -> tuple:
+    """(first step, stream cursor): (0, 0) for a new run; else the state's, with its weights and optimiser
+    moments loaded into ``net`` / ``ts``. Raises ValueError when --batch-size / --pack-len differ from the
+    state's."""
     start, cursor = 0, 0
     if state is not None:
         start = int(state["step"])
@@ -382,120 +462,132 @@ def train(tc: TrainConfig, cfg, tensors: dict, resume: bool = False, dist: DistC
         ts.load_state({k[2:]: v for k, v in state.items() if k.startswith("o:")})
         if main:
             print(f"[resume] from step {start} (stream position {cursor})", flush=True)
-    dist.check_same([p.asnumpy() for p in net.trainable()] + [np.asarray(used)],
-                    "initial weights / draft vocabulary")
-    warmup = tc.warmup if tc.warmup is not None else max(1, int(0.03 * tc.steps))
-    log_path, eval_path = os.path.join(tc.out, "train_log.jsonl"), os.path.join(tc.out, "eval_log.jsonl")
-    if main:
-        os.makedirs(os.path.join(tc.out, "resume"), exist_ok=True)
-        _trim_log(log_path, start)                      # train_log "step" = 0-based step index
-        _trim_log(eval_path, start + 1 if start else 0)  # eval_log "step" = steps done at the checkpoint
-    extra = {"vocab_used": used, "n_samples": np.array(n_total), "batch_size": np.array(tc.batch_size),
-             "features": np.array(feats),
-             "pack_len": np.array(tc.pack_len),
-             "rng": np.array(json.dumps({"seed": tc.seed, "order": "permutation(seed, epoch)"}))}
-    lengths = np.array([min(len(fs[i]["input_ids"]), T) for i in range(n_train)])
-    tokens_before = 0
-    if state is not None:        # states before tokens_seen was kept: the sum over the (trimmed) step log
-        tokens_before = int(state["tokens_seen"]) if "tokens_seen" in state else _logged_tokens(log_path)
-    held_idx = list(range(n_train, n_total))
-    fwd_eval = None
-    bar = tqdm(total=tc.steps, initial=start, desc="train", unit="step", disable=not (tc.progress and main),
-               mininterval=5)
-    win_c, win_m, win_l = [], [], []
-    tok_seen, samples_seen, t_loop, c_loop, history = 0, 0, time.time(), time.process_time(), []
-    eval_s, first, held, held_step = 0.0, (0.0, 0, 0), {}, None
-    stop = tc.steps if tc.stop_at is None else min(tc.steps, tc.stop_at)
+    return start, cursor
 
-    def score(done: int) -> None:
+
+class _Run:
+    """The state of one :func:`train` call's loop: model, optimiser, stream cursor, log files, the last-100-step
+    windows (correct [S], masked [S], loss) and this run's counters (real tokens, samples, seconds)."""
+
+    def __init__(self, tc: TrainConfig, dist: DistContext, fs: FeatureSet, net: TTTDrafter, ts: TrainStep,
+                 dcfg: DrafterConfig, vocab: dict, rpath: str, state: dict | None, start: int, cursor: int,
+                 n_train: int, n_total: int, used: np.ndarray, feats: str, tqdm):
+        self.tc, self.dist, self.main, self.fs, self.net, self.ts = tc, dist, dist.is_main, fs, net, ts
+        self.dcfg, self.vocab, self.t2d, self.rpath = dcfg, vocab, vocab["t2d"], rpath
+        self.T, self.S, self.start, self.cursor, self.n_train = tc.max_len, tc.ttt_length, start, cursor, n_train
+        self.warmup = tc.warmup if tc.warmup is not None else max(1, int(0.03 * tc.steps))
+        self.log_path, self.eval_path = os.path.join(tc.out, "train_log.jsonl"), os.path.join(tc.out, "eval_log.jsonl")
+        if self.main:
+            os.makedirs(os.path.join(tc.out, "resume"), exist_ok=True)
+            _trim_log(self.log_path, start)                      # train_log "step" = 0-based step index
+            _trim_log(self.eval_path, start + 1 if start else 0)  # eval_log "step" = steps done at the checkpoint
+        self.extra = {"vocab_used": used, "n_samples": np.array(n_total), "batch_size": np.array(tc.batch_size),
+                      "features": np.array(feats),
+                      "pack_len": np.array(tc.pack_len),
+                      "rng": np.array(json.dumps({"seed": tc.seed, "order": "permutation(seed, epoch)"}))}
+        self.lengths = np.array([min(len(fs[i]["input_ids"]), self.T) for i in range(n_train)])
+        self.tokens_before = 0
+        if state is not None:        # states before tokens_seen was kept: the sum over the (trimmed) step log
+            self.tokens_before = (int(state["tokens_seen"]) if "tokens_seen" in state
+                                  else _logged_tokens(self.log_path))
+        self.held_idx = list(range(n_train, n_total))
+        self.fwd_eval = None
+        self.bar = tqdm(total=tc.steps, initial=start, desc="train", unit="step",
+                        disable=not (tc.progress and self.main), mininterval=5)
+        self.win_c, self.win_m, self.win_l = [], [], []
+        self.tok_seen, self.samples_seen, self.t_loop, self.c_loop, self.history = (
+            0, 0, time.time(), time.process_time(), [])
+        self.eval_s, self.first, self.held, self.held_step = 0.0, (0.0, 0, 0), {}, None
+        self.stop = tc.steps if tc.stop_at is None else min(tc.steps, tc.stop_at)
+        self.stopped_by = None
+
+    def score(self, done: int) -> None:
         """Score the held-out samples after ``done`` steps (every rank) and log the line (rank 0)."""
-        nonlocal fwd_eval, held, held_step, eval_s
         import mindspore as ms
 
         t0 = time.time()
-        fwd_eval = fwd_eval or ms.jit(net.eval_topk)           # compiled once, reused by every checkpoint
-        held, held_step = evaluate(net, fs, held_idx, t2d, T, S, fwd_eval, dist=dist), done
-        eval_s += time.time() - t0
-        if main:
-            _append(eval_path, {"step": done, "tokens_seen": tokens_before + tok_seen, **held})
+        self.fwd_eval = self.fwd_eval or ms.jit(self.net.eval_topk)     # compiled once, reused by every checkpoint
+        self.held = evaluate(self.net, self.fs, self.held_idx, self.t2d, self.T, self.S, self.fwd_eval,
+                             dist=self.dist)
+        self.held_step = done
+        self.eval_s += time.time() - t0
+        if self.main:
+            _append(self.eval_path, {"step": done, "tokens_seen": self.tokens_before + self.tok_seen, **self.held})
 
-    if held_idx and start == 0:              # the curve's origin: the initial (random or --init-from) weights
-        score(0)
-    stopped_by = None
-    with _TermFlag() as term:
-        for step in range(start, stop):
-            t0 = time.time()
-            b, cursor = next_batch(fs, cursor, lengths, tc, t2d, dist)
-            lr = lr_at(step, tc.lr, warmup, tc.steps, tc.schedule)
-            loss, losses, correct = ts(b, lr)
-            loss, losses, correct, masked, n_samples, n_valid = reduce_step_stats(  # global batch (W > 1)
-                dist, loss, losses, correct, b.loss_mask.sum((1, 2)), b.n_samples, b.n_valid)
-            if step == start:                                                   # includes compiling the step
-                first = (time.time() - t0, n_valid, n_samples)
-            rec = {"step": step, "lr": lr, "loss": loss, "losses": np.round(losses, 5).tolist(),
-                   "correct": correct.tolist(), "masked": masked.tolist(), "samples": n_samples,
-                   "tokens": n_valid, "cursor": cursor, "elapsed_s": round(time.time() - t_loop, 3),
-                   "cpu_s": round(time.process_time() - c_loop, 3)}
-            history.append(loss)
-            if main:
-                _append(log_path, rec)
-            win_c, win_m, win_l = (win_c + [correct])[-100:], (win_m + [masked])[-100:], (win_l + [loss])[-100:]
-            tok_seen += n_valid
-            samples_seen += n_samples
-            acc = np.sum(win_c, 0) / np.maximum(np.sum(win_m, 0), 1)
-            bar.update(1)
-            bar.set_postfix(loss=f"{np.mean(win_l):.3f}", acc0=f"{acc[0]:.3f}",
-                            tok_s=f"{tok_seen / max(time.time() - t_loop - eval_s, 1e-9):.0f}", refresh=False)
-            halt = term.agreed(dist)                    # SIGTERM: checkpoint this step and end the run
-            if (step + 1) % tc.checkpoint_every == 0 or step + 1 == stop or halt:
-                dist.check_same([p.asnumpy() for p in net.trainable()], f"weights after step {step + 1}")
-                if main:
-                    export(tc.out, dcfg, net, vocab)
-                    save_resume(rpath, net, ts, step + 1, {
-                        **extra, "cursor": np.array(cursor, np.int64),
-                        "tokens_seen": np.array(tokens_before + tok_seen, np.int64)})
-                if held_idx and not halt:               # stopping: no held-out pass (a grace period is short)
-                    score(step + 1)
-                if halt:
-                    if main:
-                        print(f"[train] SIGTERM: stopped after step {step + 1}, state saved; continue with --resume",
-                              flush=True)
-                    stop, stopped_by = step + 1, "SIGTERM"
-                    break
-    bar.close()
-    if main:
-        export(tc.out, dcfg, net, vocab)
-    loop_s = time.time() - t_loop
-    train_s = loop_s - eval_s
-    n_steps = stop - start
-    acc_train = (np.sum(win_c, 0) / np.maximum(np.sum(win_m, 0), 1)).round(4).tolist() if win_c else []
-    if held_idx and held_step != stop and stopped_by is None:
-        held = evaluate(net, fs, held_idx, t2d, T, S, fwd_eval, dist=dist)
-    summary = {
-        "samples_train": n_train, "samples_eval": n_eval, "train_tokens": int(sum(len(fs[i]["input_ids"])
-                                                                                  for i in range(n_train))),
-        "vd": tc.vd, "vocab_mass_data": round(mass[0], 4), "vocab_mass_teacher_argmax": round(mass[1], 4),
-        "ttt_length": S, "steps": tc.steps, "resumed_from": start, "max_len": T, "lr": tc.lr, "warmup": warmup,
-        "schedule": tc.schedule, "argmax_weight": tc.argmax_weight, "fc_norm": tc.fc_norm, "batch_size": tc.batch_size,
-        "pack_len": tc.pack_len, "row_len": R,
-        "world_size": dist.world,
-        "init": tc.init if not tc.init_from else "init_from", "drafter": dcfg.to_json(),
-        "train_acc_last100": acc_train, "train_loss_last100": float(np.mean(win_l)) if win_l else None,
-        "heldout": held, "train_seconds_this_run": round(train_s, 1), "eval_seconds_this_run": round(eval_s, 1),
-        "wall_seconds_this_run": round(time.time() - t_start, 1),
-        "steps_per_s": round(n_steps / max(train_s, 1e-9), 3),
-        "tokens_per_s": round(tok_seen / max(train_s, 1e-9), 1),
-        "throughput_after_first_step": _rates(n_steps - 1, tok_seen - first[1], samples_seen - first[2],
-                                              train_s - first[0], tc.batch_size * R),
-        "first_step_seconds": round(first[0], 2), "stopped_by": stopped_by, "command": tc.command,
-        "config": asdict(tc), "losses_this_run": [round(x, 5) for x in history],
-    }
-    if main:
-        with open(os.path.join(tc.out, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1)
-        print(f"[done] train acc(last 100) {acc_train}; held-out {held.get('acc')}; coverage {held.get('cov')}; "
-              f"L_implied {held.get('L_implied')}", flush=True)
-    return summary
+    def step(self, step: int) -> None:
+        """One optimiser step on the next batch of the stream: log line (rank 0), windows, counters, progress bar."""
+        tc, t0 = self.tc, time.time()
+        b, self.cursor = next_batch(self.fs, self.cursor, self.lengths, tc, self.t2d, self.dist)
+        lr = lr_at(step, tc.lr, self.warmup, tc.steps, tc.schedule)
+        loss, losses, correct = self.ts(b, lr)
+        loss, losses, correct, masked, n_samples, n_valid = reduce_step_stats(  # global batch (W > 1)
+            self.dist, loss, losses, correct, b.loss_mask.sum((1, 2)), b.n_samples, b.n_valid)
+        if step == self.start:                                              # includes compiling the step
+            self.first = (time.time() - t0, n_valid, n_samples)
+        rec = {"step": step, "lr": lr, "loss": loss, "losses": np.round(losses, 5).tolist(),
+               "correct": correct.tolist(), "masked": masked.tolist(), "samples": n_samples,
+               "tokens": n_valid, "cursor": self.cursor, "elapsed_s": round(time.time() - self.t_loop, 3),
+               "cpu_s": round(time.process_time() - self.c_loop, 3)}
+        self.history.append(loss)
+        if self.main:
+            _append(self.log_path, rec)
+        self.win_c, self.win_m = (self.win_c + [correct])[-100:], (self.win_m + [masked])[-100:]
+        self.win_l = (self.win_l + [loss])[-100:]
+        self.tok_seen += n_valid
+        self.samples_seen += n_samples
+        acc = np.sum(self.win_c, 0) / np.maximum(np.sum(self.win_m, 0), 1)
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{np.mean(self.win_l):.3f}", acc0=f"{acc[0]:.3f}",
+                             tok_s=f"{self.tok_seen / max(time.time() - self.t_loop - self.eval_s, 1e-9):.0f}",
+                             refresh=False)
+
+    def checkpoint(self, done: int, halt: bool) -> None:
+        """After ``done`` steps: check the ranks agree, export + resume state (rank 0), and score the held-out
+        samples unless the run is stopping (``halt``: a grace period is short)."""
+        self.dist.check_same([p.asnumpy() for p in self.net.trainable()], f"weights after step {done}")
+        if self.main:
+            export(self.tc.out, self.dcfg, self.net, self.vocab)
+            save_resume(self.rpath, self.net, self.ts, done, {
+                **self.extra, "cursor": np.array(self.cursor, np.int64),
+                "tokens_seen": np.array(self.tokens_before + self.tok_seen, np.int64)})
+        if self.held_idx and not halt:
+            self.score(done)
+
+    def finish(self, n_eval: int, mass: tuple, t_start: float) -> dict:
+        """Close the bar, export (rank 0), score the held-out samples unless the last checkpoint did (or SIGTERM
+        stopped the run), and return the summary (``mass``: vocab mass of data / teacher argmax; ``t_start``:
+        time.time() when :func:`train` began)."""
+        tc, fs, n_train, R = self.tc, self.fs, self.n_train, self.tc.pack_len or self.T
+        self.bar.close()
+        if self.main:
+            export(tc.out, self.dcfg, self.net, self.vocab)
+        loop_s = time.time() - self.t_loop
+        train_s, eval_s, tok_seen, first = loop_s - self.eval_s, self.eval_s, self.tok_seen, self.first
+        n_steps = self.stop - self.start
+        win_c, win_m, win_l = self.win_c, self.win_m, self.win_l
+        acc_train = (np.sum(win_c, 0) / np.maximum(np.sum(win_m, 0), 1)).round(4).tolist() if win_c else []
+        if self.held_idx and self.held_step != self.stop and self.stopped_by is None:
+            self.held = evaluate(self.net, fs, self.held_idx, self.t2d, self.T, self.S, self.fwd_eval, dist=self.dist)
+        return {
+            "samples_train": n_train, "samples_eval": n_eval, "train_tokens": int(sum(len(fs[i]["input_ids"])
+                                                                                      for i in range(n_train))),
+            "vd": tc.vd, "vocab_mass_data": round(mass[0], 4), "vocab_mass_teacher_argmax": round(mass[1], 4),
+            "ttt_length": self.S, "steps": tc.steps, "resumed_from": self.start, "max_len": self.T, "lr": tc.lr,
+            "warmup": self.warmup, "schedule": tc.schedule, "argmax_weight": tc.argmax_weight, "fc_norm": tc.fc_norm,
+            "batch_size": tc.batch_size, "pack_len": tc.pack_len, "row_len": R,
+            "world_size": self.dist.world,
+            "init": tc.init if not tc.init_from else "init_from", "drafter": self.dcfg.to_json(),
+            "train_acc_last100": acc_train, "train_loss_last100": float(np.mean(win_l)) if win_l else None,
+            "heldout": self.held, "train_seconds_this_run": round(train_s, 1),
+            "eval_seconds_this_run": round(eval_s, 1),
+            "wall_seconds_this_run": round(time.time() - t_start, 1),
+            "steps_per_s": round(n_steps / max(train_s, 1e-9), 3),
+            "tokens_per_s": round(tok_seen / max(train_s, 1e-9), 1),
+            "throughput_after_first_step": _rates(n_steps - 1, tok_seen - first[1], self.samples_seen - first[2],
+                                                  train_s - first[0], tc.batch_size * R),
+            "first_step_seconds": round(first[0], 2), "stopped_by": self.stopped_by, "command": tc.command,
+            "config": asdict(tc), "losses_this_run": [round(x, 5) for x in self.history],
+        }
 
 
 class _TermFlag:
