@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from mindspore_eagle.config import load_config
+from mindspore_eagle.serving.batch_job import run_records
 from mindspore_eagle.serving.pipeline import EMBEDDED_DRAFTER, build_engine, load_models
 
 pytestmark = pytest.mark.slow          # the real teacher: minutes per test
@@ -179,8 +180,8 @@ def test_seeded_sampling_same_text_on_every_path(loaded):
     assert eng.generate(p, gen).token_ids == alone == eng.generate(p, gen, speculative=False).token_ids
     recs = [batch_job.parse_record(i + 1, i, f'{{"id": {i}, "prompt": "{q}"}}')
             for i, q in enumerate(["What is 2+2?", p, "Hello!", p])]
-    sched = BatchScheduler(eng, gen, 4, speculative=True, keep_ids=True)
-    sched.run(recs, lambda res: None)
-    assert sched.token_ids[1] == sched.token_ids[3] == [alone]
+    sched, ids = BatchScheduler(eng, gen, 4, speculative=True), {}
+    run_records(sched, recs, lambda res: None, ids)
+    assert ids[1] == ids[3] == [alone]
     gen.seed = 6
     assert eng.generate(p, gen).token_ids != alone

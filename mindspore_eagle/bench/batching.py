@@ -76,7 +76,7 @@ def run_batch_sizes(engine, prompts: list, sizes: list, gen, log, speculative: b
             policy (``Engine.generate``), at N > 1 trees of the fixed budget speculative.M / D_max verified
             together (``serving.round.DecodeRound`` with N rows).
     """
-    from mindspore_eagle.serving.batch_job import parse_record
+    from mindspore_eagle.serving.batch_job import parse_record, run_records
     from mindspore_eagle.serving.scheduler import BatchScheduler
 
     speculative = speculative and engine.speculates
@@ -94,10 +94,11 @@ def run_batch_sizes(engine, prompts: list, sizes: list, gen, log, speculative: b
                 ids, got = [g.token_ids for g in gens], [g.text for g in gens]
                 lens = [s.accept_len for g in gens for s in g.steps if s.budget != 1]
             else:
-                sched, res = BatchScheduler(engine, gen, n, speculative=spec, keep_ids=True), {}
-                _, wall, comp = _timed(engine, lambda: sched.run(recs, lambda r: res.__setitem__(r["id"], r)))
+                sched, res, all_ids = BatchScheduler(engine, gen, n, speculative=spec), {}, {}
+                _, wall, comp = _timed(engine, lambda: run_records(sched, recs, lambda r: res.__setitem__(r["id"], r),
+                                                                   all_ids))
                 got = [res[i].get("text", "") for i in range(len(prompts))]
-                ids = [sched.token_ids.get(i, [[]])[0] for i in range(len(prompts))]
+                ids = [all_ids.get(i, [[]])[0] for i in range(len(prompts))]
                 lens = [res[i]["mean_accept_len"] for i in range(len(prompts)) if spec]
             new = sum(len(g) for g in ids)
             row = {"max_batch": n, "kind": kind, "prompts": len(prompts), "new_tokens": new,

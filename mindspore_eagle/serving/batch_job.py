@@ -41,6 +41,8 @@ import time
 import dataclasses
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from mindspore_eagle.errors import MsEagleError
 
 KINDS = ("prompt", "messages", "turns")
@@ -267,22 +269,87 @@ def run_record(engine, rec: InputRecord, gen, speculative: bool = True) -> dict:
     """
     from mindspore_eagle.serving.engine import mean_accept_len
 
-    head = {"id": rec.id, "line": rec.line}
     gen = rec.generation(gen)
     if rec.kind == "turns":
         gens = engine.chat(rec.payload, gen, speculative, turn_id=str(rec.id))
     else:
         gens = [engine.generate(rec.payload, gen, speculative, turn_id=str(rec.id))]
-    new = sum(len(g.token_ids) for g in gens)
+    turns = [{"text": g.text, "prompt_tokens": g.prompt_tokens, "new_tokens": len(g.token_ids),
+              "stop_reason": g.stop_reason} for g in gens]
     secs = sum(g.turn.prefill_ms + g.turn.decode_ms for g in gens) / 1e3
-    fields = {"text": [g.text for g in gens], "prompt_tokens": [g.prompt_tokens for g in gens],
-              "new_tokens": [len(g.token_ids) for g in gens], "stop_reason": [g.stop_reason for g in gens]}
+    return record_result(rec, turns, secs, mean_accept_len([s for g in gens for s in g.steps]))
+
+
+def record_result(rec: InputRecord, turns: list, seconds: float, mean_lk: float) -> dict:
+    """The result dict of a finished record (module docstring): ``turns`` = one {"text", "prompt_tokens",
+    "new_tokens", "stop_reason"} per turn (a "turns" record lists each field per turn, the others give the one
+    turn's values); ``tok_per_s`` = all new tokens / ``seconds``; ``mean_lk`` = mean L_k over tree verifications
+    (1.0 without any)."""
+    fields = {k: [t[k] for t in turns] for k in ("text", "prompt_tokens", "new_tokens", "stop_reason")}
     if rec.kind != "turns":
         fields = {k: v[0] for k, v in fields.items()}
-    return {**head, "text": fields["text"], "prompt_tokens": fields["prompt_tokens"],
-            "new_tokens": fields["new_tokens"], "tok_per_s": round(new / secs, 3) if secs > 0 else 0.0,
-            "mean_accept_len": round(mean_accept_len([s for g in gens for s in g.steps]), 4),
-            "stop_reason": fields["stop_reason"]}
+    new = sum(t["new_tokens"] for t in turns)
+    return {"id": rec.id, "line": rec.line, "text": fields["text"], "prompt_tokens": fields["prompt_tokens"],
+            "new_tokens": fields["new_tokens"], "tok_per_s": round(new / seconds, 3) if seconds > 0 else 0.0,
+            "mean_accept_len": round(float(mean_lk), 4), "stop_reason": fields["stop_reason"]}
+
+
+@dataclass
+class _InFlight:
+    """A record on the scheduler: its chat so far, the user turns still to ask, the finished turns."""
+    rec: InputRecord
+    messages: list
+    todo: list
+    done: list = field(default_factory=list)
+    accept_lens: list = field(default_factory=list)
+    t0: float = 0.0
+
+
+def run_records(sched, records: list, on_result, token_ids: dict | None = None) -> None:
+    """Generate every record (kind prompt / messages / turns, no error) on a BatchScheduler and call
+    ``on_result(result dict)`` as each finishes (fields as :func:`run_record`; ``tok_per_s`` = the record's new
+    tokens per second from its first admission to its end; a failed turn gives the record's ``error``). Records
+    are admitted in order; a record's next turn is queued at the front when an answer is done, with that answer
+    appended to its chat; results arrive in finishing order. ``token_ids``: when given, ``token_ids[record id]``
+    gets each turn's generated ids (list per turn)."""
+    from mindspore_eagle.serving.scheduler import Request
+
+    def ask(job: _InFlight, front: bool = False) -> None:
+        gen = job.rec.generation(sched.gen)
+        sched.add(Request((job.rec.id, len(job.done)), gen, messages=job.messages, tag=job,
+                          on_done=lambda req, res: turn_done(job, res)), front=front)
+
+    def turn_done(job: _InFlight, res) -> None:
+        job.t0 = job.t0 or res.t_admitted
+        if res.error:
+            on_result({"id": job.rec.id, "line": job.rec.line, "error": " ".join(res.error.split())})
+            return
+        job.done.append({"text": res.text, "prompt_tokens": res.prompt_tokens, "new_tokens": len(res.token_ids),
+                         "stop_reason": res.stop_reason})
+        job.accept_lens += res.accept_lens
+        if token_ids is not None:
+            token_ids.setdefault(job.rec.id, []).append(list(res.token_ids))
+        if job.todo:
+            job.messages = job.messages + [{"role": "assistant", "content": res.text},
+                                           {"role": "user", "content": job.todo[0]}]
+            job.todo = job.todo[1:]
+            ask(job, front=True)
+            return
+        lk = float(np.mean(job.accept_lens)) if job.accept_lens else 1.0
+        on_result(record_result(job.rec, job.done, time.perf_counter() - job.t0, lk))
+
+    for r in records:
+        ask(_InFlight(r, *_first_turn(r)))
+    sched.run_until_done()
+
+
+def _first_turn(rec: InputRecord) -> tuple[list, list]:
+    """(messages of the first turn, user turns after it) of a record."""
+    if rec.kind == "turns":
+        return [{"role": "user", "content": rec.payload[0]}], list(rec.payload[1:])
+    if rec.kind == "messages":
+        return list(rec.payload), []
+    return [{"role": "user", "content": rec.payload}], []
 
 
 @dataclass
@@ -410,7 +477,7 @@ def _run_batched(engine, records: list, gen, max_batch: int, speculative: bool, 
         emit(result)
         bar.set_postfix(tok_s=f"{sched.new_tokens / max(time.perf_counter() - t0, 1e-9):.1f}", refresh=False)
 
-    sched.run(records, on_result)
+    run_records(sched, records, on_result)
 
 
 def shard_progress(records: list, output, size: int) -> dict:

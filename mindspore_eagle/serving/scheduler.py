@@ -18,8 +18,8 @@ runs one iteration, :meth:`BatchScheduler.cancel` drops a request wherever it is
     emit     ``request.on_tokens(request, tokens)`` per sequence with the tokens it committed this step
              (streaming); a finished sequence frees its blocks at once and gets ``request.on_done``
 
-:meth:`BatchScheduler.run` is the batch job on top: every record's turns become requests (a multi-turn record
-queues its next turn at the front when an answer is done), results are handed to ``on_result`` as records finish.
+:meth:`BatchScheduler.run_until_done` steps until nothing is queued or live; the batch job
+(``batch_job.run_records``) and regeneration drive it with their own requests and record formats.
 
 Pool: admission reserves a request's worst case (ceil(need / B) blocks) against NB, so a running sequence never
 meets an exhausted pool and nothing is ever preempted; a request waits while the pool is full. A request whose need
@@ -176,14 +176,13 @@ class BatchScheduler:
             rate gate split per batch size by :class:`SizeGates`; tests inject one).
         single_round: a step with one sequence alone runs ``engine.decode_round(speculative, rows=1)`` (the
             single-sequence graphs and the engine's policy, as ``generate``); the server's choice.
-        keep_ids: also keep every turn's generated token ids in ``token_ids[record id]`` (list per turn).
         on_step: optional ``callable(StepInfo)`` after every decode step (the server's metrics).
     Raises:
         ValueError: max_batch < 1 (names the field).
     """
 
     def __init__(self, engine: Engine, gen: GenerationConfig, max_batch: int, speculative: bool = False,
-                 decode_round=None, single_round: bool = False, keep_ids: bool = False, on_step=None):
+                 decode_round=None, single_round: bool = False, on_step=None):
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
             raise ValueError(f"batch.max_batch must be an integer >= 1, got {max_batch!r}")
         speculative = speculative and engine.speculates
@@ -206,7 +205,6 @@ class BatchScheduler:
         self.new_tokens = 0
         self.peak_live = 0
         self.interleaved_steps = 0        # decode steps taken while another sequence was still prefilling
-        self.token_ids: dict | None = {} if keep_ids else None
         self.on_step = on_step
 
     # ------------------------------------------------------------------ requests
@@ -313,16 +311,9 @@ class BatchScheduler:
             self._end(s, "error", error, internal)
         return ended
 
-    # ------------------------------------------------------------------ the batch job
-    def run(self, records, on_result) -> None:
-        """Generate every record (InputRecord with kind prompt / messages / turns, no error) and call
-        ``on_result(result_dict)`` as each one finishes (fields as ``batch_job.run_record``; ``tok_per_s`` = the
-        record's new tokens per second from its admission to its end). Records are admitted in order (a
-        record's next turn goes first); results arrive in finishing order. On an exception every live
-        sequence's blocks are freed before it propagates."""
-        for r in records:
-            job = _Turn(r, *_first_turn(r))
-            self.add(self._turn_request(job, on_result))
+    def run_until_done(self) -> None:
+        """Step until no request is queued or live. On an exception every live sequence's blocks are freed and
+        the queue is emptied before it propagates."""
         try:
             while self.has_work:
                 self.step()
@@ -331,30 +322,6 @@ class BatchScheduler:
                 self._release(s)
             self.live = []
             self.waiting.clear()
-
-    def _turn_request(self, job: _Turn, on_result) -> Request:
-        gen = job.rec.generation(self.gen) if hasattr(job.rec, "generation") else self.gen   # the record's fields
-        return Request((job.rec.id, len(job.done)), gen, messages=job.messages, tag=job,
-                       on_done=lambda req, res: self._turn_done(job, res, on_result))
-
-    def _turn_done(self, job: _Turn, res: TurnResult, on_result) -> None:
-        """A record's turn ended: queue its next turn (at the front, the answer appended) or hand out its result."""
-        job.t0 = job.t0 or res.t_admitted
-        if res.error:
-            job.error = res.error
-            on_result(_result(job))
-            return
-        job.done.append({"text": res.text, "prompt_tokens": res.prompt_tokens, "new_tokens": len(res.token_ids),
-                         "stop_reason": res.stop_reason, "accept_lens": res.accept_lens})
-        if self.token_ids is not None:
-            self.token_ids.setdefault(job.rec.id, []).append(list(res.token_ids))
-        if job.todo:
-            job.messages = job.messages + [{"role": "assistant", "content": res.text},
-                                           {"role": "user", "content": job.todo[0]}]
-            job.todo = job.todo[1:]
-            self.add(self._turn_request(job, on_result), front=True)
-        else:
-            on_result(_result(job))
 
     # ------------------------------------------------------------------ internals
     def _admit(self, req: Request):
@@ -439,44 +406,7 @@ class BatchScheduler:
             req.on_done(req, res)
 
 
-@dataclass
-class _Turn:
-    """A record in flight: its chat so far, the user turns still to ask, and the finished turns' results."""
-    rec: object
-    messages: list
-    todo: list
-    done: list = field(default_factory=list)
-    t0: float = 0.0
-    error: str = ""
-
-
 _WAIT = object()
-
-
-def _first_turn(rec) -> tuple[list, list]:
-    """(messages of the first turn, user turns after it) of an InputRecord."""
-    if rec.kind == "turns":
-        return [{"role": "user", "content": rec.payload[0]}], list(rec.payload[1:])
-    if rec.kind == "messages":
-        return list(rec.payload), []
-    return [{"role": "user", "content": rec.payload}], []
-
-
-def _result(job: _Turn) -> dict:
-    """The batch job's result dict of a finished record (``batch_job.run_record``'s fields; mean L_k over the tree
-    verifications, 1.0 for teacher-only decoding)."""
-    head = {"id": job.rec.id, "line": job.rec.line}
-    if job.error:
-        return {**head, "error": " ".join(job.error.split())}
-    secs = time.perf_counter() - job.t0
-    new = sum(t["new_tokens"] for t in job.done)
-    lens = [n for t in job.done for n in t["accept_lens"]]
-    fields = {k: [t[k] for t in job.done] for k in ("text", "prompt_tokens", "new_tokens", "stop_reason")}
-    if job.rec.kind != "turns":
-        fields = {k: v[0] for k, v in fields.items()}
-    return {**head, "text": fields["text"], "prompt_tokens": fields["prompt_tokens"],
-            "new_tokens": fields["new_tokens"], "tok_per_s": round(new / secs, 3) if secs > 0 else 0.0,
-            "mean_accept_len": round(float(np.mean(lens)), 4) if lens else 1.0, "stop_reason": fields["stop_reason"]}
 
 
 __all__ = ["BatchScheduler", "Request", "SizeGates", "StepInfo", "TurnResult"]

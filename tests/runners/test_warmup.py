@@ -13,6 +13,7 @@ import textwrap
 import pytest
 
 from mindspore_eagle.config import load_config
+from mindspore_eagle.serving.batch_job import run_records
 
 # widths 256, 512 (S = 512); teacher prefill buckets {16}; drafter buckets 1..16; M 8, D_max 3, top_k 2
 TINY = ["cache.block_size=8", "cache.max_seq_len=512", "cache.num_blocks=64", "cache.prefill_chunk=16",
@@ -102,7 +103,7 @@ def test_batched_warmup_then_scheduler_compiles_nothing(ms_runtime, tiny_dir):
     sched = BatchScheduler(eng, cfg.generation, 3, speculative=True)
     sched.round.gate = ScriptedGate(["tree", "plain", "tree"])
     got = {}
-    sched.run(recs, lambda res: got.setdefault(res["id"], res))
+    run_records(sched, recs, lambda res: got.setdefault(res["id"], res))
     assert len(got) == 4 and all("error" not in r for r in got.values())
     assert sched.round.gate.seen == {"tree", "plain"}
     assert eng.teacher.compiles + eng.drafter.compiles == before

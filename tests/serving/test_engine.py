@@ -9,6 +9,7 @@ from tiny_pangu import causal_mask, exact_two_tokens, numpy_forward
 from mindspore_eagle.core.trace import read_jsonl
 from mindspore_eagle.core.tree import DraftTree
 from mindspore_eagle.models.eagle3 import load_drafter
+from mindspore_eagle.serving.batch_job import run_records
 
 
 def oracle_builder(engine, ref_out, prompt_len, rng, D):
@@ -234,9 +235,9 @@ def test_seeded_sampling_gives_the_same_text_on_every_path(ms_runtime, tiny_dir,
     del eng.drafter.build_tree
     assert oracle.token_ids == base.token_ids and max(oracle.accept_lens) >= 3
     recs = records([{"id": i, "prompt": q} for i, q in enumerate([PROMPTS[0], p, PROMPTS[1], p])])
-    sched = BatchScheduler(eng, gen, 4, speculative=True, keep_ids=True)
-    sched.run(recs, lambda res: None)
-    assert sched.token_ids[1] == sched.token_ids[3] == [alone.token_ids]
+    sched, ids = BatchScheduler(eng, gen, 4, speculative=True), {}
+    run_records(sched, recs, lambda res: None, ids)
+    assert ids[1] == ids[3] == [alone.token_ids]
     gen.seed = 12
     assert eng.generate(p, gen).token_ids != alone.token_ids
 

@@ -15,6 +15,7 @@ import pytest
 from tiny_engines import ScriptedGate, records
 
 from mindspore_eagle.config import load_config
+from mindspore_eagle.serving.batch_job import run_records
 from mindspore_eagle.serving import batch_job as batch
 from mindspore_eagle.serving.scheduler import BatchScheduler
 
@@ -55,7 +56,7 @@ def run_batched(eng, gen, recs, max_batch, speculative=False) -> tuple[dict, lis
         out[res["id"]] = res
         order.append(res["id"])
     sched = BatchScheduler(eng, gen, max_batch, speculative=speculative)
-    sched.run(recs, on_result)
+    run_records(sched, recs, on_result)
     return out, order, sched
 
 
@@ -119,7 +120,7 @@ def test_pool_too_small_for_the_batch_waits_and_finishes_every_record(ms_runtime
     ref = one_at_a_time(eng, gen, recs)
     sched = BatchScheduler(eng, gen, 8)
     out = {}
-    sched.run(recs, lambda res: out.setdefault(res["id"], res))
+    run_records(sched, recs, lambda res: out.setdefault(res["id"], res))
     same_answers(out, ref)
     assert 1 < sched.peak_live < 8 and sched.reserved == 0
 
@@ -289,7 +290,7 @@ def test_speculative_batch_equals_one_at_a_time_greedy(ms_runtime, tiny, tiny_di
         sched = BatchScheduler(eng, gen, 3, speculative=True)
         sched.round.gate = ScriptedGate(pattern)
         out = {}
-        sched.run(recs, lambda res: out.setdefault(res["id"], res))
+        run_records(sched, recs, lambda res: out.setdefault(res["id"], res))
         same_answers(out, ref)
         assert sched.round.gate.seen == {"tree", *pattern}
 
@@ -324,7 +325,7 @@ def test_speculative_batch_equals_one_at_a_time_greedy(ms_runtime, tiny, tiny_di
     eng.drafter._build_trees = lambda sids, roots, firsts, M, D, groups: [
         oracle(d, r, f, M, D) for d, r, f in zip(sids, roots, firsts)]
     out = {}
-    sched.run(recs[:5], lambda res: out.setdefault(res["id"], res))
+    run_records(sched, recs[:5], lambda res: out.setdefault(res["id"], res))
     same_answers(out, {k: ref[k] for k in range(5)})
     assert max(r["mean_accept_len"] for r in out.values()) > 2.0
     assert eng.drafter.bm.free_blocks() == eng.drafter.bm.num_blocks and sched.reserved == 0
