@@ -80,7 +80,7 @@ def _log(msg: str) -> None:
 
 
 def machine_info() -> dict:
-    """CPU model, core count, load average, MindSpore version, kernel threads (for report.md / results.md)."""
+    """CPU model, core count, load average, MindSpore version, kernel threads (for report.md)."""
     model = platform.processor() or ""
     try:
         with open("/proc/cpuinfo") as f:

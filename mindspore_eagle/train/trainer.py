@@ -140,7 +140,7 @@ def fc_norm_weights(fs: FeatureSet, idx, ht: int) -> dict:
     """Starting ``fc_norm.{c}.weight`` [Ht] for a drafter trained without ``fc_norm``: every entry of chunk c =
     the median RMS of chunk c over the rows of samples ``idx``, each sample's first and last rows left out (the
     last is never fed: zeros where regeneration wrote the features; on SmolLM2-135M the first token's residual
-    stream is 5x / 170x / 45x the median in the low / mid / high chunk, docs/training.md, "Stage G"). Then
+    stream is 5x / 170x / 45x the median in the low / mid / high chunk, docs/training.md, "What moved acceptance"). Then
     rmsnorm_c(x_c) * w_c = x_c * median / rms(x_c): the drafter starts as before on rows of median scale.
     Returns float32 arrays. Raises ValueError when the samples hold no row but their first and last."""
     rms = [[] for _ in range(3)]
