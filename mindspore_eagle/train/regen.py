@@ -17,9 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from mindspore_eagle.config import GenerationConfig
-from mindspore_eagle.core.accept import sample_token
 from mindspore_eagle.core.emit import Emitter
-from mindspore_eagle.serving.round import DecodeRound, Sequence
+from mindspore_eagle.serving.round import DecodeRound, Sequence, first_token
 
 
 def generate_stream(runner, items, eos, batch: int = 16, temperature: float = 0.0,
@@ -49,7 +48,8 @@ def generate_stream(runner, items, eos, batch: int = 16, temperature: float = 0.
         reply token was produced, never fed); i.e. every position of the training sample but its last.
         A row's KV blocks are freed before it is yielded; closing the generator (or an error) frees the rest.
     Raises:
-        ValueError: batch < 1 or a budget < 1.
+        ValueError: batch < 1 or a budget < 1. FloatingPointError: the teacher's logits for a row were not finite
+            (names the item and the position; the rows in flight are freed).
     """
     if batch < 1:
         raise ValueError(f"regenerate batch must be >= 1, got {batch}")
@@ -77,12 +77,16 @@ def generate_stream(runner, items, eos, batch: int = 16, temperature: float = 0.
                     s.features.append((hid, aux))
                 else:
                     logits, _ = runner.prefill(s.sid, ids)
-                s.next = sample_token(logits, gen, len(ids))
+                s.next = first_token(s, logits, len(ids))       # the prologue every caller shares
+                if s.next is None:
+                    raise FloatingPointError(f"generate_stream: item {i}: {s.error}")
                 _count(counts, s.next not in eos)
                 s.emitter.push(s.next)
             live = [s for s in active if not s.emitter.reason]
             if live:
                 for s, toks in zip(live, rnd.step(live)):
+                    if s.error:                   # a broken teacher must not write training data
+                        raise FloatingPointError(f"generate_stream: item {s.index}: {s.error}")
                     _count(counts, sum(t not in eos for t in toks))
             finished = [s for s in active if s.emitter.reason]
             active = [s for s in active if not s.emitter.reason]

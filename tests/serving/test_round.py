@@ -409,3 +409,20 @@ def test_a_sequence_with_non_finite_logits_fails_alone(value, drafter, temperatu
     assert faulty[1].emitter.ids == clean[1].emitter.ids[: len(faulty[1].emitter.ids)]
     for i in (0, 2):
         assert not faulty[i].error and faulty[i].emitter.ids == clean[i].emitter.ids
+
+
+def test_regeneration_shares_the_round_and_stops_on_non_finite_logits():
+    """train.regen.generate_stream (the drafter's training data) runs the same prologue and round: greedy replies
+    equal the reference decoding; a row whose logits turn NaN raises FloatingPointError naming its item, and every
+    row in flight is freed (a broken teacher writes no training data)."""
+    from mindspore_eagle.train.regen import generate_stream
+
+    items = [(p, 12) for p in PROMPTS]
+    tg = FakeTeacher()
+    got = {i: reply for i, reply, _, _ in generate_stream(tg, items, eos=[], batch=2)}
+    assert got == {i: reference(p, 12) for i, p in enumerate(PROMPTS)}
+    assert tg.seqs == {}
+    bad = PoisonTeacher(bad=2, after=len(PROMPTS[1]) + 3)
+    with pytest.raises(FloatingPointError, match=r"item 1: the teacher's logits for this sequence were not finite"):
+        list(generate_stream(bad, items, eos=[], batch=2))
+    assert bad.seqs == {}
