@@ -405,16 +405,17 @@ static inline void swiglu_row(const float *gu, float *out, int64_t F) {
 }
 
 // x [k, K] f32, w [N, K] f32 or f16 (HF [out, in]) -> y [k, N] f32, y[r, n] = dot(x[r], w[n]).
+enum LinearArg { LIN_X, LIN_W, LIN_Y, LIN_NARGS };  // x [k, K], w [N, K], y [k, N]
 extern "C" int Linear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
                       void *extra) {
   Timed timed(K_LINEAR);
-  if (nparam != 3 || ndims[0] != 2 || ndims[1] != 2 || shapes[0][1] != shapes[1][1]) return 1;
-  const float *x = (const float *)params[0];
-  float *y = (float *)params[2];
-  if (is_half(dtypes[1]))
-    linear_into(x, (const _Float16 *)params[1], y, shapes[0][0], shapes[0][1], shapes[1][0]);
+  if (nparam != LIN_NARGS || ndims[LIN_X] != 2 || ndims[LIN_W] != 2 || shapes[LIN_X][1] != shapes[LIN_W][1]) return 1;
+  const float *x = (const float *)params[LIN_X];
+  float *y = (float *)params[LIN_Y];
+  if (is_half(dtypes[LIN_W]))
+    linear_into(x, (const _Float16 *)params[LIN_W], y, shapes[LIN_X][0], shapes[LIN_X][1], shapes[LIN_W][0]);
   else
-    linear_into(x, (const float *)params[1], y, shapes[0][0], shapes[0][1], shapes[1][0]);
+    linear_into(x, (const float *)params[LIN_W], y, shapes[LIN_X][0], shapes[LIN_X][1], shapes[LIN_W][0]);
   return 0;
 }
 
@@ -465,33 +466,35 @@ static void head_topk(const float *h, const W *w, const int32_t *d2t, float *top
   });
 }
 
+enum HeadTopKArg { TOP_H, TOP_W, TOP_D2T, TOP_VALUES, TOP_IDS, TOP_NARGS };
 extern "C" int HeadTopK(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
                         void *extra) {
   Timed timed(K_LINEAR);
-  if (nparam != 5 || ndims[0] != 2 || ndims[1] != 2 || ndims[3] != 2) return 1;
-  const int64_t k = shapes[0][0], H = shapes[0][1], V = shapes[1][0], K = shapes[3][1];
-  if (shapes[1][1] != H || shapes[2][0] != V || shapes[3][0] != k || K < 1 || K > V) return 2;
-  const float *h = (const float *)params[0];
-  const int32_t *d2t = (const int32_t *)params[2];
-  float *tv = (float *)params[3];
-  int32_t *ti = (int32_t *)params[4];
-  if (is_half(dtypes[1]))
-    head_topk(h, (const _Float16 *)params[1], d2t, tv, ti, k, H, V, K);
+  if (nparam != TOP_NARGS || ndims[TOP_H] != 2 || ndims[TOP_W] != 2 || ndims[TOP_VALUES] != 2) return 1;
+  const int64_t k = shapes[TOP_H][0], H = shapes[TOP_H][1], V = shapes[TOP_W][0], K = shapes[TOP_VALUES][1];
+  if (shapes[TOP_W][1] != H || shapes[TOP_D2T][0] != V || shapes[TOP_VALUES][0] != k || K < 1 || K > V) return 2;
+  const float *h = (const float *)params[TOP_H];
+  const int32_t *d2t = (const int32_t *)params[TOP_D2T];
+  float *tv = (float *)params[TOP_VALUES];
+  int32_t *ti = (int32_t *)params[TOP_IDS];
+  if (is_half(dtypes[TOP_W]))
+    head_topk(h, (const _Float16 *)params[TOP_W], d2t, tv, ti, k, H, V, K);
   else
-    head_topk(h, (const float *)params[1], d2t, tv, ti, k, H, V, K);
+    head_topk(h, (const float *)params[TOP_W], d2t, tv, ti, k, H, V, K);
   return 0;
 }
 
 // ---------------------------------------------------------------------------------------------- AddRmsNorm
 // x [k, H], d [k, H], eps [1] -> y [k, H] = x + d, h [k, H] = y / sqrt(mean(y^2) + eps) (no weight: folded).
+enum AddRmsNormArg { ARN_X, ARN_D, ARN_EPS, ARN_Y, ARN_H, ARN_NARGS };
 extern "C" int AddRmsNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                           void *stream, void *extra) {
   Timed timed(K_NORM);
-  if (nparam != 5 || ndims[0] != 2) return 1;
-  const float *x = (const float *)params[0], *d = (const float *)params[1];
-  const float eps = ((const float *)params[2])[0];
-  float *y = (float *)params[3], *h = (float *)params[4];
-  const int64_t k = shapes[0][0], H = shapes[0][1];
+  if (nparam != ARN_NARGS || ndims[ARN_X] != 2) return 1;
+  const float *x = (const float *)params[ARN_X], *d = (const float *)params[ARN_D];
+  const float eps = ((const float *)params[ARN_EPS])[0];
+  float *y = (float *)params[ARN_Y], *h = (float *)params[ARN_H];
+  const int64_t k = shapes[ARN_X][0], H = shapes[ARN_X][1];
   for (int64_t r = 0; r < k; ++r) add_norm_row(x + r * H, d + r * H, nullptr, eps, y + r * H, h + r * H, H);
   return 0;
 }
@@ -510,20 +513,22 @@ static void mlp_add_norm(const float *x, const W *wgu, const W *wd, const float 
   for (int64_t r = 0; r < k; ++r) add_norm_row(res + r * H, d.data() + r * H, nullptr, eps, y + r * H, hn + r * H, H);
 }
 
+enum MlpAddNormArg { MLP_X, MLP_WGU, MLP_WD, MLP_RES, MLP_EPS, MLP_Y, MLP_H, MLP_NARGS };
 extern "C" int MlpAddNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                           void *stream, void *extra) {
   Timed timed(K_MLP);
-  if (nparam != 7) return 1;
-  const float *x = (const float *)params[0], *res = (const float *)params[3];
-  const float eps = ((const float *)params[4])[0];
-  float *y = (float *)params[5], *hn = (float *)params[6];
-  const int64_t k = shapes[0][0], H = shapes[0][1], F2 = shapes[1][0], F = F2 / 2;
-  if (shapes[1][1] != H || shapes[2][0] != H || shapes[2][1] != F || is_half(dtypes[1]) != is_half(dtypes[2]))
+  if (nparam != MLP_NARGS) return 1;
+  const float *x = (const float *)params[MLP_X], *res = (const float *)params[MLP_RES];
+  const float eps = ((const float *)params[MLP_EPS])[0];
+  float *y = (float *)params[MLP_Y], *hn = (float *)params[MLP_H];
+  const int64_t k = shapes[MLP_X][0], H = shapes[MLP_X][1], F2 = shapes[MLP_WGU][0], F = F2 / 2;
+  if (shapes[MLP_WGU][1] != H || shapes[MLP_WD][0] != H || shapes[MLP_WD][1] != F ||
+      is_half(dtypes[MLP_WGU]) != is_half(dtypes[MLP_WD]))
     return 2;
-  if (is_half(dtypes[1]))
-    mlp_add_norm(x, (const _Float16 *)params[1], (const _Float16 *)params[2], res, eps, y, hn, k, H, F);
+  if (is_half(dtypes[MLP_WGU]))
+    mlp_add_norm(x, (const _Float16 *)params[MLP_WGU], (const _Float16 *)params[MLP_WD], res, eps, y, hn, k, H, F);
   else
-    mlp_add_norm(x, (const float *)params[1], (const float *)params[2], res, eps, y, hn, k, H, F);
+    mlp_add_norm(x, (const float *)params[MLP_WGU], (const float *)params[MLP_WD], res, eps, y, hn, k, H, F);
   return 0;
 }
 
@@ -585,16 +590,19 @@ static int attention_into(const float *q, const float *kc, const float *vc, cons
   return bad.load() ? 3 : 0;
 }
 
+enum PagedAttentionArg { PA_Q, PA_KC, PA_VC, PA_ROWS, PA_MASK, PA_SCALE, PA_OUT, PA_NARGS };
 extern "C" int PagedAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                               void *stream, void *extra) {
   Timed timed(K_ATTN);
-  if (nparam != 7 || ndims[0] != 3) return 1;
-  const int64_t k = shapes[0][0], nh = shapes[0][1], hd = shapes[0][2];
-  const int64_t G = ndims[3] == 3 ? shapes[3][0] : 1, nkv = shapes[3][ndims[3] - 2], S = shapes[3][ndims[3] - 1];
-  if (k % G || nh % nkv || shapes[4][0] != k || shapes[4][1] != S || shapes[1][1] != hd) return 2;
-  return attention_into((const float *)params[0], (const float *)params[1], (const float *)params[2],
-                        (const int32_t *)params[3], (const float *)params[4], ((const float *)params[5])[0],
-                        (float *)params[6], k, nh, hd, G, nkv, S, shapes[1][0]);
+  if (nparam != PA_NARGS || ndims[PA_Q] != 3) return 1;
+  const int64_t k = shapes[PA_Q][0], nh = shapes[PA_Q][1], hd = shapes[PA_Q][2];
+  const int64_t *rs = shapes[PA_ROWS];
+  const int64_t G = ndims[PA_ROWS] == 3 ? rs[0] : 1, nkv = rs[ndims[PA_ROWS] - 2], S = rs[ndims[PA_ROWS] - 1];
+  if (k % G || nh % nkv || shapes[PA_MASK][0] != k || shapes[PA_MASK][1] != S || shapes[PA_KC][1] != hd) return 2;
+  return attention_into((const float *)params[PA_Q], (const float *)params[PA_KC], (const float *)params[PA_VC],
+                        (const int32_t *)params[PA_ROWS], (const float *)params[PA_MASK],
+                        ((const float *)params[PA_SCALE])[0], (float *)params[PA_OUT], k, nh, hd, G, nkv, S,
+                        shapes[PA_KC][0]);
 }
 
 // ---------------------------------------------------------------------------------------------- AttnBlock
@@ -609,27 +617,32 @@ extern "C" int PagedAttention(int nparam, void **params, int *ndims, int64_t **s
 // Steps: q/k/v = h @ wqkv.T (+ bqkv) split by head, NeoX RoPE on q and k; k / v rows written into the caches (in
 // row order: padding rows that share a pad slot leave the last one); attention of q over read_rows as
 // PagedAttention (scale 1: q carries 1/sqrt(hd)); output projection, residual add, norm.
+// AttnBlock's inputs; then the optional biases bqkv, bo (AB_BIAS, AB_BIAS + 1), then the outputs y, rms(y).
+enum AttnBlockArg { AB_X, AB_H, AB_WQKV, AB_WO, AB_COS, AB_SIN, AB_HEADS, AB_KC, AB_VC, AB_WROWS, AB_RROWS, AB_MASK,
+                    AB_EPS, AB_BIAS };
 template <typename W>
 static int attn_block(int nparam, void **params, int *ndims, int64_t **shapes) {
-  const int nb = nparam - 15;
-  const float *x = (const float *)params[0], *hin = (const float *)params[1];
-  const W *wqkv = (const W *)params[2], *wo = (const W *)params[3];
-  const float *cs = (const float *)params[4], *sn = (const float *)params[5];
-  const int32_t *heads = (const int32_t *)params[6];
-  float *kc = (float *)params[7], *vc = (float *)params[8];
-  const int32_t *wrows = (const int32_t *)params[9], *rrows = (const int32_t *)params[10];
-  const float *mask = (const float *)params[11];
-  const float eps = ((const float *)params[12])[0];
-  const float *bqkv = nb >= 1 ? (const float *)params[13] : nullptr, *bo = nb == 2 ? (const float *)params[14] : nullptr;
-  float *y = (float *)params[13 + nb], *hout = (float *)params[14 + nb];
-  const int64_t k = shapes[0][0], H = shapes[0][1], Hin = shapes[1][1], width = shapes[2][0], hd = shapes[4][1];
+  const int nb = nparam - (AB_BIAS + 2);                       // biases given: 0, 1 (bqkv) or 2 (bqkv, bo)
+  const float *x = (const float *)params[AB_X], *hin = (const float *)params[AB_H];
+  const W *wqkv = (const W *)params[AB_WQKV], *wo = (const W *)params[AB_WO];
+  const float *cs = (const float *)params[AB_COS], *sn = (const float *)params[AB_SIN];
+  const int32_t *heads = (const int32_t *)params[AB_HEADS];
+  float *kc = (float *)params[AB_KC], *vc = (float *)params[AB_VC];
+  const int32_t *wrows = (const int32_t *)params[AB_WROWS], *rrows = (const int32_t *)params[AB_RROWS];
+  const float *mask = (const float *)params[AB_MASK];
+  const float eps = ((const float *)params[AB_EPS])[0];
+  const float *bqkv = nb >= 1 ? (const float *)params[AB_BIAS] : nullptr;
+  const float *bo = nb == 2 ? (const float *)params[AB_BIAS + 1] : nullptr;
+  float *y = (float *)params[AB_BIAS + nb], *hout = (float *)params[AB_BIAS + nb + 1];
+  const int64_t k = shapes[AB_X][0], H = shapes[AB_X][1], Hin = shapes[AB_H][1], width = shapes[AB_WQKV][0];
+  const int64_t hd = shapes[AB_COS][1];
   const int64_t half = hd / 2;
-  const int64_t nh = heads[0], nkv = heads[1], R = shapes[7][0];
-  const int64_t G = ndims[10] == 3 ? shapes[10][0] : 1, S = shapes[10][ndims[10] - 1];
-  if ((nh + 2 * nkv) * hd != width || hd % 2 || shapes[1][0] != k || shapes[2][1] != Hin || shapes[3][0] != H ||
-      shapes[3][1] != nh * hd ||
-      shapes[7][1] != hd || shapes[9][0] != k * nkv || shapes[10][ndims[10] - 2] != nkv || k % G ||
-      shapes[11][0] != k || shapes[11][1] != S)
+  const int64_t nh = heads[0], nkv = heads[1], R = shapes[AB_KC][0];
+  const int64_t G = ndims[AB_RROWS] == 3 ? shapes[AB_RROWS][0] : 1, S = shapes[AB_RROWS][ndims[AB_RROWS] - 1];
+  if ((nh + 2 * nkv) * hd != width || hd % 2 || shapes[AB_H][0] != k || shapes[AB_WQKV][1] != Hin ||
+      shapes[AB_WO][0] != H || shapes[AB_WO][1] != nh * hd || shapes[AB_KC][1] != hd ||
+      shapes[AB_WROWS][0] != k * nkv || shapes[AB_RROWS][ndims[AB_RROWS] - 2] != nkv || k % G ||
+      shapes[AB_MASK][0] != k || shapes[AB_MASK][1] != S)
     return 2;
   std::vector<float> qkv(k * width), q(k * nh * hd), ctx(k * nh * hd), o(k * H);
   linear_into(hin, wqkv, qkv.data(), k, Hin, width);
@@ -659,9 +672,9 @@ static int attn_block(int nparam, void **params, int *ndims, int64_t **shapes) {
 extern "C" int AttnBlock(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
                          void *extra) {
   Timed timed(K_BLOCK);
-  if (nparam < 15 || nparam > 17 || is_half(dtypes[2]) != is_half(dtypes[3])) return 1;
-  return is_half(dtypes[2]) ? attn_block<_Float16>(nparam, params, ndims, shapes)
-                            : attn_block<float>(nparam, params, ndims, shapes);
+  if (nparam < AB_BIAS + 2 || nparam > AB_BIAS + 4 || is_half(dtypes[AB_WQKV]) != is_half(dtypes[AB_WO])) return 1;
+  return is_half(dtypes[AB_WQKV]) ? attn_block<_Float16>(nparam, params, ndims, shapes)
+                                  : attn_block<float>(nparam, params, ndims, shapes);
 }
 
 // ---------------------------------------------------------------------------------------------- DecoderLayer
@@ -672,11 +685,12 @@ extern "C" int AttnBlock(int nparam, void **params, int *ndims, int64_t **shapes
 // one graph node instead of two saves MindSpore's cost per op (~50 us on a 2-core CPU, docs/cpu_kernels.md).
 template <typename W>
 static int decoder_layer(int nparam, void **params, int *ndims, int64_t **shapes) {
-  const int nin = nparam - 4;                                   // AttnBlock's inputs
-  const int64_t k = shapes[0][0], H = shapes[0][1];
-  if (ndims[nin] != 2 || ndims[nin + 1] != 2) return 2;
-  const int64_t F = shapes[nin + 1][1];
-  if (shapes[nin][0] != 2 * F || shapes[nin][1] != H || shapes[nin + 1][0] != H) return 2;
+  // AttnBlock's inputs (x .. eps and its biases), then w_gate_up, w_down, then the outputs y, rms(y)
+  const int nin = nparam - 4, wgu = nin, wd = nin + 1, out_y = nin + 2, out_h = nin + 3;
+  const int64_t k = shapes[AB_X][0], H = shapes[AB_X][1];
+  if (ndims[wgu] != 2 || ndims[wd] != 2) return 2;
+  const int64_t F = shapes[wd][1];
+  if (shapes[wgu][0] != 2 * F || shapes[wgu][1] != H || shapes[wd][0] != H) return 2;
   std::vector<float> y1(k * H), h1(k * H);
   int64_t out_shape[2] = {k, H};
   std::vector<void *> p(params, params + nin);
@@ -687,18 +701,18 @@ static int decoder_layer(int nparam, void **params, int *ndims, int64_t **shapes
   sh.push_back(out_shape), sh.push_back(out_shape);
   const int rc = attn_block<W>(nin + 2, p.data(), nd.data(), sh.data());
   if (rc) return rc;
-  const float eps = ((const float *)params[12])[0];
-  mlp_add_norm(h1.data(), (const W *)params[nin], (const W *)params[nin + 1], y1.data(), eps,
-               (float *)params[nin + 2], (float *)params[nin + 3], k, H, F);
+  const float eps = ((const float *)params[AB_EPS])[0];
+  mlp_add_norm(h1.data(), (const W *)params[wgu], (const W *)params[wd], y1.data(), eps, (float *)params[out_y],
+               (float *)params[out_h], k, H, F);
   return 0;
 }
 
 extern "C" int DecoderLayer(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                             void *stream, void *extra) {
   Timed timed(K_LAYER);
-  if (nparam < 17 || nparam > 19) return 1;
-  const bool half = is_half(dtypes[2]);
-  if (half != is_half(dtypes[3]) || half != is_half(dtypes[nparam - 4]) || half != is_half(dtypes[nparam - 3]))
+  if (nparam < AB_BIAS + 4 || nparam > AB_BIAS + 6) return 1;      // AttnBlock's inputs + 2 weights + 2 outputs
+  const bool half = is_half(dtypes[AB_WQKV]);
+  if (half != is_half(dtypes[AB_WO]) || half != is_half(dtypes[nparam - 4]) || half != is_half(dtypes[nparam - 3]))
     return 1;
   return half ? decoder_layer<_Float16>(nparam, params, ndims, shapes)
               : decoder_layer<float>(nparam, params, ndims, shapes);
