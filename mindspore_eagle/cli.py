@@ -27,7 +27,7 @@ import sys
 
 from mindspore_eagle.config import Config, ConfigError, load_config
 from mindspore_eagle.errors import MsEagleError
-from mindspore_eagle.models.config import CheckpointError
+from mindspore_eagle.models.model_config import CheckpointError
 from mindspore_eagle.serving.batch_job import BatchError
 
 EXIT_ERROR = 2
@@ -338,7 +338,7 @@ def describe_teacher(path) -> dict:
         gguf_config,
         open_gguf,
     )
-    from mindspore_eagle.models.config import ModelConfig
+    from mindspore_eagle.models.model_config import ModelConfig
     from mindspore_eagle.models.tokenizer import Tokenizer
 
     p = _resolve(path)

@@ -94,7 +94,7 @@ def write_tiny_pangu(directory, seed: int = 0) -> Path:
     import sentencepiece as spm
     from safetensors.numpy import save_file
 
-    from mindspore_eagle.models.config import ModelConfig
+    from mindspore_eagle.models.model_config import ModelConfig
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)

@@ -81,7 +81,7 @@ def write_gguf_f32(path, cfg, tensors: dict, tokenizer_from) -> str:
     """Write an F32 llama-arch GGUF of a teacher.
 
     Args:
-        path: output .gguf file. cfg: models.config.ModelConfig (llama-family, no RoPE scaling). tensors: HF-named
+        path: output .gguf file. cfg: models.model_config.ModelConfig (llama-family, no RoPE scaling). tensors: HF-named
         float32 arrays in [out, in] layout (as load_teacher returns; q/k in HF order). tokenizer_from: a GGUF file
         (or open GGUFReader) whose ``tokenizer.*`` metadata is copied.
     Returns:

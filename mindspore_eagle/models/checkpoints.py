@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mindspore_eagle.models.config import CheckpointError, ModelConfig
+from mindspore_eagle.models.model_config import CheckpointError, ModelConfig
 from mindspore_eagle.models.gguf_meta import gguf_value
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

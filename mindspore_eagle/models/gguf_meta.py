@@ -2,7 +2,7 @@
 for it: ``models.checkpoints`` imports ``tokenizer``, never the reverse)."""
 from __future__ import annotations
 
-from mindspore_eagle.models.config import CheckpointError
+from mindspore_eagle.models.model_config import CheckpointError
 
 
 def gguf_value(reader, key: str, default=KeyError):

@@ -45,7 +45,7 @@ from mindspore_eagle.kernels.dense import (  # noqa: F401  (re-exported: the por
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from mindspore_eagle.models.config import ModelConfig
+    from mindspore_eagle.models.model_config import ModelConfig
 
 
 def rope_tables(head_dim: int, max_pos: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -135,7 +135,7 @@ class LlamaModel(nn.Cell):
     """The teacher network with its KV cache Parameters (see the module docstring for the call contract).
 
     Args:
-        cfg: model configuration (models/config.py).
+        cfg: model configuration (models/model_config.py).
         num_blocks: KV blocks in the pool (the pad block is added on top).
         block_size: tokens per block.
         max_seq_len: RoPE table length; positions must be < max_seq_len.

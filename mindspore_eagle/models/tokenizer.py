@@ -21,7 +21,7 @@ import re
 from datetime import datetime
 from pathlib import Path
 
-from mindspore_eagle.models.config import CheckpointError
+from mindspore_eagle.models.model_config import CheckpointError
 from mindspore_eagle.models.gguf_meta import gguf_value
 
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"

@@ -254,7 +254,7 @@ class ResultWriter:
 
 
 def _known_generation_errors() -> tuple:
-    from mindspore_eagle.models.config import CheckpointError
+    from mindspore_eagle.models.model_config import CheckpointError
     from mindspore_eagle.serving.engine import CacheExhaustedError, GenerationError
 
     return GenerationError, CacheExhaustedError, CheckpointError

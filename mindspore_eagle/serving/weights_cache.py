@@ -24,7 +24,7 @@ import numpy as np
 FORMAT = 1
 MAX_BYTES = 2 << 30
 _PKG = Path(__file__).resolve().parent.parent
-_SOURCES = ("models/checkpoints.py", "models/tokenizer.py", "models/gguf_meta.py", "models/config.py",
+_SOURCES = ("models/checkpoints.py", "models/tokenizer.py", "models/gguf_meta.py", "models/model_config.py",
             "serving/weights_cache.py")
 
 
@@ -106,7 +106,7 @@ def _write(d: Path, config, tensors: dict, tokenizer) -> None:
 def _read(d: Path):
     from tokenizers import Tokenizer as HFTokenizer
 
-    from mindspore_eagle.models.config import ModelConfig
+    from mindspore_eagle.models.model_config import ModelConfig
     from mindspore_eagle.models.tokenizer import Tokenizer, _TokenizersBackend
 
     meta = json.loads((d / "meta.json").read_text(encoding="utf-8"))

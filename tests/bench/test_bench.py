@@ -303,7 +303,7 @@ def test_gguf_f32_writer_roundtrip(tmp_path, tied):
 
     from mindspore_eagle.bench.peer import permute_qk, write_gguf_f32
     from mindspore_eagle.models.checkpoints import load_teacher, unpermute_qk
-    from mindspore_eagle.models.config import ModelConfig
+    from mindspore_eagle.models.model_config import ModelConfig
 
     cfg = ModelConfig(vocab_size=261, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
                       num_kv_heads=2, head_dim=8, rope_theta=1e5, rms_norm_eps=1e-5, tie_word_embeddings=tied,
@@ -378,7 +378,7 @@ def test_llamacpp_peer_runs_in_a_clean_process(tmp_path, monkeypatch):
 
     from mindspore_eagle.bench import peer
     from mindspore_eagle.config import load_config
-    from mindspore_eagle.models.config import ModelConfig
+    from mindspore_eagle.models.model_config import ModelConfig
     from mindspore_eagle.serving.pipeline import Loaded
 
     assert peer.available()

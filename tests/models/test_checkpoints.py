@@ -14,7 +14,7 @@ from mindspore_eagle.models.checkpoints import (
     load_teacher,
     save_hf_checkpoint,
 )
-from mindspore_eagle.models.config import ModelConfig, from_hf_config
+from mindspore_eagle.models.model_config import ModelConfig, from_hf_config
 
 TOK_FILES = ("tokenizer.model", "tokenizer_config.json")
 

@@ -5,7 +5,7 @@ import gguf
 import numpy as np
 import pytest
 
-from mindspore_eagle.models.config import CheckpointError
+from mindspore_eagle.models.model_config import CheckpointError
 from mindspore_eagle.models.gguf_meta import gguf_value
 
 

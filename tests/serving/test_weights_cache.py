@@ -6,7 +6,7 @@ import numpy as np
 from tiny_pangu import random_tensors
 
 from mindspore_eagle.models.checkpoints import load_teacher
-from mindspore_eagle.models.config import ModelConfig
+from mindspore_eagle.models.model_config import ModelConfig
 
 
 def _gguf(path, cfg, tensors):
