@@ -155,6 +155,13 @@ def test_error_missing_checkpoint(capsys, tmp_path):
     assert str(tmp_path / "nowhere") in msg
 
 
+def test_error_not_a_checkpoint_directory(capsys, tmp_path):
+    (tmp_path / "a.gguf").write_bytes(b""), (tmp_path / "b.gguf").write_bytes(b"")
+    for argv in (["generate", "--set", f"model.teacher={tmp_path}", "--prompt", "hi"], ["inspect", str(tmp_path)]):
+        msg = expect_error(capsys, argv, "not a checkpoint directory")
+        assert f"{tmp_path}: not a checkpoint directory (no config.json and 2 .gguf files" in msg
+
+
 def test_error_drafter_hidden_size(capsys, tmp_path, tiny, tiny_cfg):
     bad = _drafter(tmp_path, tiny_cfg, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     msg = expect_error(capsys, ["generate", "--set", f"model.teacher={tiny}", "--set", f"model.drafter={bad}",

@@ -101,8 +101,13 @@ def _resolve(path) -> Path:
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or directory")
     if p.is_dir():
-        ggufs = [] if (p / "config.json").is_file() else sorted(p.glob("*.gguf"))
-        return ggufs[0] if len(ggufs) == 1 else p
+        if (p / "config.json").is_file():
+            return p
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        raise CheckpointError(f"{p}: not a checkpoint directory (no config.json and {len(ggufs)} .gguf files; "
+                              "expected a .gguf file or a directory with config.json and *.safetensors)")
     suffix = p.suffix.lower()
     if suffix in PICKLE_SUFFIXES:
         raise _pickle_error(p)

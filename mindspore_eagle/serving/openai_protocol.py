@@ -31,6 +31,7 @@ import dataclasses
 import json
 import secrets
 import time
+import typing
 import uuid
 from typing import Any, Literal
 
@@ -192,7 +193,7 @@ def parse_request(cls, body: bytes):
     try:
         req = cls.model_validate_json(body)
     except ValidationError as e:
-        raise _validation_error(e) from None
+        raise _validation_error(e, cls) from None
     check_unsupported(req)
     if isinstance(req, ChatCompletionRequest) and None not in (req.max_tokens, req.max_completion_tokens) \
             and req.max_tokens != req.max_completion_tokens:
@@ -227,7 +228,10 @@ def requested_logprobs(req: _Common) -> int | None:
         return (top or 0) if lp else None
     if lp is None or lp is False:
         return None
-    if isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_COMPLETION_LOGPROBS:
+    if lp is True or not isinstance(lp, int):
+        raise APIError(400, f"logprobs = {json.dumps(lp)} must be an int in [0, {MAX_COMPLETION_LOGPROBS}] on "
+                            "/v1/completions (true / false is the chat form)", "logprobs", "invalid_type")
+    if not 0 <= lp <= MAX_COMPLETION_LOGPROBS:
         raise APIError(400, f"logprobs = {json.dumps(lp)} is out of range: must be an int in "
                             f"[0, {MAX_COMPLETION_LOGPROBS}]", "logprobs", "invalid_value")
     return lp
@@ -264,7 +268,34 @@ def completion_logprobs(entries: list, tokenizer, eos=(), offset: int = 0) -> di
     return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
 
-def _validation_error(e: ValidationError) -> APIError:
+def _range(cls, leaf: str) -> str | None:
+    """The allowed range of field ``leaf`` of request model ``cls`` in words ("a number in [0, 2]", "an int >= 1"),
+    from its pydantic bounds; None when it has none."""
+    info = getattr(cls, "model_fields", {}).get(leaf)
+    if info is None:
+        return None
+    lo = hi = None
+    lo_open = hi_open = False
+    for m in info.metadata:
+        if getattr(m, "ge", None) is not None:
+            lo = m.ge
+        if getattr(m, "gt", None) is not None:
+            lo, lo_open = m.gt, True
+        if getattr(m, "le", None) is not None:
+            hi = m.le
+        if getattr(m, "lt", None) is not None:
+            hi, hi_open = m.lt, True
+    if lo is None and hi is None:
+        return None
+    kind = "an int" if int in typing.get_args(info.annotation) or info.annotation is int else "a number"
+    if hi is None:
+        return f"{kind} {'>' if lo_open else '>='} {lo:g}"
+    if lo is None:
+        return f"{kind} {'<' if hi_open else '<='} {hi:g}"
+    return f"{kind} in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+
+
+def _validation_error(e: ValidationError, cls=None) -> APIError:
     err = e.errors()[0]
     kind, loc, msg = err["type"], err["loc"], err["msg"]
     if kind == "json_invalid":
@@ -283,6 +314,11 @@ def _validation_error(e: ValidationError) -> APIError:
         return APIError(400, f"Invalid type for '{param}': expected {_UNION_HINT[leaf]}", param, "invalid_type")
     if kind.endswith(("_type", "_parsing")):
         return APIError(400, f"Invalid type for '{param}': {msg}", param, "invalid_type")
+    allowed = _range(cls, leaf) if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal") \
+        and param == leaf else None
+    if allowed is not None:
+        return APIError(400, f"{param} = {json.dumps(err.get('input'))} is out of range: must be {allowed}", param,
+                        "invalid_value")
     return APIError(400, f"Invalid value for '{param}': {msg}", param, "invalid_value")
 
 
