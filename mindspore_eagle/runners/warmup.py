@@ -242,7 +242,7 @@ def warmup(engine, gen, mode: str = "full", log=None, drafters=None, budgets=Non
     t0, c0, l0 = time.perf_counter(), count(), graph_stats()["loads"]
     if mode == "full" and engine.teacher.mode == "fused":
         calls = full_shapes(engine, drafters, budgets, max_batch)
-        log(f"warm-up: {len(calls)} shapes")
+        log(f"warm-up: {len(calls)} calls (a tree verification also makes the graph that commits its path)")
         for what, fn in calls:
             fn()
     elif mode == "short":
