@@ -94,18 +94,21 @@ def generate_stream(runner, items, eos, batch: int = 16, temperature: float = 0.
                 runner.free(s.sid)
                 s.sid = -1
             for s in finished:
-                stop, ids_ = s.emitter.reason, s.emitter.ids
-                reply, end = (ids_[:-1], ids_[-1]) if stop == "eos" else (ids_, None)
-                if features:
-                    hid = np.concatenate([h for h, _ in s.features])
-                    aux = np.concatenate([a for _, a in s.features])
-                    yield s.index, reply, stop, end, (hid, aux)
-                else:
-                    yield s.index, reply, stop, end
+                yield _finished(s, features)
     finally:                            # on an error or close mid-pass, free each row exactly once
         for s in active:
             if s.sid >= 0:
                 runner.free(s.sid)
+
+
+def _finished(s, features: bool) -> tuple:
+    """What :func:`generate_stream` yields for a finished reply (its docstring)."""
+    stop, ids = s.emitter.reason, s.emitter.ids
+    reply, end = (ids[:-1], ids[-1]) if stop == "eos" else (ids, None)
+    if not features:
+        return s.index, reply, stop, end
+    return s.index, reply, stop, end, (np.concatenate([h for h, _ in s.features]),
+                                       np.concatenate([a for _, a in s.features]))
 
 
 @dataclass
