@@ -47,16 +47,26 @@ class ConfigError(MsEagleError, ValueError):
     """A configuration value is missing, unknown, of the wrong type, or out of range (message names the key)."""
 
 
+def range_words(kind: str, lo=None, hi=None, lo_open: bool = False, hi_open: bool = False) -> str:
+    """The allowed range in the words every error message uses: ``kind`` ("an int" / "a number") then "in [lo, hi]"
+    (round brackets for open ends), ">= lo" / "> lo" without ``hi``, "<= hi" / "< hi" without ``lo``; bounds as
+    ``str`` gives them."""
+    if hi is None:
+        return f"{kind} {'>' if lo_open else '>='} {lo}"
+    if lo is None:
+        return f"{kind} {'<' if hi_open else '<='} {hi}"
+    return f"{kind} in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+
+
 def _check_int(path: str, v, lo: int, hi: int | None = None):
     if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
-        rng = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise ConfigError(f"{path} = {v!r} is out of range: must be an int {rng}")
+        raise ConfigError(f"{path} = {v!r} is out of range: must be {range_words('an int', lo, hi)}")
 
 
 def _check_float(path: str, v, lo: float, hi: float, lo_open: bool = False):
     ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (v > lo if lo_open else v >= lo) and v <= hi
     if not ok:
-        raise ConfigError(f"{path} = {v!r} is out of range: must be a number in {'(' if lo_open else '['}{lo}, {hi}]")
+        raise ConfigError(f"{path} = {v!r} is out of range: must be {range_words('a number', lo, hi, lo_open)}")
 
 
 @dataclass

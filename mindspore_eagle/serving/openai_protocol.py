@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mindspore_eagle.config import GenerationConfig
+from mindspore_eagle.config import GenerationConfig, range_words
 
 MAX_STOP = 16
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
@@ -288,11 +288,7 @@ def _range(cls, leaf: str) -> str | None:
     if lo is None and hi is None:
         return None
     kind = "an int" if int in typing.get_args(info.annotation) or info.annotation is int else "a number"
-    if hi is None:
-        return f"{kind} {'>' if lo_open else '>='} {lo:g}"
-    if lo is None:
-        return f"{kind} {'<' if hi_open else '<='} {hi:g}"
-    return f"{kind} in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+    return range_words(kind, None if lo is None else f"{lo:g}", None if hi is None else f"{hi:g}", lo_open, hi_open)
 
 
 def _validation_error(e: ValidationError, cls=None) -> APIError:
