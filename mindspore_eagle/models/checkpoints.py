@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -224,31 +225,85 @@ def read_safetensors(path) -> dict[str, np.ndarray]:
     return out
 
 
-def check_tensors(config: ModelConfig, raw: dict) -> dict[str, np.ndarray]:
-    """Validate a name -> array dict against `expected_shapes(config)`; return it in canonical order, float32.
+class LazyTensors(Mapping):
+    """A read-only name -> float32 array mapping whose arrays are read when asked for and not kept.
 
+    A model's loader copies each tensor into its own storage and drops it, so with this mapping the process never
+    holds a second copy of all weights (the 0.5B teacher's 2.5 GB of float32 would otherwise be held twice while its
+    Parameters fill; docs/models.md, "Memory"). Each ``m[name]`` reads again: callers that need a tensor twice
+    keep it.
+
+    Args:
+        shapes: name -> shape, in the mapping's order (what ``check_tensors`` validates without reading).
+        read: ``read(name)`` -> a new float32 array of that name that nobody else holds (a loader may take it
+            over without copying).
+    """
+
+    def __init__(self, shapes: dict, read):
+        self._shapes = {k: tuple(int(d) for d in v) for k, v in shapes.items()}
+        self._read = read
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._shapes:
+            raise KeyError(name)
+        arr = self._read(name)
+        if arr.dtype != np.float32 or not arr.flags.c_contiguous:
+            raise TypeError(f"LazyTensors: the reader of {name} returned {arr.dtype}, not a C-order float32 array")
+        return arr
+
+    def __iter__(self):
+        return iter(self._shapes)
+
+    def __len__(self) -> int:
+        return len(self._shapes)
+
+    def shape(self, name: str) -> tuple:
+        """The shape of ``name`` without reading it."""
+        return self._shapes[name]
+
+    def nbytes(self) -> int:
+        """Bytes of all tensors as float32."""
+        return sum(4 * int(np.prod(s)) for s in self._shapes.values())
+
+    def subset(self, names) -> "LazyTensors":
+        """The same reader over ``names`` only, in that order."""
+        return LazyTensors({n: self._shapes[n] for n in names}, self._read)
+
+
+def _shape_of(raw, name: str) -> tuple:
+    return raw.shape(name) if isinstance(raw, LazyTensors) else tuple(raw[name].shape)
+
+
+def check_tensors(config: ModelConfig, raw) -> dict[str, np.ndarray]:
+    """Validate a name -> array mapping against `expected_shapes(config)`; return it in canonical order, float32.
+
+    A :class:`LazyTensors` is checked by its shapes and returned lazy (its arrays stay unread).
     Raises:
         CheckpointError: missing and/or unexpected tensors (named, first 5 of each), a shape mismatch (names the
             tensor, the checkpoint's shape and the config's), or an untied lm_head under tie_word_embeddings.
     """
     expected = expected_shapes(config)
-    raw = {k: v for k, v in raw.items() if not k.endswith(_SKIP_SUFFIX)}
-    if config.tie_word_embeddings and "lm_head.weight" in raw:
-        head, emb = raw.pop("lm_head.weight"), raw.get("model.embed_tokens.weight")
+    names = [k for k in raw if not k.endswith(_SKIP_SUFFIX)]
+    if config.tie_word_embeddings and "lm_head.weight" in names:
+        names.remove("lm_head.weight")
+        emb = raw["model.embed_tokens.weight"] if "model.embed_tokens.weight" in names else None
+        head = raw["lm_head.weight"]
         if emb is not None and (head.shape != emb.shape or not np.array_equal(head, emb)):
             raise CheckpointError("lm_head.weight differs from model.embed_tokens.weight but the config says "
                                   "tie_word_embeddings=true")
-    missing = [k for k in expected if k not in raw]
-    unexpected = sorted(k for k in raw if k not in expected)
+    missing = [k for k in expected if k not in names]
+    unexpected = sorted(k for k in names if k not in expected)
     _names = lambda names: ", ".join(names[:5]) + (f", ... (+{len(names) - 5})" if len(names) > 5 else "")  # noqa
     if missing or unexpected:
         parts = [f"missing {len(missing)} tensor(s): {_names(missing)}"] if missing else []
         parts += [f"unexpected {len(unexpected)} tensor(s): {_names(unexpected)}"] if unexpected else []
         raise CheckpointError("checkpoint does not match its config: " + "; ".join(parts))
     for name, shape in expected.items():
-        if tuple(raw[name].shape) != shape:
-            raise CheckpointError(f"tensor {name}: shape {tuple(raw[name].shape)} in the checkpoint, {shape} "
+        if _shape_of(raw, name) != shape:
+            raise CheckpointError(f"tensor {name}: shape {_shape_of(raw, name)} in the checkpoint, {shape} "
                                   "expected from the config")
+    if isinstance(raw, LazyTensors):
+        return raw.subset(expected)
     return {name: np.asarray(raw[name], dtype=np.float32) for name in expected}
 
 
@@ -353,29 +408,37 @@ def open_gguf(path):
         raise CheckpointError(f"{path}: cannot read GGUF file: {_one_line(e)}") from None
 
 
-def load_gguf_weights(path_or_reader) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Dequantise a llama/qwen2 GGUF file (a path or an open `gguf.GGUFReader`) into float32 HF-named tensors.
+def load_gguf_weights(path_or_reader) -> tuple[ModelConfig, LazyTensors]:
+    """A llama/qwen2 GGUF file (a path or an open `gguf.GGUFReader`) as float32 HF-named tensors, each dequantised
+    when it is read.
 
     Every tensor goes through `gguf.quants.dequantize` (any ggml type gguf supports) and is reshaped to the
-    reversed ggml shape, i.e. HF [out, in]; llama-arch attn_q/attn_k weights and biases are un-permuted.
+    reversed ggml shape, i.e. HF [out, in]; llama-arch attn_q/attn_k weights and biases are un-permuted. Names and
+    shapes are checked here, before any tensor is read.
     Returns:
-        (ModelConfig from metadata, dict name -> float32 array).
+        (ModelConfig from metadata, :class:`LazyTensors` name -> float32 array, each a copy of its own).
     Raises:
         CheckpointError: unreadable/truncated file, unsupported arch, unknown tensor name, shape mismatch.
     """
-    from gguf.quants import dequantize
-
     reader = open_gguf(path_or_reader) if isinstance(path_or_reader, (str, Path)) else path_or_reader
     config = gguf_config(reader)
-    raw = {}
-    for t in reader.tensors:
-        name = _hf_name(t.name)
-        arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        arr = arr.reshape(tuple(int(s) for s in reversed(t.shape)))
-        if config.arch == "llama" and (".q_proj." in name or ".k_proj." in name):
-            arr = unpermute_qk(arr, config.num_heads if ".q_proj." in name else config.num_kv_heads)
-        raw[name] = np.array(arr, dtype=np.float32)  # own copy: do not keep the file mapped
-    return config, check_tensors(config, raw)
+    by_name = {_hf_name(t.name): t for t in reader.tensors}
+    shapes = {name: tuple(int(s) for s in reversed(t.shape)) for name, t in by_name.items()}
+    file = reader.data.filename
+    return config, check_tensors(config, LazyTensors(shapes, lambda n: _dequantise(config, n, by_name[n], file)))
+
+
+def _dequantise(config: ModelConfig, name: str, t, file) -> np.ndarray:
+    """One GGUF tensor as float32 HF [out, in], read through a mapping of its own bytes that is dropped after (the
+    reader's whole-file mapping would keep every page read so far resident)."""
+    from gguf.quants import dequantize
+
+    data = np.memmap(file, dtype=t.data.dtype, mode="r", offset=t.data_offset, shape=t.data.shape)
+    arr = np.asarray(dequantize(data, t.tensor_type), dtype=np.float32)
+    arr = arr.reshape(tuple(int(s) for s in reversed(t.shape)))
+    if config.arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+        arr = unpermute_qk(arr, config.num_heads if ".q_proj." in name else config.num_kv_heads)
+    return np.array(arr, dtype=np.float32)  # own copy: do not keep the file mapped
 
 
 def _hf_name(gguf_name: str) -> str:

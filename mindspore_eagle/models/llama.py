@@ -34,7 +34,9 @@ from typing import TYPE_CHECKING
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import Zero
 
+from mindspore_eagle.models.checkpoints import LazyTensors
 from mindspore_eagle.kernels.attention import (  # noqa: F401  (paged_attention re-exported)
     check_weight_dtype, make_backend, paged_attention)
 from mindspore_eagle.kernels.dense import (  # noqa: F401  (re-exported: the portable forms of the layer math)
@@ -93,10 +95,9 @@ COMPUTE_DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.b
 
 
 def zeros_param(shape, dtype, name: str) -> Parameter:
-    """A zero Parameter of ``shape`` in ``dtype`` (placeholder until ``load_hf_weights`` sets the data)."""
-    if dtype == ms.float32:
-        return Parameter(Tensor(np.zeros(shape, np.float32)), name=name)
-    return Parameter(Tensor(np.zeros(shape, np.float16), dtype), name=name)
+    """A zero Parameter of ``shape`` in ``dtype``, allocated only when used before ``load_hf_weights`` sets its data
+    (MindSpore's lazy initialiser), so a model being loaded never holds its weights twice (docs/models.md, "Memory")."""
+    return Parameter(Tensor(shape=tuple(shape), dtype=dtype, init=Zero()), name=name)
 
 
 class DecoderLayer(nn.Cell):
@@ -231,9 +232,11 @@ class LlamaModel(nn.Cell):
         return x, aux
 
     # ------------------------------------------------------------------ weights
-    def load_hf_weights(self, tensors: dict[str, np.ndarray]) -> None:
-        """Copy HF-named float32 numpy tensors into the fused Parameters, folding the per-layer norm weights and
-        the attention scale into ``wqkv`` / ``bqkv`` / ``w_gate_up`` (module docstring).
+    def load_hf_weights(self, tensors) -> None:
+        """Take HF-named float32 numpy tensors (a dict, or a ``checkpoints.LazyTensors`` read one tensor at a time)
+        into the fused Parameters, folding the per-layer norm weights and the attention scale into ``wqkv`` /
+        ``bqkv`` / ``w_gate_up`` (module docstring). The model holds one copy of its weights: a dict's arrays are
+        copied (the caller keeps them), a LazyTensors' arrays and every fused matrix are taken over.
 
         Folding is done in float32; each fused matrix is then rounded once to the compute dtype (norm weights stay
         float32).
@@ -241,9 +244,15 @@ class LlamaModel(nn.Cell):
             ValueError: a tensor is missing or its shape differs from the config (names the tensor, both shapes).
         """
         cfg, dt = self.cfg, self.dtype
-        T = ms.Tensor if dt == ms.float32 else (lambda arr: ms.Tensor(arr, dt))   # one rounding to dt
+        # A Parameter takes over (Tensor.from_numpy) an array made here or handed out by a LazyTensors (each read
+        # a new array), never one the caller keeps, so the weights are held once: T / W take a new array (a fused
+        # matrix, a rounding), Tin / Win one of ``tensors``.
+        T = Tensor.from_numpy if dt == ms.float32 else (lambda arr: ms.Tensor(arr, dt))   # one rounding to dt
+        fresh = isinstance(tensors, LazyTensors)
+        Tin = (lambda arr: Tensor.from_numpy(arr if fresh else np.array(arr, np.float32))) if dt == ms.float32 else T
         wdt = self.weight_dtype
-        W = T if wdt == dt else (lambda arr: ms.Tensor(arr.astype(np.float16)))   # matrices: one rounding to wdt
+        W = T if wdt == dt else (lambda arr: Tensor.from_numpy(arr.astype(np.float16)))   # one rounding to wdt
+        Win = Tin if wdt == dt else W
 
         def get(name, shape):
             if name not in tensors:
@@ -255,11 +264,11 @@ class LlamaModel(nn.Cell):
 
         H, F, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         qo, kvo = cfg.num_heads * hd, cfg.num_kv_heads * hd
-        self.embed.set_data(T(get("model.embed_tokens.weight", (cfg.vocab_size, H))))
+        self.embed.set_data(Tin(get("model.embed_tokens.weight", (cfg.vocab_size, H))))
         self.norm.weight.set_data(ms.Tensor(get("model.norm.weight", (H,))))
         if self.lm_head is not None:
             head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-            self.lm_head.set_data(W(get(head, (cfg.vocab_size, H))))
+            self.lm_head.set_data(Win(get(head, (cfg.vocab_size, H))))
         scale = np.float32(1.0 / np.sqrt(hd))           # softmax(q k^T / sqrt(hd)): folded into q
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
@@ -273,12 +282,12 @@ class LlamaModel(nn.Cell):
                 a.bqkv.set_data(T(np.concatenate([get(p + "self_attn.q_proj.bias", (qo,)) * scale,
                                                        get(p + "self_attn.k_proj.bias", (kvo,)),
                                                        get(p + "self_attn.v_proj.bias", (kvo,))], 0)))
-            a.wo.set_data(W(get(p + "self_attn.o_proj.weight", (H, qo))))
+            a.wo.set_data(Win(get(p + "self_attn.o_proj.weight", (H, qo))))
             if a.bo is not None:
-                a.bo.set_data(T(get(p + "self_attn.o_proj.bias", (H,))))
+                a.bo.set_data(Tin(get(p + "self_attn.o_proj.bias", (H,))))
             layer.w_gate_up.set_data(W(np.concatenate([get(p + "mlp.gate_proj.weight", (F, H)),
                                                                 get(p + "mlp.up_proj.weight", (F, H))], 0) * g_post))
-            layer.w_down.set_data(W(get(p + "mlp.down_proj.weight", (H, F))))
+            layer.w_down.set_data(Win(get(p + "mlp.down_proj.weight", (H, F))))
 
     def caches(self) -> list:
         """[(key_cache, value_cache)] per layer: the Parameters the cache manager compacts on commit."""

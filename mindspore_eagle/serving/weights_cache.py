@@ -3,12 +3,15 @@
 Reading a GGUF file costs seconds on the 2-core CPU, about half of a one-shot answer whose graphs come from the graph
 store: the ``gguf`` package parses every metadata field item by item (the 49k vocabulary strings and merges of the
 embedded SmolLM2 teacher: 3.8 s at a load average of 3) and dequantising takes 2.2 s more. The same checkpoint then
-loads from ``$MSEAGLE_CACHE/weights/<key>/`` in well under a second: one ``.npy`` per tensor (read with
-``allow_pickle=False``), ``config.json`` (the ModelConfig fields), ``tokenizer.json`` (the ``tokenizers`` model) and
+loads from ``$MSEAGLE_CACHE/weights/<key>/`` in a few seconds: one ``.npy`` per tensor (each read when the model
+takes it into its Parameters, so the process never holds all weights twice: ``checkpoints.LazyTensors``),
+``config.json`` (the ModelConfig fields), ``tokenizer.json`` (the ``tokenizers`` model) and
 ``meta.json`` (the Tokenizer's settings, the tensor list). The key is the file's path, size and mtime, this package's
 checkpoint / tokenizer / config sources and numpy's version; a copy that fails to read is deleted and the GGUF read
-again. Only GGUF teachers whose float32 tensors take at most ``MAX_BYTES`` are kept (a safetensors checkpoint is
-memory-mapped already, a large model would double its disk use); ``MSEAGLE_WEIGHTS_CACHE=0`` turns this off.
+again. The first run writes the copy one tensor at a time as it dequantises (the 0.5B teacher: 2.5 GB in ~15 s) and
+then reads it like a later run. Only GGUF teachers whose float32 tensors take at most ``MAX_BYTES`` are kept (a
+safetensors checkpoint is memory-mapped already, a large model would double its disk use);
+``MSEAGLE_WEIGHTS_CACHE=0`` turns this off.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 FORMAT = 1
-MAX_BYTES = 2 << 30
+MAX_BYTES = 4 << 30
 _PKG = Path(__file__).resolve().parent.parent
 _SOURCES = ("models/checkpoints.py", "models/tokenizer.py", "models/gguf_meta.py", "models/model_config.py",
             "serving/weights_cache.py")
@@ -50,7 +53,8 @@ def load_teacher_cached(path, root=None):
     """``models.checkpoints.load_teacher(path)``, from the kept copy when there is one (module docstring).
 
     Returns:
-        (ModelConfig, dict[str, np.ndarray float32], Tokenizer), equal to what ``load_teacher`` returns.
+        (ModelConfig, name -> float32 array mapping (a ``checkpoints.LazyTensors`` over the kept ``.npy`` files),
+        Tokenizer), equal to what ``load_teacher`` returns.
     Raises:
         CheckpointError: as ``load_teacher``.
     """
@@ -67,20 +71,42 @@ def load_teacher_cached(path, root=None):
             shutil.rmtree(d, ignore_errors=True)
     out = load_teacher(path)
     try:
-        _write(d, *out)
-    except OSError:               # a full or read-only disk: the next run reads the GGUF again
+        if _write(d, *out):
+            return _read(d)
+    except (OSError, ValueError):  # a full or read-only disk: the next run reads the GGUF again
         pass
     return out
 
 
-def _write(d: Path, config, tensors: dict, tokenizer) -> None:
+def _write(d: Path, config, tensors, tokenizer) -> bool:
+    """Keep a copy of (config, tensors, tokenizer) at ``d``, one tensor in memory at a time; True when ``d`` holds
+    one after (written here or by another process)."""
+    from mindspore_eagle.models.checkpoints import LazyTensors
     from mindspore_eagle.models.tokenizer import _TokenizersBackend
 
     backend = getattr(tokenizer, "_backend", None)
-    if not isinstance(backend, _TokenizersBackend) or sum(a.nbytes for a in tensors.values()) > MAX_BYTES:
-        return
+    nbytes = tensors.nbytes() if isinstance(tensors, LazyTensors) else sum(4 * a.size for a in tensors.values())
+    if not isinstance(backend, _TokenizersBackend) or nbytes > MAX_BYTES:
+        return False
     tmp = d.with_name(f"{d.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _write_files(tmp, config, tensors, tokenizer, backend)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        os.rename(tmp, d)
+    except OSError:               # another process kept it first
+        shutil.rmtree(tmp, ignore_errors=True)
+        return (d / "meta.json").is_file()
+    for old in d.parent.glob(d.name.split("-")[0] + "-*"):     # older copies of the same file
+        if old.name != d.name and ".tmp" not in old.name:
+            shutil.rmtree(old, ignore_errors=True)
+    return True
+
+
+def _write_files(tmp: Path, config, tensors, tokenizer, backend) -> None:
     (tmp / "tensors").mkdir(parents=True)
     names = []
     for i, (name, arr) in enumerate(tensors.items()):
@@ -93,19 +119,12 @@ def _write(d: Path, config, tensors: dict, tokenizer) -> None:
             "add_bos": tokenizer.add_bos, "chat_template": tokenizer.chat_template,
             "special_tokens": tokenizer.special_tokens, "template_vars": tokenizer.template_vars}
     (tmp / "meta.json").write_text(json.dumps(meta), encoding="utf-8")    # last: marks the copy complete
-    try:
-        os.rename(tmp, d)
-    except OSError:               # another process kept it first
-        shutil.rmtree(tmp, ignore_errors=True)
-        return
-    for old in d.parent.glob(d.name.split("-")[0] + "-*"):     # older copies of the same file
-        if old.name != d.name and ".tmp" not in old.name:
-            shutil.rmtree(old, ignore_errors=True)
 
 
 def _read(d: Path):
     from tokenizers import Tokenizer as HFTokenizer
 
+    from mindspore_eagle.models.checkpoints import LazyTensors
     from mindspore_eagle.models.model_config import ModelConfig
     from mindspore_eagle.models.tokenizer import Tokenizer, _TokenizersBackend
 
@@ -113,14 +132,39 @@ def _read(d: Path):
     if meta.get("format") != FORMAT:
         raise ValueError("another format")
     config = ModelConfig(**json.loads((d / "config.json").read_text(encoding="utf-8")))
-    tensors = {name: np.load(d / "tensors" / f"{i}.npy", allow_pickle=False)
-               for i, name in enumerate(meta["tensors"])}
+    files = {name: d / "tensors" / f"{i}.npy" for i, name in enumerate(meta["tensors"])}
+    heads = {name: _npy_header(f) for name, f in files.items()}           # (shape, data offset): checked now
+
+    def read(name):
+        shape, offset = heads[name]
+        return np.fromfile(files[name], np.float32, int(np.prod(shape)), offset=offset).reshape(shape)
+
+    tensors = LazyTensors({name: shape for name, (shape, _) in heads.items()}, read)
     tk = HFTokenizer.from_str((d / "tokenizer.json").read_text(encoding="utf-8"))
     tokenizer = Tokenizer(_TokenizersBackend(tk), vocab_size=meta["vocab_size"], bos_token_id=meta["bos_token_id"],
                           eos_token_ids=meta["eos_token_ids"], add_bos=meta["add_bos"],
                           chat_template=meta["chat_template"], special_tokens=meta["special_tokens"],
                           template_vars=meta["template_vars"])
     return config, tensors, tokenizer
+
+
+def _npy_header(path: Path) -> tuple:
+    """(shape, data offset in bytes) of a float32 ``.npy`` file from its header, after checking that the file holds
+    all its data.
+
+    Raises:
+        ValueError: not a float32 C-order array, or the file is shorter or longer than its header says.
+    """
+    with open(path, "rb") as f:
+        fmt = np.lib.format
+        read_header = fmt.read_array_header_1_0 if fmt.read_magic(f) == (1, 0) else fmt.read_array_header_2_0
+        shape, fortran, dtype = read_header(f)
+        offset = f.tell()
+    if dtype != np.float32 or fortran:
+        raise ValueError(f"{path}: not a float32 C-order array")
+    if path.stat().st_size != offset + 4 * int(np.prod(shape)):
+        raise ValueError(f"{path}: size differs from its header")
+    return tuple(shape), offset
 
 
 __all__ = ["MAX_BYTES", "cache_key", "default_root", "load_teacher_cached"]
