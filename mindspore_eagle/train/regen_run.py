@@ -20,7 +20,8 @@ import signal
 import sys
 import time
 
-DEFAULT_BATCH = 32        # the fastest of 8 / 16 / 32 at max_len 512, grouped attention (docs/training_data.md, "Throughput")
+# the fastest of 8 / 16 / 32 at max_len 512, grouped attention (docs/training_data.md, "Throughput")
+DEFAULT_BATCH = 32
 
 
 class _Stop(Exception):
