@@ -3,6 +3,22 @@ ChatML-like template (for the loaders' tests: weights cache, memory)."""
 import numpy as np
 
 
+_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight"}
+_BLK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def gguf_name(hf_name: str) -> str:
+    """The GGUF name of an HF-named Llama tensor (model.layers.N.self_attn.q_proj.weight -> blk.N.attn_q.weight),
+    spelled here apart from the loader's map, so that the loader's tests check that map."""
+    if hf_name in _TOP:
+        return _TOP[hf_name]
+    _, _, i, *mid, leaf = hf_name.split(".")
+    return f"blk.{i}.{_BLK['.'.join(mid)]}.{leaf}"
+
+
 def write_llama_gguf(path, cfg, tensors):
     """A llama-arch GGUF with a byte-level BPE tokenizer (the layout of tests/models/test_checkpoints.py)."""
     import gguf
@@ -28,17 +44,7 @@ def write_llama_gguf(path, cfg, tensors):
                        (w.add_chat_template, ("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>"
                                               "{% endfor %}"))):
         add(value)
-    rename = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-              "lm_head.weight": "output.weight"}
-    blk = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-           "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
     for name, arr in tensors.items():
-        if name in rename:
-            gname = rename[name]
-        else:
-            _, _, i, *mid, leaf = name.split(".")
-            gname = f"blk.{i}.{blk['.'.join(mid)]}.{leaf}"
-        w.add_tensor(gname, np.ascontiguousarray(arr))
+        w.add_tensor(gguf_name(name), np.ascontiguousarray(arr))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     return path

@@ -5,6 +5,7 @@ import struct
 
 import numpy as np
 import pytest
+from tiny_gguf import gguf_name
 from tiny_pangu import causal_mask, numpy_forward, random_tensors, write_tiny_pangu
 
 from mindspore_eagle.models.checkpoints import (
@@ -235,20 +236,10 @@ def _write_gguf(path, arch, cfg=None, tensors=None, pre="smollm"):
         w.add_eos_token_id(1)
         w.add_add_bos_token(False)
         w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
-        rename = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                  "lm_head.weight": "output.weight"}
-        blk = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
         for name, arr in tensors.items():
-            if name in rename:
-                gname = rename[name]
-            else:
-                _, _, n, *mid, leaf = name.split(".")
-                gname = f"blk.{n}.{blk['.'.join(mid)]}.{leaf}"
             if arch == "llama" and ("q_proj" in name or "k_proj" in name):
                 arr = _permute(arr, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
-            w.add_tensor(gname, np.ascontiguousarray(arr))
+            w.add_tensor(gguf_name(name), np.ascontiguousarray(arr))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
