@@ -286,13 +286,12 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 // ---------------------------------------------------------------------------------------------- Linear
 // x [k, K] f32, w [N, K] f32 (HF [out, in]) -> y [k, N] f32, y[r, n] = dot(x[r], w[n]).
 // Threads split N into blocks of NR weight rows; a block runs tiles of NR weight rows x KR rows of x (then tiles
-// of KR / 2, ..., 1 rows for the rows left). k <= 4 (a decode, a small tree: bandwidth-bound): 1 x 4, so the
-// weights stream in memory order and each weight row, in L1, meets every row of x. k > 4 (compute-bound on a
-// 2-core CPU): 4 x 6 for k < 8 and 3 x 8 from 8 rows with AVX-512VL (24 accumulators in its 32 vector registers),
-// 2 x 4 without; those tiles prefetch each weight row 512 bytes ahead (the weights come from DRAM while the FMAs
-// run). Weight rows left after the last full block: 1 x 1. Measured tiles: docs/cpu_kernels.md, "Tiles". Every
-// output is one dot product accumulated in the same float order whatever the tile, so results do not depend on k
-// (batch invariance).
+// of KR / 2, ..., 1 rows for the rows left), and prefetches the next block's weight rows at the same offset, so the
+// weights come from memory one block's multiply-adds ahead (512 bytes ahead, the earlier distance, was 15 % slower
+// at 8 rows). With AVX-512VL (32 vector registers): 4 x 4 for k <= 4 (a decode, a small tree, a drafter call),
+// 4 x 6 for k < 8, 3 x 8 from 8 rows (24 accumulators); without, 1 x 4 for k <= 4 and 2 x 4 above. Weight rows left after the last full block:
+// 1 x 1. Measured tiles: docs/cpu_kernels.md, "Tiles". Every output is one dot product accumulated in the same
+// float order whatever the tile, so results do not depend on k (batch invariance).
 template <int NR, int KR, typename W>
 static inline void micro(const float *x, const W *w, float *y, int64_t K, int64_t N, int64_t r0, int64_t n0) {
   v8 acc[KR][NR];
@@ -305,10 +304,8 @@ static inline void micro(const float *x, const W *w, float *y, int64_t K, int64_
     v8 wv[NR];
 #pragma GCC unroll 8
     for (int b = 0; b < NR; ++b) wv[b] = load8w(w + (n0 + b) * K + i);
-    if (NR > 1) {
 #pragma GCC unroll 8
-      for (int b = 0; b < NR; ++b) __builtin_prefetch(w + (n0 + b) * K + i + 512 / sizeof(W));
-    }
+    for (int b = 0; b < NR; ++b) __builtin_prefetch(w + (n0 + NR + b) * K + i);  // the next block's rows
 #pragma GCC unroll 8
     for (int a = 0; a < KR; ++a) {
       const v8 xv = load8(x + (r0 + a) * K + i);
@@ -365,15 +362,17 @@ static void tiled(const float *x, const W *w, float *y, int64_t k, int64_t K, in
 
 template <typename W>
 static void linear_into(const float *x, const W *w, float *y, int64_t k, int64_t K, int64_t N) {
-  if (k <= 4)          // bandwidth-bound: one weight row at a time (the weights read in order) against 4 / 2 / 1 rows
-    tiled<1, 4>(x, w, y, k, K, N);
 #if defined(__AVX512VL__)
-  else if (k < 8)      // compute-bound, 24 accumulators in AVX-512VL's 32 vector registers
+  if (k <= 4)
+    tiled<4, 4>(x, w, y, k, K, N);
+  else if (k < 8)
     tiled<4, 6>(x, w, y, k, K, N);
   else
     tiled<3, 8>(x, w, y, k, K, N);
-#else
-  else                 // 16 vector registers: 2 x 4 tiles (8 accumulators)
+#else                                // 16 vector registers: 1 x 4 (as measured before), 2 x 4 (8 accumulators)
+  if (k <= 4)
+    tiled<1, 4>(x, w, y, k, K, N);
+  else
     tiled<2, 4>(x, w, y, k, K, N);
 #endif
 }
@@ -539,52 +538,146 @@ extern "C" int MlpAddNorm(int nparam, void **params, int *ndims, int64_t **shape
 // skipped; a row with no visible column gets zeros. Per (row, head): scores of the visible columns in column order,
 // their max, their exp8(score - max), then the weighted sum of values in the same order, divided once by the sum
 // of weights.
+// out[j] = fold8(a[j]) for the 8 vectors a[0..7]: the same additions in the same order as fold8 (lane l + lane
+// l + 4 first, then ((0 + 1) + (2 + 3))), done for eight dot products at once by a transpose instead of eight
+// horizontal folds.
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define MSEAGLE_SHUFFLE 1
+#endif
+#endif
+static inline v8 fold8x8(const v8 *a) {
+#if defined(MSEAGLE_SHUFFLE)
+  typedef float v4 __attribute__((vector_size(16)));
+  v4 b[8], o[2];
+  for (int j = 0; j < 8; ++j)
+    b[j] = __builtin_shufflevector(a[j], a[j], 0, 1, 2, 3) + __builtin_shufflevector(a[j], a[j], 4, 5, 6, 7);
+  for (int h = 0; h < 2; ++h) {
+    const v4 *c = b + 4 * h;
+    const v4 t0 = __builtin_shufflevector(c[0], c[1], 0, 4, 1, 5), t1 = __builtin_shufflevector(c[0], c[1], 2, 6, 3, 7);
+    const v4 t2 = __builtin_shufflevector(c[2], c[3], 0, 4, 1, 5), t3 = __builtin_shufflevector(c[2], c[3], 2, 6, 3, 7);
+    const v4 l0 = __builtin_shufflevector(t0, t2, 0, 1, 4, 5), l1 = __builtin_shufflevector(t0, t2, 2, 3, 6, 7);
+    const v4 l2 = __builtin_shufflevector(t1, t3, 0, 1, 4, 5), l3 = __builtin_shufflevector(t1, t3, 2, 3, 6, 7);
+    o[h] = (l0 + l1) + (l2 + l3);
+  }
+  return __builtin_shufflevector(o[0], o[1], 0, 1, 2, 3, 4, 5, 6, 7);
+#else
+  v8 out;
+  for (int j = 0; j < 8; ++j) out[j] = fold8(a[j]);
+  return out;
+#endif
+}
+
+// The visible columns of one query row: their cache rows vis[0..n) and mask values mv[0..n), in column order
+// (a column is hidden when its mask is <= -1e4). Returns n, or -1 when a visible column's row is outside [0, R).
+static int64_t visible_columns(const int32_t *rr, const float *mr, int64_t S, int64_t R, int32_t *vis, float *mv) {
+  int64_t n = 0;
+  for (int64_t j = 0; j < S; ++j) {
+    if (mr[j] <= -1e4f) continue;
+    if (rr[j] < 0 || rr[j] >= R) return -1;
+    vis[n] = rr[j], mv[n++] = mr[j];
+  }
+  return n;
+}
+
+// exp8(sc[t] - mx) in place over t < n, 8 at a time (the tail's missing lanes computed and dropped)
+static void exp_shifted(float *sc, int64_t n, float mx) {
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) store8(&sc[t], exp8(load8(&sc[t]) - splat8(mx)));
+  if (t < n) {
+    const v8 p = exp8(load_tail(&sc[t], n - t) - splat8(mx));
+    for (int64_t j = 0; j < n - t; ++j) sc[t + j] = p[j];
+  }
+}
+
+// One (query row, head) over its n visible cache rows, hd = 8 NC: the query and the output accumulators held in
+// registers, eight scores folded at once (fold8x8). The same float operations, in the same order, as
+// attend_any below (hence as dot, exp8 and the sequential sums it uses): a result never depends on which runs.
+template <int NC>
+static void attend_regs(const float *qr, const float *kc, const float *vc, const int32_t *vis, const float *mv,
+                        int64_t n, float scale, float *sc, float *out) {
+  constexpr int64_t hd = 8 * NC;
+  v8 qv[NC], acc[NC];
+  for (int c = 0; c < NC; ++c) qv[c] = load8(qr + 8 * c), acc[c] = splat8(0.f);
+  float mx = -INFINITY;
+  for (int64_t t0 = 0; t0 < n; t0 += 8) {
+    const int64_t m = n - t0 < 8 ? n - t0 : 8;
+    v8 a[8];
+    for (int j = 0; j < 8; ++j) {
+      a[j] = splat8(0.f);
+      if (j >= m) continue;
+      const float *kr = kc + (int64_t)vis[t0 + j] * hd;
+#pragma GCC unroll 16
+      for (int c = 0; c < NC; ++c) a[j] = fma8(qv[c], load8(kr + 8 * c), a[j]);
+    }
+    const v8 s = fold8x8(a) * splat8(scale) + (m == 8 ? load8(mv + t0) : load_tail(mv + t0, m));
+    for (int64_t j = 0; j < m; ++j) sc[t0 + j] = s[j], mx = s[j] > mx ? s[j] : mx;
+  }
+  exp_shifted(sc, n, mx);
+  float den = 0.f;
+  for (int64_t t = 0; t < n; ++t) {
+    const float p = sc[t];
+    den += p;
+    const float *vr = vc + (int64_t)vis[t] * hd;
+    const v8 pv = splat8(p);
+#pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) acc[c] = fma8(pv, load8(vr + 8 * c), acc[c]);
+  }
+  const float inv = n ? 1.0f / den : 0.f;
+  for (int c = 0; c < NC; ++c) store8(out + 8 * c, acc[c] * splat8(inv));
+}
+
+// the same for any head size (accumulators in memory, the head's tail zero-padded as in dot)
+static void attend_any(const float *qr, const float *kc, const float *vc, const int32_t *vis, const float *mv,
+                       int64_t n, float scale, float *sc, v8 *acc, int64_t hd, float *out) {
+  float mx = -INFINITY;
+  for (int64_t t = 0; t < n; ++t) {
+    const float s = dot(qr, kc + (int64_t)vis[t] * hd, hd) * scale + mv[t];
+    sc[t] = s;
+    mx = s > mx ? s : mx;
+  }
+  exp_shifted(sc, n, mx);
+  for (int64_t c = 0; c < (hd + 7) / 8; ++c) acc[c] = splat8(0.f);
+  float den = 0.f;
+  for (int64_t t = 0; t < n; ++t) {
+    const float p = sc[t];
+    den += p;
+    const float *vr = vc + (int64_t)vis[t] * hd;
+    const v8 pv = splat8(p);
+    int64_t i = 0;
+    for (; i + 8 <= hd; i += 8) acc[i / 8] = fma8(pv, load8(vr + i), acc[i / 8]);
+    for (; i < hd; ++i) acc[i / 8][i % 8] += p * vr[i];
+  }
+  const float inv = n ? 1.0f / den : 0.f;
+  int64_t i = 0;
+  for (; i + 8 <= hd; i += 8) store8(out + i, acc[i / 8] * splat8(inv));
+  for (; i < hd; ++i) out[i] = acc[i / 8][i % 8] * inv;
+}
+
 static int attention_into(const float *q, const float *kc, const float *vc, const int32_t *rows, const float *mask,
                           float scale, float *ctx, int64_t k, int64_t nh, int64_t hd, int64_t G, int64_t nkv,
                           int64_t S, int64_t R) {
   const int64_t kg = k / G, group = nh / nkv;
   std::atomic<int> bad{0};
   parallel_for(k * nh, [&](int64_t i0, int64_t i1) {
-    std::vector<float> sc(S);
+    std::vector<float> sc(S), mv(S);
     std::vector<int32_t> vis(S);
     std::vector<v8> acc((hd + 7) / 8);
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t r = item / nh, h = item % nh, g = r / kg, kvh = h / group;
-      const int32_t *rr = rows + (g * nkv + kvh) * S;
-      const float *mr = mask + r * S, *qr = q + (r * nh + h) * hd;
+      const float *qr = q + (r * nh + h) * hd;
       float *out = ctx + (r * nh + h) * hd;
-      int64_t n = 0;
-      float mx = -INFINITY;
-      for (int64_t j = 0; j < S; ++j) {
-        if (mr[j] <= -1e4f) continue;
-        const int32_t row = rr[j];
-        if (row < 0 || row >= R) { bad = 1; continue; }
-        const float s = dot(qr, kc + (int64_t)row * hd, hd) * scale + mr[j];
-        sc[n] = s;
-        vis[n++] = row;
-        mx = s > mx ? s : mx;
+      const int64_t n = visible_columns(rows + (g * nkv + kvh) * S, mask + r * S, S, R, vis.data(), mv.data());
+      if (n < 0) {
+        bad = 1;
+        continue;
       }
-      int64_t t = 0;
-      for (; t + 8 <= n; t += 8) store8(&sc[t], exp8(load8(&sc[t]) - splat8(mx)));
-      if (t < n) {
-        const v8 p = exp8(load_tail(&sc[t], n - t) - splat8(mx));
-        for (int64_t j = 0; j < n - t; ++j) sc[t + j] = p[j];
-      }
-      for (auto &a : acc) a = splat8(0.f);
-      float den = 0.f;
-      for (int64_t t = 0; t < n; ++t) {
-        const float p = sc[t];
-        den += p;
-        const float *vr = vc + (int64_t)vis[t] * hd;
-        const v8 pv = splat8(p);
-        int64_t i = 0;
-        for (; i + 8 <= hd; i += 8) acc[i / 8] = fma8(pv, load8(vr + i), acc[i / 8]);
-        for (; i < hd; ++i) acc[i / 8][i % 8] += p * vr[i];
-      }
-      const float inv = n ? 1.0f / den : 0.f;
-      int64_t i = 0;
-      for (; i + 8 <= hd; i += 8) store8(out + i, acc[i / 8] * splat8(inv));
-      for (; i < hd; ++i) out[i] = acc[i / 8][i % 8] * inv;
+      if (hd == 64)
+        attend_regs<8>(qr, kc, vc, vis.data(), mv.data(), n, scale, sc.data(), out);
+      else if (hd == 128)
+        attend_regs<16>(qr, kc, vc, vis.data(), mv.data(), n, scale, sc.data(), out);
+      else
+        attend_any(qr, kc, vc, vis.data(), mv.data(), n, scale, sc.data(), acc.data(), hd, out);
     }
   });
   return bad.load() ? 3 : 0;
