@@ -265,16 +265,23 @@ def build_report(records, meta: dict) -> dict:
     return rep
 
 
-def _clean(obj):
-    """NaN / inf -> None so report.json is strict JSON."""
+def _clean(obj, cache: str | None = None):
+    """NaN / inf -> None so report.json is strict JSON; a path under the package's cache folder is written from
+    ``$MSEAGLE_CACHE`` on, so a report names no machine's folders."""
+    if cache is None:
+        from mindspore_eagle.config import cache_dir
+
+        cache = str(cache_dir())
+    if isinstance(obj, str) and obj.startswith(cache + os.sep):
+        return "$MSEAGLE_CACHE" + obj[len(cache):]
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
+        return {k: _clean(v, cache) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
+        return [_clean(v, cache) for v in obj]
     if isinstance(obj, np.generic):
-        return _clean(obj.item())
+        return _clean(obj.item(), cache)
     return obj
 
 
@@ -299,7 +306,7 @@ def _stat_row(name, s, nd=2, suffix=""):
 def _md_summary(rep: dict, run: dict) -> list:
     """report.md title and run summary: command, turns, setting, models, machine, sessions, identical outputs,
     CPU load, compilations."""
-    L = [f"# EAGLE-3 tree speculative decoding benchmark ({run.get('name', '')})", ""]
+    L = ["# EAGLE-3 tree speculative decoding benchmark", "", f"- Run: {run.get('name', '')}"]
     L += [f"- Command: `{run.get('command', '')}`",
           f"- Turns timed: {rep['turns']} (requested {run.get('turns_requested', '?')}, subset "
           f"{run.get('subset') or 'all'}); skipped: {len(rep['turns_skipped'])}",
@@ -517,7 +524,8 @@ def policy_markdown(rep: dict) -> list:
     if rep.get("calibration"):
         L += ["Predicted E[L_k] (policy) against the observed L_k of the tree-verifying steps:", "",
               "| predicted bin | steps | mean predicted | mean observed |", "|---|---|---|---|"]
-        L += [f"| [{c['lo']:g}, {c['hi']:g}) | {c['steps']} | {_f(c['predicted'])} | {_f(c['observed'])} |"
+        hi = lambda v: "inf" if v is None else f"{v:g}"    # report.json keeps the last bin's inf as null
+        L += [f"| [{c['lo']:g}, {hi(c['hi'])}) | {c['steps']} | {_f(c['predicted'])} | {_f(c['observed'])} |"
               for c in rep["calibration"]]
         L.append("")
     st = rep.get("policy_state") or {}

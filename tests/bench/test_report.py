@@ -1,5 +1,7 @@
 """bench/report.py on a small hand-made run (two timed turns, one skipped): report.json values and key order,
 report.md rows of every section against numbers worked out by hand, and which figures are written."""
+import json
+
 import pytest
 
 from mindspore_eagle.bench import report as report_mod
@@ -95,8 +97,9 @@ def test_markdown_rows_hand_computed(rep):
         for row in rows:
             assert row in lines, row
 
-    assert lines[0] == "# EAGLE-3 tree speculative decoding benchmark (hand)"
-    has("- Turns timed: 2 (requested 3, subset all); skipped: 1",
+    assert lines[0] == "# EAGLE-3 tree speculative decoding benchmark"                 # no date in a heading
+    has("- Run: hand",
+        "- Turns timed: 2 (requested 3, subset all); skipped: 1",
         "- Setting: M = 16, D_max = 4, top_k = 4, drafter window W = none; greedy, max_new_tokens = 20",
         "- Session 1: started 2024-05-01 10:00:00, 2 turns timed in 1.5 min, 1-minute load average 1.50 at start, "
         "2.25 at end",
@@ -143,6 +146,14 @@ def test_markdown_rows_hand_computed(rep):
                      "## Table 2 / Figure 4: budget sweeps",
                      "## Table 3 / Figure 6: drafter-only window truncation", "## Figure 8: policies side by side",
                      "## Figure 7: draft attention evidence", "## Figure 1: lengths"]
+
+
+def test_report_json_names_no_cache_folder(rep, tmp_path, monkeypatch):
+    monkeypatch.setenv("MSEAGLE_CACHE", str(tmp_path / "c"))
+    run = dict(rep["run"], warmup={"graph_cache": str(tmp_path / "c" / "graphs" / "ms"), "other": str(tmp_path)})
+    report_mod.write_json(dict(rep, run=run), str(tmp_path / "r.json"))
+    got = json.loads((tmp_path / "r.json").read_text())["run"]["warmup"]
+    assert got == {"graph_cache": "$MSEAGLE_CACHE/graphs/ms", "other": str(tmp_path)}
 
 
 def test_write_all_figures_and_links(rep, tmp_path):
