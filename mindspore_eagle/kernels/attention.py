@@ -250,6 +250,18 @@ class PortableLayerMath:
         """x [k, K] @ w [N, K].T -> [k, N] (``dense.linear``: the matmul form by row count)."""
         return dense.linear(x, w)
 
+    def matrix_shape(self, n: int, k: int) -> tuple:
+        """Shape of the Parameter holding a [n, k] matrix on this backend (the CPU kernels' may be packed)."""
+        return (n, k)
+
+    def embed_rows(self, table, ids):
+        """Rows ``ids`` int32 [k] of an embedding table held as :meth:`matrix_shape` -> [k, H]."""
+        return ops.gather(table, ids, 0)
+
+    def pack(self, w: np.ndarray, inplace: bool = False) -> np.ndarray:
+        """A [n, k] numpy matrix in the layout of :meth:`matrix_shape` (here: w as it is)."""
+        return w
+
     def norm(self, x, eps: float):
         """rms(x) [k, H], no weight (``dense.rms_norm``)."""
         return dense.rms_norm(x, eps)
@@ -419,8 +431,9 @@ class FusedBackend(PortableLayerMath, nn.Cell):
 
 
 CPU_LINEAR_MAX_ROWS = 32
-"""Most rows a :class:`CpuBackend` call sends through the C++ kernels; larger calls (prefill chunks) take MindSpore's
-MatMul, whose packed GEMM is faster there, and the portable ops around it (docs/cpu_kernels.md, "What runs")."""
+"""Most rows a :class:`CpuBackend` call on unpacked matrices sends through the C++ kernels; larger calls (prefill
+chunks) take MindSpore's MatMul and the portable ops around it. Calls on packed matrices (every matrix whose rows are
+a multiple of 16) take the kernels at any row count (docs/cpu_kernels.md, "What runs")."""
 
 
 def _wide(w):
@@ -443,10 +456,11 @@ class CpuBackend(PortableBackend):
 
     float32 compute. The matrices may be held in float16 (``half_weights``; a model's ``weight_dtype``): the
     kernels widen each half weight to exactly one float as they read it, so the arithmetic is that of the float32
-    kernels on the widened weights and a decode reads half the bytes; calls over CPU_LINEAR_MAX_ROWS rows widen the
-    whole matrix before MatMul. Calls of at most CPU_LINEAR_MAX_ROWS rows are batch-invariant end to end (every
-    row's result is the same whatever the other rows). Args: geometry as :class:`PortableBackend`, plus nh (query
-    heads).
+    kernels on the widened weights and a decode reads half the bytes. A matrix whose row count is a multiple of 16
+    is held packed (:meth:`matrix_shape`, ``cpu.pack``) and every call on it runs in the kernels; a call of over
+    CPU_LINEAR_MAX_ROWS rows on an unpacked matrix widens it and takes MatMul. Kernel calls are batch-invariant
+    end to end (every row's result is the same whatever the other rows). Args: geometry as
+    :class:`PortableBackend`, plus nh (query heads).
     Raises:
         KernelBuildError: the kernels cannot be built here (``select_backend`` checks first).
     """
@@ -464,13 +478,42 @@ class CpuBackend(PortableBackend):
         self.mm_t = ops.MatMul(transpose_b=True)
         cpu.set_threads(runtime.kernel_threads())
 
-    def _fused(self, x) -> bool:
-        """True when a call of x's rows takes the fused kernels (else MatMul and the portable ops, for prefill)."""
-        return x.shape[0] <= CPU_LINEAR_MAX_ROWS
+    def matrix_shape(self, n: int, k: int) -> tuple:
+        """[n / 16, k, 16] (packed, ``cpu.pack``) when n is a multiple of 16, else [n, k]."""
+        from mindspore_eagle.kernels import cpu
+
+        return (n // cpu.PANEL, k, cpu.PANEL) if cpu.packable((n, k)) else (n, k)
+
+    def pack(self, w: np.ndarray, inplace: bool = False) -> np.ndarray:
+        """w [n, k] in the layout of :meth:`matrix_shape` (``cpu.pack`` when n is a multiple of 16; ``inplace``:
+        in w's own buffer)."""
+        from mindspore_eagle.kernels import cpu
+
+        return cpu.pack(w, inplace) if cpu.packable(w.shape) else w
+
+    def embed_rows(self, table, ids):
+        """Rows ``ids`` int32 [k] of ``table`` [V, H], or of a packed [V / 16, H, 16] one (a tied head: row n at
+        [n // 16, :, n % 16]) gathered from its flat view -> [k, H] (``cpu.rows`` is the numpy form)."""
+        if len(table.shape) == 2:
+            return ops.gather(table, ids, 0)
+        _, H, L = table.shape
+        base = (ids // L) * (H * L) + ids % L                                    # [k]: element (n, 0)
+        cols = ops.arange(0, H * L, L, dtype=ms.int32)                           # [H]: element (n, j) - (n, 0)
+        return ops.gather(table.reshape(-1), base.reshape(-1, 1) + cols.reshape(1, -1), 0)
+
+    def _fused(self, x, *mats) -> bool:
+        """True when a call of x's rows on ``mats`` takes the kernels: at most CPU_LINEAR_MAX_ROWS rows, or any of
+        them packed (MatMul and the portable ops cannot read a packed matrix; the kernels take either layout),
+        else MatMul and the portable ops (prefill on unpacked matrices)."""
+        packed = False
+        for w in mats:                                 # a loop: graph mode (jit) compiles no generator expression
+            packed = packed or len(w.shape) == 3
+        return x.shape[0] <= CPU_LINEAR_MAX_ROWS or packed
 
     def linear(self, x, w):
-        """x [k, K] @ w [N, K].T -> [k, N]: the C++ kernel up to CPU_LINEAR_MAX_ROWS rows, else MatMul."""
-        return self.kernels.linear(x, w) if self._fused(x) else self.mm_t(x, _wide(w))
+        """x [k, K] @ w [N, K].T -> [k, N] (w as :meth:`matrix_shape`): the C++ kernel (see :meth:`_fused`), else
+        MatMul."""
+        return self.kernels.linear(x, w) if self._fused(x, w) else self.mm_t(x, _wide(w))
 
     def head_kernel(self, K: int):
         """The one-call form of :meth:`PortableLayerMath.head_topk` for K (``cpu.ref_head_topk``: the same ids and
@@ -489,7 +532,7 @@ class CpuBackend(PortableBackend):
     def attention_block(self, x, h, wqkv, bqkv, wo, bo, cos, sin, key_cache, value_cache, meta, eps: float):
         """One kernel call, which writes the K/V rows in place (``cpu.ref_attn_block``); prefill chunks over
         CPU_LINEAR_MAX_ROWS rows take MatMul and the portable composition."""
-        if not self._fused(h):
+        if not self._fused(h, wqkv, wo):
             return PortableLayerMath.attention_block(self, x, h, _wide(wqkv), bqkv, _wide(wo), bo, cos.expand_dims(1),
                                                      sin.expand_dims(1), key_cache, value_cache, meta, eps)
         write_idx, read_idx, mask = meta
@@ -505,7 +548,7 @@ class CpuBackend(PortableBackend):
                       eps: float):
         """:meth:`attention_block` then :meth:`mlp_add_norm` in one kernel call (bit for bit the two calls);
         prefill chunks over CPU_LINEAR_MAX_ROWS rows take the two portable paths."""
-        if not self._fused(h):
+        if not self._fused(h, wqkv, wo, w_gate_up, w_down):
             return PortableLayerMath.decoder_layer(self, x, h, wqkv, bqkv, wo, bo, w_gate_up, w_down, cos, sin,
                                                    key_cache, value_cache, meta, eps)
         write_idx, read_idx, mask = meta
@@ -519,7 +562,7 @@ class CpuBackend(PortableBackend):
 
     def mlp_add_norm(self, h, w_gate_up, w_down, resid, eps: float):
         """One kernel call (``cpu.ref_mlp_add_norm``); MatMul + portable ops over CPU_LINEAR_MAX_ROWS rows."""
-        if not self._fused(h):
+        if not self._fused(h, w_gate_up, w_down):
             return PortableLayerMath.mlp_add_norm(self, h, _wide(w_gate_up), _wide(w_down), resid, eps)
         return self.kernels.mlp_add_norm(h, w_gate_up, w_down, resid, ops.scalar_to_tensor(eps, ms.float32))
 

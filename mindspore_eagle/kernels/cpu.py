@@ -35,7 +35,9 @@ cache into every reader (docs/cpu_kernels.md).
 
 All float32, except that the matrices (``w``, ``wqkv``, ``wo``, ``w_gate_up``, ``w_down``) may be float16: a half
 widens to exactly one float as it is read, so the result equals the float32 call on the widened matrix, bit for bit
-(``attention.CpuBackend``, a model's ``weight_dtype``). Every output row is computed by the same float operations
+(``attention.CpuBackend``, a model's ``weight_dtype``). Each matrix may also be given packed, [N / 16, K, 16]
+(:func:`pack`), which the matmuls read in the outer-product form (one FMA chain per output); the CPU backend packs
+every matrix it can at load. Every output row is computed by the same float operations
 whatever the other rows of the call (``cpu_kernels.cc``, "Batch invariance"), so a token's logits are bit-identical
 in decode, tree verification and batched steps. Threads: ``set_threads(n)`` (the runtime's kernel thread count, ``runtime.configure``).
 
@@ -64,6 +66,9 @@ written in the source are the ones executed, whatever the call shape (batch inva
 explicitly where it wants to)."""
 MASK_HIDDEN = -1e4
 """Mask values at or below this hide a column in :func:`paged_attention` (the portable mask uses -1e9)."""
+
+PANEL = 16
+"""Rows of a packed matrix panel (``pack``; ``PANEL`` in ``cpu_kernels.cc``)."""
 
 _lock = threading.Lock()
 _built: dict = {}
@@ -198,6 +203,58 @@ def kernel_stats(reset: bool = False) -> dict:
     return {n: (buf[2 * i] / 1e6, int(buf[2 * i + 1])) for i, n in enumerate(KERNEL_NAMES)}
 
 
+def packable(shape) -> bool:
+    """True when a matrix of ``shape`` [N, K] can be packed (N a positive multiple of ``PANEL``)."""
+    return len(shape) == 2 and shape[0] > 0 and shape[0] % PANEL == 0
+
+
+def pack(w: np.ndarray, inplace: bool = False) -> np.ndarray:
+    """A matrix w [N, K] (float32 or float16) in the kernels' packed layout [N / 16, K, 16]: panel p holds rows
+    16 p .. 16 p + 15 column by column (``out[p, i, j] = w[16 p + j, i]``), so a kernel streams 16 outputs' weights
+    per reduction step (``cpu_kernels.cc``, "Packed matmul"; docs/cpu_kernels.md, "Packed matrices").
+
+    Panel p occupies the bytes of rows 16 p .. 16 p + 15, so ``inplace=True`` rewrites w's own buffer 64 panels at
+    a time (w must be C-contiguous and writable; the result is a view of it): a model being loaded never holds a
+    matrix twice.
+    Raises:
+        ValueError: w is not 2-D, its row count is not a multiple of 16, or ``inplace`` and w is not C-contiguous
+            and writable.
+    """
+    if not packable(w.shape):
+        raise ValueError(f"pack: need a [N, K] matrix with N a multiple of {PANEL}, got shape {tuple(w.shape)}")
+    n, k = w.shape
+    panels = w.reshape(n // PANEL, PANEL, k)
+    if not inplace:
+        return np.ascontiguousarray(panels.transpose(0, 2, 1))
+    if not (w.flags.c_contiguous and w.flags.writeable):
+        raise ValueError("pack(inplace=True) needs a C-contiguous, writable matrix")
+    flat = w.reshape(n // PANEL, PANEL * k)
+    for p0 in range(0, n // PANEL, 64):
+        block = panels[p0:p0 + 64].transpose(0, 2, 1).copy()       # 64 panels: the only extra memory
+        flat[p0:p0 + 64] = block.reshape(block.shape[0], -1)
+    return w.reshape(n // PANEL, k, PANEL)
+
+
+def unpack(w: np.ndarray) -> np.ndarray:
+    """The [N, K] matrix of a packed [N / 16, K, 16] one (a 2-D matrix is returned as it is)."""
+    if w.ndim == 2:
+        return w
+    p, k, j = w.shape
+    return np.ascontiguousarray(w.transpose(0, 2, 1).reshape(p * j, k))
+
+
+def matrix_rows(shape) -> int:
+    """N of a kernel matrix argument's shape: [N, K] or packed [N / 16, K, 16]."""
+    return shape[0] * shape[2] if len(shape) == 3 else shape[0]
+
+
+def rows(w: np.ndarray, ids) -> np.ndarray:
+    """Rows ``ids`` of a matrix given [N, K] or packed [N / 16, K, 16] (``pack``) -> [len(ids), K] (numpy; the
+    graph form is ``attention.CpuBackend.embed_rows``)."""
+    ids = np.asarray(ids)
+    return w[ids] if w.ndim == 2 else w[ids // PANEL, :, ids % PANEL]
+
+
 def _custom(name: str, out_shape, out_dtype):
     from mindspore import ops
 
@@ -218,7 +275,7 @@ class CpuKernels:
     def __new__(cls):
         if cls._instance is None:
             self = super().__new__(cls)
-            self.linear = _custom("Linear", lambda x, w: [x[0], w[0]], lambda x, w: x)
+            self.linear = _custom("Linear", lambda x, w: [x[0], matrix_rows(w)], lambda x, w: x)
             self.add_rms_norm = _custom("AddRmsNorm", lambda x, d, e: (x, x), lambda x, d, e: (x, x))
             # attention block without bias, with a q/k/v bias (Qwen2), with q/k/v and o biases (openPangu, Llama)
             self.attn_block = tuple(_custom("AttnBlock", lambda x, *_: (x, x), lambda x, *_: (x, x)) for _ in range(3))
@@ -245,14 +302,14 @@ class CpuKernels:
 
 # ------------------------------------------------------------------------------------------ numpy references
 def ref_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x [k, K] @ w [N, K].T in float64, returned float32 [k, N]."""
-    return (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32)
+    """x [k, K] @ w [N, K].T in float64, returned float32 [k, N] (w may be packed: ``pack``)."""
+    return (x.astype(np.float64) @ unpack(w).astype(np.float64).T).astype(np.float32)
 
 
 def ref_head_topk(h: np.ndarray, w: np.ndarray, d2t: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray]:
     """(top_logp float32 [k, K], top_ids int32 [k, K]) of :func:`head_topk`: log-softmax of h @ w.T in float64, the
     K largest by value descending then index ascending, ids + d2t[index]."""
-    x = h.astype(np.float64) @ w.astype(np.float64).T
+    x = h.astype(np.float64) @ unpack(w).astype(np.float64).T
     m = x.max(-1, keepdims=True)
     lp = x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
     idx = np.stack([np.lexsort((np.arange(x.shape[1]), -row))[:K] for row in x])
@@ -270,7 +327,7 @@ def ref_qkv_rope(x, wqkv, cos, sin_signed, nh: int, nkv: int, bqkv=None):
     """(q [k, nh, hd], key [k, n_kv, hd], value [k, n_kv, hd]) of x [k, H]: the projection (+ bias) in float64,
     NeoX RoPE on q and key (models/llama.py ``apply_rope``: x * cos + swap_halves(x) * sin_signed)."""
     k, hd = x.shape[0], cos.shape[-1]
-    qkv = x.astype(np.float64) @ wqkv.astype(np.float64).T + (0.0 if bqkv is None else bqkv)
+    qkv = x.astype(np.float64) @ unpack(wqkv).astype(np.float64).T + (0.0 if bqkv is None else bqkv)
     heads = qkv.reshape(k, nh + 2 * nkv, hd)
     qk = heads[:, : nh + nkv]
     swapped = np.concatenate([qk[..., hd // 2:], qk[..., : hd // 2]], -1)
@@ -280,15 +337,16 @@ def ref_qkv_rope(x, wqkv, cos, sin_signed, nh: int, nkv: int, bqkv=None):
 
 def ref_out_add_norm(ctx, wo, resid, eps: float, bo=None):
     """(y = resid + ctx @ wo.T (+ bo), y / sqrt(mean(y^2) + eps)) in float64, returned float32 [k, H] each."""
-    y = resid.astype(np.float64) + ctx.astype(np.float64) @ wo.astype(np.float64).T + (0.0 if bo is None else bo)
+    y = resid.astype(np.float64) + ctx.astype(np.float64) @ unpack(wo).astype(np.float64).T
+    y = y + (0.0 if bo is None else bo)
     return y.astype(np.float32), (y / np.sqrt((y * y).mean(-1, keepdims=True) + eps)).astype(np.float32)
 
 
 def ref_mlp_add_norm(h, w_gate_up, w_down, resid, eps: float):
     """(y = resid + down(silu(gate) * up), rms(y)) in float64 for h [k, H], w_gate_up [2F, H] = [gate; up], w_down
     [H, F], returned float32 [k, H] each."""
-    g, u = np.split(h.astype(np.float64) @ w_gate_up.astype(np.float64).T, 2, -1)
-    y = resid.astype(np.float64) + (g / (1 + np.exp(-g)) * u) @ w_down.astype(np.float64).T
+    g, u = np.split(h.astype(np.float64) @ unpack(w_gate_up).astype(np.float64).T, 2, -1)
+    y = resid.astype(np.float64) + (g / (1 + np.exp(-g)) * u) @ unpack(w_down).astype(np.float64).T
     return y.astype(np.float32), (y / np.sqrt((y * y).mean(-1, keepdims=True) + eps)).astype(np.float32)
 
 

@@ -360,8 +360,123 @@ static void tiled(const float *x, const W *w, float *y, int64_t k, int64_t K, in
                [&](int64_t b0, int64_t b1) { blocks_into<NR, KR>(x, w, y, k, K, N, b0, b1); });
 }
 
+// ---------------------------------------------------------------------------------------------- Packed matmul
+// A matrix w [N, K] may be stored packed, [N / 16, K, 16]: panel p holds rows 16 p .. 16 p + 15, column by column
+// (wp[p][i][j] = w[16 p + j][i]; kernels/cpu.py, pack). Then y[r, n] = sum_i x[r, i] w[n, i] is one FMA chain
+// per output, i = 0, 1, ..., K - 1 in order from 0 (no partial sums, no fold): the same float operations whatever
+// the tile, the row count or the thread, so results do not depend on k (batch invariance). A tile of MR rows of x
+// x NP panels keeps MR NP 16-lane accumulators; each step loads NP weight vectors, broadcasts one x value per row
+// and runs MR NP multiply-adds (the outer-product form of BLAS micro-kernels, Goto & van de Geijn 2008). The
+// panels stream in memory order and are prefetched 4 KB ahead. Measured: docs/cpu_kernels.md, "Packed matrices".
+constexpr int64_t PANEL = 16;
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+static inline v16 load16(const float *p) { return *(const v16u *)p; }
+static inline v16 load16(const _Float16 *p) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#else
+  const v8 lo = load8w(p), hi = load8w(p + 8);
+  return (v16){lo[0], lo[1], lo[2], lo[3], lo[4], lo[5], lo[6], lo[7], hi[0], hi[1], hi[2], hi[3], hi[4], hi[5], hi[6], hi[7]};
+#endif
+}
+// a * b + c lane by lane, fused exactly as fma8 fuses (one AVX-512 FMA, or two 8-lane halves)
+static inline v16 fma16(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+  v16 r;
+  const v8 lo = fma8((v8){a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]}, (v8){b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]},
+                     (v8){c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]});
+  const v8 hi = fma8((v8){a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]},
+                     (v8){b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]},
+                     (v8){c[8], c[9], c[10], c[11], c[12], c[13], c[14], c[15]});
+  for (int j = 0; j < 8; ++j) r[j] = lo[j], r[j + 8] = hi[j];
+  return r;
+#endif
+}
+
+template <int MR, int NP, typename W>
+static inline void otile(const float *x, const W *wp, float *y, int64_t K, int64_t N, int64_t r0, int64_t p0) {
+  v16 acc[MR][NP];
+#pragma GCC unroll 8
+  for (int a = 0; a < MR; ++a)
+#pragma GCC unroll 4
+    for (int b = 0; b < NP; ++b) acc[a][b] = v16{};
+  const W *wb[NP];
+  for (int b = 0; b < NP; ++b) wb[b] = wp + (p0 + b) * K * PANEL;
+  const float *xr = x + r0 * K;
+  for (int64_t i = 0; i < K; ++i) {
+    v16 wv[NP];
+#pragma GCC unroll 4
+    for (int b = 0; b < NP; ++b) {
+      wv[b] = load16(wb[b] + i * PANEL);
+      __builtin_prefetch(wb[b] + i * PANEL + 4096 / sizeof(W));
+    }
+#pragma GCC unroll 8
+    for (int a = 0; a < MR; ++a) {
+      const float xv = xr[a * K + i];
+      const v16 xb = {xv, xv, xv, xv, xv, xv, xv, xv, xv, xv, xv, xv, xv, xv, xv, xv};
+#pragma GCC unroll 4
+      for (int b = 0; b < NP; ++b) acc[a][b] = fma16(xb, wv[b], acc[a][b]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int a = 0; a < MR; ++a)
+#pragma GCC unroll 4
+    for (int b = 0; b < NP; ++b) *(v16u *)(y + (r0 + a) * N + (p0 + b) * PANEL) = acc[a][b];
+}
+
+// rows r .. k - 1 against panels p0 .. p0 + NP - 1: tiles of MR rows, then MR / 2, ..., 1
+template <int MR, int NP, typename W>
+static inline void orows(const float *x, const W *wp, float *y, int64_t k, int64_t K, int64_t N, int64_t r,
+                         int64_t p0) {
+  for (; r + MR <= k; r += MR) otile<MR, NP>(x, wp, y, K, N, r, p0);
+  if constexpr (MR > 1) orows<MR / 2, NP>(x, wp, y, k, K, N, r, p0);
+}
+
+// threads split the N / 16 panels into contiguous parts; a part runs NP panels at a time, then one at a time
+template <int MR, int NP, typename W>
+static void otiled(const float *x, const W *wp, float *y, int64_t k, int64_t K, int64_t N) {
+  parallel_for(N / PANEL, [&](int64_t p0, int64_t p1) {
+    int64_t p = p0;
+    for (; p + NP <= p1; p += NP) orows<MR, NP>(x, wp, y, k, K, N, 0, p);
+    for (; p < p1; ++p) orows<MR, 1>(x, wp, y, k, K, N, 0, p);
+  });
+}
+
 template <typename W>
-static void linear_into(const float *x, const W *w, float *y, int64_t k, int64_t K, int64_t N) {
+static void packed_into(const float *x, const W *wp, float *y, int64_t k, int64_t K, int64_t N) {
+#if defined(__AVX512F__)
+  if (k <= 4)                           // bandwidth-bound: 4 panels stream side by side
+    otiled<4, 4>(x, wp, y, k, K, N);
+  else                                  // 24 accumulators of AVX-512's 32 registers
+    otiled<8, 3>(x, wp, y, k, K, N);
+#else
+  otiled<2, 2>(x, wp, y, k, K, N);      // 16 vector registers: 4 two-register accumulators
+#endif
+}
+
+// A matmul weight argument i of an AOT call: [N, K] row-major or packed [N / 16, K, 16] (false: neither)
+struct Mat {
+  int64_t N, K;
+  bool packed;
+};
+static inline bool mat_arg(const int *ndims, int64_t *const *shapes, int i, Mat *m) {
+  if (ndims[i] == 2) {
+    *m = {shapes[i][0], shapes[i][1], false};
+    return true;
+  }
+  if (ndims[i] == 3 && shapes[i][2] == PANEL) {
+    *m = {shapes[i][0] * PANEL, shapes[i][1], true};
+    return true;
+  }
+  return false;
+}
+
+template <typename W>
+static void linear_into(const float *x, const W *w, float *y, int64_t k, int64_t K, int64_t N, bool packed) {
+  if (packed) return packed_into(x, w, y, k, K, N);
 #if defined(__AVX512VL__)
   if (k <= 4)
     tiled<4, 4>(x, w, y, k, K, N);
@@ -408,13 +523,15 @@ enum LinearArg { LIN_X, LIN_W, LIN_Y, LIN_NARGS };  // x [k, K], w [N, K], y [k,
 extern "C" int Linear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
                       void *extra) {
   Timed timed(K_LINEAR);
-  if (nparam != LIN_NARGS || ndims[LIN_X] != 2 || ndims[LIN_W] != 2 || shapes[LIN_X][1] != shapes[LIN_W][1]) return 1;
+  Mat w;
+  if (nparam != LIN_NARGS || ndims[LIN_X] != 2 || !mat_arg(ndims, shapes, LIN_W, &w) || shapes[LIN_X][1] != w.K)
+    return 1;
   const float *x = (const float *)params[LIN_X];
   float *y = (float *)params[LIN_Y];
   if (is_half(dtypes[LIN_W]))
-    linear_into(x, (const _Float16 *)params[LIN_W], y, shapes[LIN_X][0], shapes[LIN_X][1], shapes[LIN_W][0]);
+    linear_into(x, (const _Float16 *)params[LIN_W], y, shapes[LIN_X][0], w.K, w.N, w.packed);
   else
-    linear_into(x, (const float *)params[LIN_W], y, shapes[LIN_X][0], shapes[LIN_X][1], shapes[LIN_W][0]);
+    linear_into(x, (const float *)params[LIN_W], y, shapes[LIN_X][0], w.K, w.N, w.packed);
   return 0;
 }
 
@@ -456,10 +573,10 @@ static void topk_logp_row(const float *x, const int32_t *d2t, float *tv, int32_t
 }
 
 template <typename W>
-static void head_topk(const float *h, const W *w, const int32_t *d2t, float *top_logp, int32_t *top_ids,
-                      int64_t k, int64_t H, int64_t V, int64_t K) {
+static void head_topk(const float *h, const W *w, bool packed, const int32_t *d2t, float *top_logp,
+                      int32_t *top_ids, int64_t k, int64_t H, int64_t V, int64_t K) {
   std::vector<float> logits(k * V);
-  linear_into(h, w, logits.data(), k, H, V);
+  linear_into(h, w, logits.data(), k, H, V, packed);
   parallel_for(k, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) topk_logp_row(logits.data() + r * V, d2t, top_logp + r * K, top_ids + r * K, V, K);
   });
@@ -469,17 +586,19 @@ enum HeadTopKArg { TOP_H, TOP_W, TOP_D2T, TOP_VALUES, TOP_IDS, TOP_NARGS };
 extern "C" int HeadTopK(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
                         void *extra) {
   Timed timed(K_LINEAR);
-  if (nparam != TOP_NARGS || ndims[TOP_H] != 2 || ndims[TOP_W] != 2 || ndims[TOP_VALUES] != 2) return 1;
-  const int64_t k = shapes[TOP_H][0], H = shapes[TOP_H][1], V = shapes[TOP_W][0], K = shapes[TOP_VALUES][1];
-  if (shapes[TOP_W][1] != H || shapes[TOP_D2T][0] != V || shapes[TOP_VALUES][0] != k || K < 1 || K > V) return 2;
+  Mat w;
+  if (nparam != TOP_NARGS || ndims[TOP_H] != 2 || !mat_arg(ndims, shapes, TOP_W, &w) || ndims[TOP_VALUES] != 2)
+    return 1;
+  const int64_t k = shapes[TOP_H][0], H = shapes[TOP_H][1], V = w.N, K = shapes[TOP_VALUES][1];
+  if (w.K != H || shapes[TOP_D2T][0] != V || shapes[TOP_VALUES][0] != k || K < 1 || K > V) return 2;
   const float *h = (const float *)params[TOP_H];
   const int32_t *d2t = (const int32_t *)params[TOP_D2T];
   float *tv = (float *)params[TOP_VALUES];
   int32_t *ti = (int32_t *)params[TOP_IDS];
   if (is_half(dtypes[TOP_W]))
-    head_topk(h, (const _Float16 *)params[TOP_W], d2t, tv, ti, k, H, V, K);
+    head_topk(h, (const _Float16 *)params[TOP_W], w.packed, d2t, tv, ti, k, H, V, K);
   else
-    head_topk(h, (const float *)params[TOP_W], d2t, tv, ti, k, H, V, K);
+    head_topk(h, (const float *)params[TOP_W], w.packed, d2t, tv, ti, k, H, V, K);
   return 0;
 }
 
@@ -503,12 +622,12 @@ extern "C" int AddRmsNorm(int nparam, void **params, int *ndims, int64_t **shape
 // down(silu(gate) * up), h' = rms(y): the SwiGLU MLP (silu(g) = g / (1 + exp(-g)), exp8), the residual add and the
 // next norm.
 template <typename W>
-static void mlp_add_norm(const float *x, const W *wgu, const W *wd, const float *res, float eps, float *y, float *hn,
-                         int64_t k, int64_t H, int64_t F) {
+static void mlp_add_norm(const float *x, const W *wgu, const W *wd, bool packed_gu, bool packed_d, const float *res,
+                         float eps, float *y, float *hn, int64_t k, int64_t H, int64_t F) {
   std::vector<float> gu(k * 2 * F), act(k * F), d(k * H);
-  linear_into(x, wgu, gu.data(), k, H, 2 * F);
+  linear_into(x, wgu, gu.data(), k, H, 2 * F, packed_gu);
   for (int64_t r = 0; r < k; ++r) swiglu_row(gu.data() + r * 2 * F, act.data() + r * F, F);
-  linear_into(act.data(), wd, d.data(), k, F, H);
+  linear_into(act.data(), wd, d.data(), k, F, H, packed_d);
   for (int64_t r = 0; r < k; ++r) add_norm_row(res + r * H, d.data() + r * H, nullptr, eps, y + r * H, hn + r * H, H);
 }
 
@@ -516,18 +635,19 @@ enum MlpAddNormArg { MLP_X, MLP_WGU, MLP_WD, MLP_RES, MLP_EPS, MLP_Y, MLP_H, MLP
 extern "C" int MlpAddNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                           void *stream, void *extra) {
   Timed timed(K_MLP);
-  if (nparam != MLP_NARGS) return 1;
+  Mat gu, dn;
+  if (nparam != MLP_NARGS || !mat_arg(ndims, shapes, MLP_WGU, &gu) || !mat_arg(ndims, shapes, MLP_WD, &dn)) return 1;
   const float *x = (const float *)params[MLP_X], *res = (const float *)params[MLP_RES];
   const float eps = ((const float *)params[MLP_EPS])[0];
   float *y = (float *)params[MLP_Y], *hn = (float *)params[MLP_H];
-  const int64_t k = shapes[MLP_X][0], H = shapes[MLP_X][1], F2 = shapes[MLP_WGU][0], F = F2 / 2;
-  if (shapes[MLP_WGU][1] != H || shapes[MLP_WD][0] != H || shapes[MLP_WD][1] != F ||
-      is_half(dtypes[MLP_WGU]) != is_half(dtypes[MLP_WD]))
-    return 2;
+  const int64_t k = shapes[MLP_X][0], H = shapes[MLP_X][1], F = gu.N / 2;
+  if (gu.K != H || dn.N != H || dn.K != F || is_half(dtypes[MLP_WGU]) != is_half(dtypes[MLP_WD])) return 2;
   if (is_half(dtypes[MLP_WGU]))
-    mlp_add_norm(x, (const _Float16 *)params[MLP_WGU], (const _Float16 *)params[MLP_WD], res, eps, y, hn, k, H, F);
+    mlp_add_norm(x, (const _Float16 *)params[MLP_WGU], (const _Float16 *)params[MLP_WD], gu.packed, dn.packed, res,
+                 eps, y, hn, k, H, F);
   else
-    mlp_add_norm(x, (const float *)params[MLP_WGU], (const float *)params[MLP_WD], res, eps, y, hn, k, H, F);
+    mlp_add_norm(x, (const float *)params[MLP_WGU], (const float *)params[MLP_WD], gu.packed, dn.packed, res, eps,
+                 y, hn, k, H, F);
   return 0;
 }
 
@@ -727,18 +847,20 @@ static int attn_block(int nparam, void **params, int *ndims, int64_t **shapes) {
   const float *bqkv = nb >= 1 ? (const float *)params[AB_BIAS] : nullptr;
   const float *bo = nb == 2 ? (const float *)params[AB_BIAS + 1] : nullptr;
   float *y = (float *)params[AB_BIAS + nb], *hout = (float *)params[AB_BIAS + nb + 1];
-  const int64_t k = shapes[AB_X][0], H = shapes[AB_X][1], Hin = shapes[AB_H][1], width = shapes[AB_WQKV][0];
+  Mat mq, mo;
+  if (!mat_arg(ndims, shapes, AB_WQKV, &mq) || !mat_arg(ndims, shapes, AB_WO, &mo)) return 2;
+  const int64_t k = shapes[AB_X][0], H = shapes[AB_X][1], Hin = shapes[AB_H][1], width = mq.N;
   const int64_t hd = shapes[AB_COS][1];
   const int64_t half = hd / 2;
   const int64_t nh = heads[0], nkv = heads[1], R = shapes[AB_KC][0];
   const int64_t G = ndims[AB_RROWS] == 3 ? shapes[AB_RROWS][0] : 1, S = shapes[AB_RROWS][ndims[AB_RROWS] - 1];
-  if ((nh + 2 * nkv) * hd != width || hd % 2 || shapes[AB_H][0] != k || shapes[AB_WQKV][1] != Hin ||
-      shapes[AB_WO][0] != H || shapes[AB_WO][1] != nh * hd || shapes[AB_KC][1] != hd ||
+  if ((nh + 2 * nkv) * hd != width || hd % 2 || shapes[AB_H][0] != k || mq.K != Hin || mo.N != H ||
+      mo.K != nh * hd || shapes[AB_KC][1] != hd ||
       shapes[AB_WROWS][0] != k * nkv || shapes[AB_RROWS][ndims[AB_RROWS] - 2] != nkv || k % G ||
       shapes[AB_MASK][0] != k || shapes[AB_MASK][1] != S)
     return 2;
   std::vector<float> qkv(k * width), q(k * nh * hd), ctx(k * nh * hd), o(k * H);
-  linear_into(hin, wqkv, qkv.data(), k, Hin, width);
+  linear_into(hin, wqkv, qkv.data(), k, Hin, width, mq.packed);
   for (int64_t r = 0; r < k; ++r) {
     float *row = qkv.data() + r * width;
     if (bqkv)
@@ -757,7 +879,7 @@ static int attn_block(int nparam, void **params, int *ndims, int64_t **shapes) {
   }
   const int rc = attention_into(q.data(), kc, vc, rrows, mask, 1.0f, ctx.data(), k, nh, hd, G, nkv, S, R);
   if (rc) return rc;
-  linear_into(ctx.data(), wo, o.data(), k, nh * hd, H);
+  linear_into(ctx.data(), wo, o.data(), k, nh * hd, H, mo.packed);
   for (int64_t r = 0; r < k; ++r) add_norm_row(x + r * H, o.data() + r * H, bo, eps, y + r * H, hout + r * H, H);
   return 0;
 }
@@ -781,9 +903,10 @@ static int decoder_layer(int nparam, void **params, int *ndims, int64_t **shapes
   // AttnBlock's inputs (x .. eps and its biases), then w_gate_up, w_down, then the outputs y, rms(y)
   const int nin = nparam - 4, wgu = nin, wd = nin + 1, out_y = nin + 2, out_h = nin + 3;
   const int64_t k = shapes[AB_X][0], H = shapes[AB_X][1];
-  if (ndims[wgu] != 2 || ndims[wd] != 2) return 2;
-  const int64_t F = shapes[wd][1];
-  if (shapes[wgu][0] != 2 * F || shapes[wgu][1] != H || shapes[wd][0] != H) return 2;
+  Mat gu, dn;
+  if (!mat_arg(ndims, shapes, wgu, &gu) || !mat_arg(ndims, shapes, wd, &dn)) return 2;
+  const int64_t F = dn.K;
+  if (gu.N != 2 * F || gu.K != H || dn.N != H) return 2;
   std::vector<float> y1(k * H), h1(k * H);
   int64_t out_shape[2] = {k, H};
   std::vector<void *> p(params, params + nin);
@@ -795,8 +918,8 @@ static int decoder_layer(int nparam, void **params, int *ndims, int64_t **shapes
   const int rc = attn_block<W>(nin + 2, p.data(), nd.data(), sh.data());
   if (rc) return rc;
   const float eps = ((const float *)params[AB_EPS])[0];
-  mlp_add_norm(h1.data(), (const W *)params[wgu], (const W *)params[wd], y1.data(), eps, (float *)params[out_y],
-               (float *)params[out_h], k, H, F);
+  mlp_add_norm(h1.data(), (const W *)params[wgu], (const W *)params[wd], gu.packed, dn.packed, y1.data(), eps,
+               (float *)params[out_y], (float *)params[out_h], k, H, F);
   return 0;
 }
 

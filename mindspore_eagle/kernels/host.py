@@ -88,8 +88,9 @@ class HostKernels:
 
     # ------------------------------------------------------------------ the kernels (contracts: cpu.py)
     def linear(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        """x float32 [k, K] @ w [N, K].T (w float32 or float16) -> float32 [k, N] (``cpu.ref_linear``)."""
-        y = np.empty((x.shape[0], w.shape[0]), np.float32)
+        """x float32 [k, K] @ w [N, K].T (w float32 or float16, or packed: ``cpu.pack``) -> float32 [k, N]
+        (``cpu.ref_linear``)."""
+        y = np.empty((x.shape[0], cpu.matrix_rows(w.shape)), np.float32)
         self.call("Linear", x, w, y)
         return y
 

@@ -456,7 +456,7 @@ class Eagle3Drafter(nn.Cell):
     def _layer(self, h, tokens, positions, slots, block_table, mask):
         """All decoder layers over k rows: each writes its K/V at ``slots``; returns (h_out [k, H] pre-norm,
         rms(h_out) [k, H] unweighted: the final norm's weight is folded into ``lm_head``)."""
-        e = ops.gather(self.embed, tokens, 0)
+        e = self.backend.embed_rows(self.embed, tokens)
         be, eps = self.backend, self.eps
         x = ops.concat((be.norm(e, eps), be.norm(h, eps)), -1)              # [k, 2H]; weights folded into wqkv
         cos, sin = be.rope_rows(ops.gather(self.cos, positions, 0), ops.gather(self.sin, positions, 0))
@@ -482,7 +482,7 @@ class Eagle3Drafter(nn.Cell):
         Read-only (writes nothing); used by the benchmark's draft-attention evidence (paper Figure 7).
         """
         k_len = h.shape[0]
-        e = ops.gather(self.embed, tokens, 0)
+        e = self.backend.embed_rows(self.embed, tokens)
         x = ops.concat((rms_norm(e, self.eps), rms_norm(h, self.eps)), -1)
         nq = self.nh * self.hd
         q = self.matmul_t(x, self.wqkv[:nq].astype(x.dtype))                     # carries 1/sqrt(hd)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mindspore_eagle.kernels import cpu
 from mindspore_eagle.kernels.attention import CPU_LINEAR_MAX_ROWS
 from mindspore_eagle.kernels.host import HostKernels
 from mindspore_eagle.kernels.kv import PortableKVOps
@@ -72,7 +73,7 @@ class HostDrafter:
     def _layers(self, h, tokens, positions, slots, block_table, mask):
         """``Eagle3Drafter._layer`` on numpy: (h_out [k, H] pre-norm, rms(h_out) [k, H])."""
         k = self.kernels
-        x = np.concatenate([k.norm(self.embed[tokens], self.eps), k.norm(h, self.eps)], -1)
+        x = np.concatenate([k.norm(cpu.rows(self.embed, tokens), self.eps), k.norm(h, self.eps)], -1)
         cos, sin = self.cos[positions], self.sin[positions]
         write, read = PortableKVOps.indices(slots, block_table, self.offsets, self.head_base)   # numpy in, numpy out
         write, read = np.ascontiguousarray(write, np.int32), np.ascontiguousarray(read, np.int32)

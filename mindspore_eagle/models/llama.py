@@ -118,12 +118,13 @@ class DecoderLayer(nn.Cell):
         nh, nkv, hd, H, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
         qkv_out = (nh + 2 * nkv) * hd
         wdt = dtype if weight_dtype is None else weight_dtype       # the matrices; biases in the compute dtype
-        self.wqkv = zeros_param((qkv_out, H), wdt, "wqkv")
+        mat = backend.matrix_shape                  # [out, in], or the CPU kernels' packed layout
+        self.wqkv = zeros_param(mat(qkv_out, H), wdt, "wqkv")
         self.bqkv = zeros_param((qkv_out,), dtype, "bqkv") if cfg.qkv_bias else None
-        self.wo = zeros_param((H, nh * hd), wdt, "wo")
+        self.wo = zeros_param(mat(H, nh * hd), wdt, "wo")
         self.bo = zeros_param((H,), dtype, "bo") if cfg.o_bias else None
-        self.w_gate_up = zeros_param((2 * F, H), wdt, "w_gate_up")
-        self.w_down = zeros_param((H, F), wdt, "w_down")
+        self.w_gate_up = zeros_param(mat(2 * F, H), wdt, "w_gate_up")
+        self.w_down = zeros_param(mat(H, F), wdt, "w_down")
         self.key_cache = backend.make_cache(f"key_cache_{layer}")
         self.value_cache = backend.make_cache(f"value_cache_{layer}")
 
@@ -168,12 +169,15 @@ class LlamaModel(nn.Cell):
                                     cfg.head_dim, dtype, 1.0)
         check_weight_dtype(self.backend, self.weight_dtype, dtype)
         self.eps = cfg.rms_norm_eps
-        self.embed = zeros_param((cfg.vocab_size, cfg.hidden_size), dtype, "embed")
+        V, H = cfg.vocab_size, cfg.hidden_size
+        # a tied head is the embedding itself, held in the head's layout (packed for the CPU kernels; its rows
+        # gathered from that layout, backend.embed_rows), unless the head is stored in another dtype (its own copy)
+        own_head = not cfg.tie_word_embeddings or self.weight_dtype != dtype
+        self.embed = zeros_param((V, H) if own_head else self.backend.matrix_shape(V, H), dtype, "embed")
         self.layers = nn.CellList([DecoderLayer(cfg, self.backend, i, dtype, self.weight_dtype)
                                    for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        own_head = not cfg.tie_word_embeddings or self.weight_dtype != dtype
-        self.lm_head = zeros_param((cfg.vocab_size, cfg.hidden_size), self.weight_dtype, "lm_head") if own_head \
+        self.lm_head = zeros_param(self.backend.matrix_shape(V, H), self.weight_dtype, "lm_head") if own_head \
             else None
         cos, sin = rope_tables(cfg.head_dim, max_seq_len, cfg.rope_theta)
         self.cos, self.sin = Tensor(cos), Tensor(sin)
@@ -219,7 +223,7 @@ class LlamaModel(nn.Cell):
     def _trunk(self, tokens, positions, slots, block_table, mask):
         """Residual stream after the last layer [k, H] (before the final norm) and captured features [k, 3H], both
         in the compute dtype."""
-        x = ops.gather(self.embed, tokens, 0)
+        x = self.backend.embed_rows(self.embed, tokens)
         cos, sin = self.backend.rope_rows(ops.gather(self.cos, positions, 0), ops.gather(self.sin, positions, 0))
         meta = self.backend.prepare(slots, block_table, mask)
         h = self.backend.norm(x, self.eps)
@@ -251,8 +255,13 @@ class LlamaModel(nn.Cell):
         fresh = isinstance(tensors, LazyTensors)
         Tin = (lambda arr: Tensor.from_numpy(arr if fresh else np.array(arr, np.float32))) if dt == ms.float32 else T
         wdt = self.weight_dtype
-        W = T if wdt == dt else (lambda arr: Tensor.from_numpy(arr.astype(np.float16)))   # one rounding to wdt
-        Win = Tin if wdt == dt else W
+        W0 = T if wdt == dt else (lambda arr: Tensor.from_numpy(arr.astype(np.float16)))   # one rounding to wdt
+        Win0 = Tin if wdt == dt else W0
+        pack = self.backend.pack      # the backend's matrix layout: in place for an array made here or handed out
+        W = lambda arr: W0(pack(arr, True))            # noqa: E731  (arr made here: fused matrices)
+        packs = lambda arr: self.backend.matrix_shape(*arr.shape) != arr.shape    # noqa: E731
+        # arr of ``tensors``: packed in place when fresh, into a new array when the caller keeps it, else as before
+        Win = lambda arr: W0(pack(arr, fresh)) if packs(arr) else Win0(arr)       # noqa: E731
 
         def get(name, shape):
             if name not in tensors:
@@ -264,7 +273,8 @@ class LlamaModel(nn.Cell):
 
         H, F, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         qo, kvo = cfg.num_heads * hd, cfg.num_kv_heads * hd
-        self.embed.set_data(Tin(get("model.embed_tokens.weight", (cfg.vocab_size, H))))
+        embed = get("model.embed_tokens.weight", (cfg.vocab_size, H))
+        self.embed.set_data(Tin(embed) if self.lm_head is not None else Win(embed))   # tied: the head's layout
         self.norm.weight.set_data(ms.Tensor(get("model.norm.weight", (H,))))
         if self.lm_head is not None:
             head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"

@@ -59,6 +59,43 @@ def test_linear(kern, k):                                                   # k 
         assert np.array_equal(call(kern.linear, x[r:r + 1], w)[0], y[r])
 
 
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 7, 8, 9, 16, 33, 64])   # 4/2/1-row and 8/4/2/1-row tiles, prefill
+def test_packed_linear(kern, k):
+    """Matrices packed [N / 16, K, 16] (cpu.pack) run at any row count: the reference's values, every row the bits
+    of its one-row call (batch invariance), float16 panels the bits of their widened float32, one thread or two."""
+    from mindspore_eagle.kernels import runtime
+
+    rng = np.random.default_rng(100 + k)
+    K, N = 44, 16 * 7           # 7 panels: groups of 4 or 3 and single panels, split over two threads
+    x = rng.normal(size=(k, K)).astype(np.float32)
+    w = rng.normal(size=(N, K)).astype(np.float32)
+    wp = cpu.pack(w)
+    assert wp.shape == (7, K, 16) and np.array_equal(cpu.unpack(wp), w)
+    y = call(kern.linear, x, wp)
+    assert y.shape == (k, N) and rel(y, cpu.ref_linear(x, w)) < TOL
+    assert rel(y, cpu.ref_linear(x, cpu.unpack(wp.reshape(K, 7, 16).transpose(1, 0, 2).copy()))) > 0.1
+    for r in range(k):
+        assert np.array_equal(call(kern.linear, x[r:r + 1], wp)[0], y[r])
+    half = cpu.pack(w.astype(np.float16))
+    assert np.array_equal(call(kern.linear, x, half), call(kern.linear, x, half.astype(np.float32)))
+    try:
+        cpu.set_threads(1)
+        assert np.array_equal(call(kern.linear, x, wp), y)
+    finally:
+        cpu.set_threads(runtime.kernel_threads())
+
+
+def test_pack_needs_rows_in_panels():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpu.pack(np.zeros((13, 4), np.float32))
+    assert cpu.matrix_rows((3, 8, 16)) == 48 and cpu.matrix_rows((13, 4)) == 13
+    w = np.random.default_rng(0).normal(size=(16 * 70, 5)).astype(np.float32)   # 70 panels: two blocks of 64
+    buf = w.copy()
+    inplace = cpu.pack(buf, inplace=True)
+    assert np.shares_memory(inplace, buf) and np.array_equal(inplace, cpu.pack(w))
+    assert np.array_equal(cpu.rows(inplace, [0, 17, 1119]), w[[0, 17, 1119]])
+
+
 def test_linear_same_bits_with_one_thread_or_two(kern):
     """The threads split the weight rows; each output is computed by one thread with the same operations."""
     rng = np.random.default_rng(3)
