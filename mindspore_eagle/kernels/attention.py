@@ -493,13 +493,14 @@ class CpuBackend(PortableBackend):
 
     def embed_rows(self, table, ids):
         """Rows ``ids`` int32 [k] of ``table`` [V, H], or of a packed [V / 16, H, 16] one (a tied head: row n at
-        [n // 16, :, n % 16]) gathered from its flat view -> [k, H] (``cpu.rows`` is the numpy form)."""
+        [n // 16, :, n % 16]: the rows' panels gathered, then each row's lane; a flat view of the table made
+        MindSpore copy it on every call) -> [k, H] (``cpu.rows`` is the numpy form)."""
         if len(table.shape) == 2:
             return ops.gather(table, ids, 0)
         _, H, L = table.shape
-        base = (ids // L) * (H * L) + ids % L                                    # [k]: element (n, 0)
-        cols = ops.arange(0, H * L, L, dtype=ms.int32)                           # [H]: element (n, j) - (n, 0)
-        return ops.gather(table.reshape(-1), base.reshape(-1, 1) + cols.reshape(1, -1), 0)
+        panels = ops.gather(table, ids // L, 0)                                  # [k, H, 16]: the rows' panels
+        lane = (ids % L).reshape(-1, 1, 1).broadcast_to((ids.shape[0], H, 1))
+        return ops.gather_elements(panels, 2, lane).reshape(-1, H)
 
     def _fused(self, x, *mats) -> bool:
         """True when a call of x's rows on ``mats`` takes the kernels: at most CPU_LINEAR_MAX_ROWS rows, or any of
