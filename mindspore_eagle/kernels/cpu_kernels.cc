@@ -289,9 +289,10 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 // of KR / 2, ..., 1 rows for the rows left), and prefetches the next block's weight rows at the same offset, so the
 // weights come from memory one block's multiply-adds ahead (512 bytes ahead, the earlier distance, was 15 % slower
 // at 8 rows). With AVX-512VL (32 vector registers): 4 x 4 for k <= 4 (a decode, a small tree, a drafter call),
-// 4 x 6 for k < 8, 3 x 8 from 8 rows (24 accumulators); without, 1 x 4 for k <= 4 and 2 x 4 above. Weight rows left after the last full block:
-// 1 x 1. Measured tiles: docs/cpu_kernels.md, "Tiles". Every output is one dot product accumulated in the same
-// float order whatever the tile, so results do not depend on k (batch invariance).
+// 4 x 6 for k < 8, 3 x 8 from 8 rows (24 accumulators); without, 1 x 4 for k <= 4 and 2 x 4 above. Weight rows
+// left after the last full block: 1 x 1. Measured tiles: docs/cpu_kernels.md, "Tiles". Every output is one dot
+// product accumulated in the same float order whatever the tile, so results do not depend on k (batch invariance).
+// (Matrices packed as panels take the outer-product form of "Packed matmul" below instead.)
 template <int NR, int KR, typename W>
 static inline void micro(const float *x, const W *w, float *y, int64_t K, int64_t N, int64_t r0, int64_t n0) {
   v8 acc[KR][NR];
@@ -377,7 +378,9 @@ static inline v16 load16(const _Float16 *p) {
   return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 #else
   const v8 lo = load8w(p), hi = load8w(p + 8);
-  return (v16){lo[0], lo[1], lo[2], lo[3], lo[4], lo[5], lo[6], lo[7], hi[0], hi[1], hi[2], hi[3], hi[4], hi[5], hi[6], hi[7]};
+  v16 v;
+  for (int j = 0; j < 8; ++j) v[j] = lo[j], v[j + 8] = hi[j];
+  return v;
 #endif
 }
 // a * b + c lane by lane, fused exactly as fma8 fuses (one AVX-512 FMA, or two 8-lane halves)
@@ -385,12 +388,12 @@ static inline v16 fma16(v16 a, v16 b, v16 c) {
 #if defined(__AVX512F__)
   return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
 #else
+  v8 al, ah, bl, bh, cl, ch;
+  for (int j = 0; j < 8; ++j) {
+    al[j] = a[j], ah[j] = a[j + 8], bl[j] = b[j], bh[j] = b[j + 8], cl[j] = c[j], ch[j] = c[j + 8];
+  }
+  const v8 lo = fma8(al, bl, cl), hi = fma8(ah, bh, ch);
   v16 r;
-  const v8 lo = fma8((v8){a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]}, (v8){b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]},
-                     (v8){c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]});
-  const v8 hi = fma8((v8){a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]},
-                     (v8){b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]},
-                     (v8){c[8], c[9], c[10], c[11], c[12], c[13], c[14], c[15]});
   for (int j = 0; j < 8; ++j) r[j] = lo[j], r[j + 8] = hi[j];
   return r;
 #endif
