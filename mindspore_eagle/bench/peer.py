@@ -17,6 +17,7 @@ llama-cpp-python is optional; :func:`available` says whether it is importable. N
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -243,8 +244,9 @@ class LlamaCppPeer:
 
 
 def write_peer_gguf(cfg, loaded, outdir: str, log=print, what: str = "--peer-llamacpp"):
-    """``<outdir>/teacher_f32.gguf`` of the config's teacher (written once, atomically), or None with a logged
-    reason when the teacher has no GGUF tokenizer metadata to copy.
+    """``<outdir>/teacher_f32-<tag>.gguf`` of the config's teacher (written once, atomically; the tag names the
+    source GGUF by path and size, so a folder shared by runs of two teachers holds one file each), or None with a
+    logged reason when the teacher has no GGUF tokenizer metadata to copy.
 
     Args:
         cfg: the run's Config. loaded: ``pipeline.load_models(cfg)`` (None: loaded here only when the file is
@@ -256,7 +258,8 @@ def write_peer_gguf(cfg, loaded, outdir: str, log=print, what: str = "--peer-lla
     if not str(src).lower().endswith(".gguf"):
         log(f"{what}: teacher {src} is not a GGUF file, no llama.cpp tokenizer metadata to copy; skipped")
         return None
-    path = os.path.join(outdir, "teacher_f32.gguf")
+    tag = hashlib.sha256(f"{os.path.abspath(src)}:{os.path.getsize(src)}".encode()).hexdigest()[:12]
+    path = os.path.join(outdir, f"teacher_f32-{tag}.gguf")
     if not os.path.exists(path):
         loaded = loaded or load_models(cfg)
         write_gguf_f32(path + ".tmp", loaded.teacher_cfg, loaded.teacher_tensors, src)
@@ -265,7 +268,7 @@ def write_peer_gguf(cfg, loaded, outdir: str, log=print, what: str = "--peer-lla
 
 
 def make_peer(cfg, loaded, outdir: str, threads: int, log=print, lookup=LOOKUP_TOKENS):
-    """Write <outdir>/teacher_f32.gguf and return a :class:`LlamaCppPeer` on it, or None (with a logged reason)
+    """Write <outdir>/teacher_f32-<tag>.gguf (``write_peer_gguf``) and return a :class:`LlamaCppPeer` on it, or None (with a logged reason)
     when llama_cpp is not importable or the teacher has no GGUF tokenizer to copy."""
     if not available():
         log("--peer-llamacpp: llama_cpp (llama-cpp-python) is not importable; peer skipped")

@@ -389,7 +389,13 @@ def test_llamacpp_peer_runs_in_a_clean_process(tmp_path, monkeypatch):
     cfg = load_config(None, [f"model.teacher={src}"])
     p = peer.make_peer(cfg, Loaded(cfg_t, random_tensors(cfg_t, 1), None, None, None), str(tmp_path), 2)
     try:
-        assert (tmp_path / "teacher_f32.gguf").exists() and p.variants == ["greedy", "lookup2", "lookup10"]
+        written = list(tmp_path.glob("teacher_f32-*.gguf"))
+        assert len(written) == 1 and p.variants == ["greedy", "lookup2", "lookup10"]
+        other = tmp_path / "other.gguf"                     # another teacher, same folder: a file of its own
+        other.write_bytes(src.read_bytes() + b"\0")
+        cfg2 = load_config(None, [f"model.teacher={other}"])
+        assert peer.write_peer_gguf(cfg2, Loaded(cfg_t, random_tensors(cfg_t, 1), None, None, None),
+                                    str(tmp_path)) not in map(str, written)
         seen = p.proc.call(cmd="env")
         assert seen["env"] == {} and seen["pid"] != os.getpid()              # no OMP_* / MSEAGLE_* over there
         r = p.run([0, 5, 6], 128, [7, 8, 4, 1])
