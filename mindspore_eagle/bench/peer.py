@@ -201,7 +201,10 @@ class LlamaCppPeer:
 
     Args:
         gguf_path: file from write_gguf_f32. n_threads: CPU threads (the same as MindSpore's kernel threads).
-        n_ctx: context window (>= prompt + max_new_tokens). eos_ids: ids that end a turn. lookup:
+        n_ctx: the longest prompt + max_new_tokens of any call (``cache.max_seq_len``); each process gets
+        ``n_ctx + max(lookup) + 1``, since a prompt-lookup step evaluates its drafts past the last kept token and
+        llama-cpp-python's logits buffer holds n_ctx rows (without the margin a turn ending near n_ctx failed with
+        "could not broadcast", 152k-vocabulary teacher). eos_ids: ids that end a turn. lookup:
         ``num_pred_tokens`` of each prompt-lookup variant (:data:`LOOKUP_TOKENS`; () = greedy only).
     Raises:
         PeerError: the process could not load the model.
@@ -209,7 +212,8 @@ class LlamaCppPeer:
 
     def __init__(self, gguf_path: str, n_threads: int, n_ctx: int, eos_ids=(), lookup=LOOKUP_TOKENS):
         self.proc = PeerProcess()
-        self.variants = self.proc.call(cmd="load", model=str(gguf_path), n_threads=int(n_threads), n_ctx=int(n_ctx),
+        self.n_ctx = int(n_ctx) + max((int(n) for n in lookup), default=0) + 1
+        self.variants = self.proc.call(cmd="load", model=str(gguf_path), n_threads=int(n_threads), n_ctx=self.n_ctx,
                                        lookup=[int(n) for n in lookup])["variants"]
         self.eos = [int(e) for e in eos_ids]
         self.n_threads = n_threads
