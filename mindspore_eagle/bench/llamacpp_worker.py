@@ -51,8 +51,10 @@ def _load(req: dict) -> dict:
     _models.clear()
     _models["greedy"] = llama_cpp.Llama(**common)
     for n in req.get("lookup", []):
+        # logits_all=True: with a draft model llama-cpp-python keeps logits of every row evaluated but sizes its
+        # buffer by this argument (n_batch rows when False), so a turn past 512 tokens overflowed it
         _models[f"lookup{int(n)}"] = llama_cpp.Llama(
-            **common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=int(n)))
+            **common, logits_all=True, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=int(n)))
     _forward["common"] = common
     return {"variants": list(_models)}
 

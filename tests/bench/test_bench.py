@@ -331,7 +331,9 @@ class Llama:
     def __init__(self, model_path, n_threads, n_threads_batch, n_ctx, n_batch, verbose, seed, draft_model=None,
                  logits_all=False):
         assert os.path.exists(model_path) and n_threads == 2
-        self.draft, self.n_ctx = draft_model, n_ctx
+        # as the real one (0.3.36): with a draft model every evaluated row's logits are kept, in a buffer of n_ctx
+        # rows when logits_all is passed, else of n_batch rows
+        self.draft, self.rows = draft_model, n_ctx if logits_all else n_batch
 
     def token_eos(self):
         return 1
@@ -339,8 +341,8 @@ class Llama:
     def generate(self, tokens, top_k, top_p, temp, repeat_penalty, reset):   # an old release: no min_p
         assert (top_k, temp, repeat_penalty) == (1, 0.0, 1.0)
         for i, tok in enumerate([7, 8, 9, 1, 5] if self.draft is None else [7, 8, 4, 1]):
-            # as the real one: a lookup step evaluates 1 + n tokens into a logits buffer of n_ctx rows
-            if len(tokens) + i + (self.draft.n + 1 if self.draft else 1) > self.n_ctx:
+            # a lookup step evaluates 1 + n tokens past the last kept one
+            if self.draft and len(tokens) + i + self.draft.n + 1 > self.rows:
                 raise ValueError("could not broadcast input array")
             yield tok
 """
@@ -406,7 +408,8 @@ def test_llamacpp_peer_runs_in_a_clean_process(tmp_path, monkeypatch):
         assert r["new_tokens"] == 4 and r["match_prefix"] == 0.5 and r["tok_s"] > 0        # stopped at EOS 1
         assert set(r["lookup"]) == {"2", "10"} and r["lookup"]["10"]["match_prefix"] == 1.0
         assert p.run([0], 2, [7, 8])["new_tokens"] == 2                                    # max_new_tokens
-        near_end = [0] * (cfg.cache.max_seq_len - 4)            # lookup 10 drafts past max_seq_len: room kept
+        assert cfg.cache.max_seq_len > 512                      # past n_batch, and lookup 10 drafts past the end
+        near_end = [0] * (cfg.cache.max_seq_len - 4)
         assert p.run(near_end, 4, [7, 8, 4, 1])["lookup"]["10"]["new_tokens"] == 4
         with pytest.raises(peer.PeerError, match="unknown cmd"):
             p.proc.call(cmd="nope")
