@@ -68,6 +68,7 @@ static inline v8 load_tailw(const _Float16 *p, int64_t n) {
 // true when MindSpore's dtype string of an AOT argument names a half float (the weight may be float16)
 static inline bool is_half(const char *dtype) { return dtype && std::strcmp(dtype, "float16") == 0; }
 static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+static inline v8 vmax8(v8 a, v8 b) { return a > b ? a : b; }   // lane by lane, as the scalar "a > b ? a : b"
 // a * b + c: one fused multiply-add where the CPU has FMA, else a multiply then an add. Built with
 // -ffp-contract=off, so the compiler fuses nothing by itself: whether a product is fused must not depend on how a
 // loop was inlined or unrolled (it did, once: one output column of a tail block differed between call shapes).
@@ -713,44 +714,8 @@ static void exp_shifted(float *sc, int64_t n, float mx) {
   }
 }
 
-// One (query row, head) over its n visible cache rows, hd = 8 NC: the query and the output accumulators held in
-// registers, eight scores folded at once (fold8x8). The same float operations, in the same order, as
-// attend_any below (hence as dot, exp8 and the sequential sums it uses): a result never depends on which runs.
-template <int NC>
-static void attend_regs(const float *qr, const float *kc, const float *vc, const int32_t *vis, const float *mv,
-                        int64_t n, float scale, float *sc, float *out) {
-  constexpr int64_t hd = 8 * NC;
-  v8 qv[NC], acc[NC];
-  for (int c = 0; c < NC; ++c) qv[c] = load8(qr + 8 * c), acc[c] = splat8(0.f);
-  float mx = -INFINITY;
-  for (int64_t t0 = 0; t0 < n; t0 += 8) {
-    const int64_t m = n - t0 < 8 ? n - t0 : 8;
-    v8 a[8];
-    for (int j = 0; j < 8; ++j) {
-      a[j] = splat8(0.f);
-      if (j >= m) continue;
-      const float *kr = kc + (int64_t)vis[t0 + j] * hd;
-#pragma GCC unroll 16
-      for (int c = 0; c < NC; ++c) a[j] = fma8(qv[c], load8(kr + 8 * c), a[j]);
-    }
-    const v8 s = fold8x8(a) * splat8(scale) + (m == 8 ? load8(mv + t0) : load_tail(mv + t0, m));
-    for (int64_t j = 0; j < m; ++j) sc[t0 + j] = s[j], mx = s[j] > mx ? s[j] : mx;
-  }
-  exp_shifted(sc, n, mx);
-  float den = 0.f;
-  for (int64_t t = 0; t < n; ++t) {
-    const float p = sc[t];
-    den += p;
-    const float *vr = vc + (int64_t)vis[t] * hd;
-    const v8 pv = splat8(p);
-#pragma GCC unroll 16
-    for (int c = 0; c < NC; ++c) acc[c] = fma8(pv, load8(vr + 8 * c), acc[c]);
-  }
-  const float inv = n ? 1.0f / den : 0.f;
-  for (int c = 0; c < NC; ++c) store8(out + 8 * c, acc[c] * splat8(inv));
-}
-
-// the same for any head size (accumulators in memory, the head's tail zero-padded as in dot)
+// One (query row, head) over its n visible cache rows, any head size (accumulators in memory, the head's tail
+// zero-padded as in dot).
 static void attend_any(const float *qr, const float *kc, const float *vc, const int32_t *vis, const float *mv,
                        int64_t n, float scale, float *sc, v8 *acc, int64_t hd, float *out) {
   float mx = -INFINITY;
@@ -777,30 +742,126 @@ static void attend_any(const float *qr, const float *kc, const float *vc, const 
   for (; i < hd; ++i) out[i] = acc[i / 8][i % 8] * inv;
 }
 
+// Scores, weights and outputs of the pairs (query row, head) of one chunk that read the same KV head, hd = 8 NC:
+// per pair the same float operations, in the same order, as attend_any above (hence as dot, exp8 and the
+// sequential sums it uses; eight scores folded at once by fold8x8, the query and the accumulators in registers), so
+// a result never depends on the path, the chunk or the other pairs. The loops are turned so that a block of
+// KEY_BLOCK cache rows is read once, from L1, for every pair of the chunk (rows of one sequence see the same
+// prefix; the heads of a KV group read the same cache rows). Per pair p: its visible rows vis[p] (n[p] of them) and
+// mask values mv[p]; sc + p S, acc + p NC, mx[p] and den[p] its scores, accumulators, running max (lane by lane:
+// exact) and sum of weights (scratch); its output goes to out[p].
+constexpr int64_t KEY_BLOCK = 32;
+template <int NC>
+static void attend_group(const float *const *qr, const float *kc, const float *vc, const int32_t *const *vis,
+                         const float *const *mv, const int64_t *n, int64_t np, int64_t S, float scale, float *sc,
+                         v8 *acc, v8 *mx, float *den, float *const *out) {
+  constexpr int64_t hd = 8 * NC;
+  int64_t nmax = 0;
+  for (int64_t p = 0; p < np; ++p) nmax = n[p] > nmax ? n[p] : nmax;
+  for (int64_t p = 0; p < np; ++p) mx[p] = splat8(-INFINITY), den[p] = 0.f;
+  for (int64_t b0 = 0; b0 < nmax; b0 += KEY_BLOCK)
+    for (int64_t p = 0; p < np; ++p) {
+      v8 qv[NC];
+      for (int c = 0; c < NC; ++c) qv[c] = load8(qr[p] + 8 * c);
+      const int32_t *vp = vis[p];
+      const float *mp = mv[p];
+      const int64_t b1 = b0 + KEY_BLOCK < n[p] ? b0 + KEY_BLOCK : n[p];
+      for (int64_t t0 = b0; t0 < b1; t0 += 8) {
+        const int64_t m = b1 - t0 < 8 ? b1 - t0 : 8;
+        v8 a[8];
+        for (int j = 0; j < 8; ++j) {
+          a[j] = splat8(0.f);
+          if (j >= m) continue;
+          const float *kr = kc + (int64_t)vp[t0 + j] * hd;
+#pragma GCC unroll 16
+          for (int c = 0; c < NC; ++c) a[j] = fma8(qv[c], load8(kr + 8 * c), a[j]);
+        }
+        const v8 sv = fold8x8(a) * splat8(scale) + (m == 8 ? load8(mp + t0) : load_tail(mp + t0, m));
+        if (m == 8) {
+          store8(sc + p * S + t0, sv);
+          mx[p] = vmax8(mx[p], sv);
+        } else {
+          for (int64_t j = 0; j < m; ++j) sc[p * S + t0 + j] = sv[j], mx[p][j] = sv[j] > mx[p][j] ? sv[j] : mx[p][j];
+        }
+      }
+    }
+  for (int64_t p = 0; p < np; ++p) {
+    float m = -INFINITY;
+    for (int j = 0; j < 8; ++j) m = mx[p][j] > m ? mx[p][j] : m;
+    exp_shifted(sc + p * S, n[p], m);
+    for (int c = 0; c < NC; ++c) acc[p * NC + c] = splat8(0.f);
+  }
+  for (int64_t b0 = 0; b0 < nmax; b0 += KEY_BLOCK)
+    for (int64_t p = 0; p < np; ++p) {
+      const int64_t b1 = b0 + KEY_BLOCK < n[p] ? b0 + KEY_BLOCK : n[p];
+      if (b0 >= b1) continue;
+      v8 ac[NC];
+      float d = den[p];
+      for (int c = 0; c < NC; ++c) ac[c] = acc[p * NC + c];
+      for (int64_t t = b0; t < b1; ++t) {
+        const float w = sc[p * S + t];
+        d += w;                                             // the weights' sum, in column order
+        const float *vr = vc + (int64_t)vis[p][t] * hd;
+        const v8 pv = splat8(w);
+#pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) ac[c] = fma8(pv, load8(vr + 8 * c), ac[c]);
+      }
+      den[p] = d;
+      for (int c = 0; c < NC; ++c) acc[p * NC + c] = ac[c];
+    }
+  for (int64_t p = 0; p < np; ++p) {
+    const float inv = n[p] ? 1.0f / den[p] : 0.f;
+    for (int c = 0; c < NC; ++c) store8(out[p] + 8 * c, acc[p * NC + c] * splat8(inv));
+  }
+}
+
+// Work items of attention: chunks of the pairs (row, head) that read one KV head of one sequence, ordered (row,
+// head); chunks of up to `per` pairs, enough of them to give every thread about four.
+static int64_t pairs_per_chunk(int64_t groups, int64_t pairs) {
+  const int64_t want = 4 * (int64_t)g_threads.load(std::memory_order_relaxed);
+  const int64_t per = (groups * pairs + want - 1) / want;
+  return per < 1 ? 1 : (per > pairs ? pairs : per);
+}
+
 static int attention_into(const float *q, const float *kc, const float *vc, const int32_t *rows, const float *mask,
                           float scale, float *ctx, int64_t k, int64_t nh, int64_t hd, int64_t G, int64_t nkv,
                           int64_t S, int64_t R) {
-  const int64_t kg = k / G, group = nh / nkv;
+  const int64_t kg = k / G, group = nh / nkv, pairs = kg * group;
+  const int64_t per = hd == 64 || hd == 128 ? pairs_per_chunk(G * nkv, pairs) : 1;
+  const int64_t chunks = (pairs + per - 1) / per;
   std::atomic<int> bad{0};
-  parallel_for(k * nh, [&](int64_t i0, int64_t i1) {
-    std::vector<float> sc(S), mv(S);
-    std::vector<int32_t> vis(S);
-    std::vector<v8> acc((hd + 7) / 8);
+  parallel_for(G * nkv * chunks, [&](int64_t i0, int64_t i1) {
+    std::vector<float> sc(per * S), mv(per * S);
+    std::vector<int32_t> vis(per * S);
+    std::vector<int64_t> n(per);
+    std::vector<v8> acc(per * ((hd + 7) / 8)), mx(per);
+    std::vector<float> den(per);
+    std::vector<const float *> qr(per), mvp(per);
+    std::vector<const int32_t *> visp(per);
+    std::vector<float *> out(per);
     for (int64_t item = i0; item < i1; ++item) {
-      const int64_t r = item / nh, h = item % nh, g = r / kg, kvh = h / group;
-      const float *qr = q + (r * nh + h) * hd;
-      float *out = ctx + (r * nh + h) * hd;
-      const int64_t n = visible_columns(rows + (g * nkv + kvh) * S, mask + r * S, S, R, vis.data(), mv.data());
-      if (n < 0) {
-        bad = 1;
-        continue;
+      const int64_t g = item / (nkv * chunks), kvh = item / chunks % nkv, c0 = item % chunks * per;
+      const int64_t np = pairs - c0 < per ? pairs - c0 : per;
+      for (int64_t p = 0, last = -1; p < np; ++p) {          // the heads of one row share its visible columns
+        const int64_t r = g * kg + (c0 + p) / group, h = kvh * group + (c0 + p) % group;
+        qr[p] = q + (r * nh + h) * hd, out[p] = ctx + (r * nh + h) * hd;
+        if (r != last) {
+          n[p] = visible_columns(rows + (g * nkv + kvh) * S, mask + r * S, S, R, vis.data() + p * S,
+                                 mv.data() + p * S);
+          if (n[p] < 0) bad = 1, n[p] = 0;
+          visp[p] = vis.data() + p * S, mvp[p] = mv.data() + p * S, last = r;
+        } else {
+          n[p] = n[p - 1], visp[p] = visp[p - 1], mvp[p] = mvp[p - 1];
+        }
       }
       if (hd == 64)
-        attend_regs<8>(qr, kc, vc, vis.data(), mv.data(), n, scale, sc.data(), out);
+        attend_group<8>(qr.data(), kc, vc, visp.data(), mvp.data(), n.data(), np, S, scale, sc.data(), acc.data(),
+                        mx.data(), den.data(), out.data());
       else if (hd == 128)
-        attend_regs<16>(qr, kc, vc, vis.data(), mv.data(), n, scale, sc.data(), out);
+        attend_group<16>(qr.data(), kc, vc, visp.data(), mvp.data(), n.data(), np, S, scale, sc.data(), acc.data(),
+                         mx.data(), den.data(), out.data());
       else
-        attend_any(qr, kc, vc, vis.data(), mv.data(), n, scale, sc.data(), acc.data(), hd, out);
+        attend_any(qr[0], kc, vc, visp[0], mvp[0], n[0], scale, sc.data(), acc.data(), hd, out[0]);
     }
   });
   return bad.load() ? 3 : 0;

@@ -355,22 +355,30 @@ def test_paged_attention(kern, G):
 
 @pytest.mark.parametrize("hd", [64, 128])
 def test_attention_register_path_same_bits_as_any_head_size(kern, hd):
-    # head sizes 64 and 128 run with the query and the accumulators in registers and eight scores folded at once;
-    # the same problem padded with zero dimensions (hd + 8) runs the path for any head size, whose dot products add
-    # only exact zeros: the outputs must agree bit for bit (21 and 300 visible columns: blocks of 8 and a tail)
+    # head sizes 64 and 128 run the pairs (row, head) of one KV head together, a block of cache rows at a time, with
+    # the query and the accumulators in registers and eight scores folded at once; the same problem padded with
+    # zero dimensions (hd + 8) runs the path for any head size, one pair at a time, whose dot products add only
+    # exact zeros: the outputs must agree bit for bit (21 and 300 visible columns: blocks of 8 and a tail; 300
+    # spans several key blocks), in one group of rows and in two, and each row alone must give its bits again
     rng = np.random.default_rng(hd)
-    nh, nkv, R, k = 6, 2, 400, 5
-    for S in (21, 300):
+    nh, nkv, R, kg = 6, 2, 400, 5
+    for S, G in ((21, 1), (300, 1), (300, 2)):
+        k = kg * G
         q = rng.normal(size=(k, nh, hd)).astype(np.float32)
         kc, vc = rng.normal(size=(2, R, hd)).astype(np.float32)
-        rows = np.stack([rng.permutation(R)[:S] for _ in range(nkv)]).astype(np.int32)
+        rows = np.stack([np.stack([rng.permutation(R)[:S] for _ in range(nkv)]) for _ in range(G)]).astype(np.int32)
+        rows = rows if G > 1 else rows[0]
         mask = np.where(rng.random((k, S)) < 0.7, rng.normal(size=(k, S)), -1e9).astype(np.float32)
-        out = call(kern.paged_attention, q, kc, vc, rows, mask, np.array([0.125], np.float32))
+        scale = np.array([0.125], np.float32)
+        out = call(kern.paged_attention, q, kc, vc, rows, mask, scale)
         pad = lambda a: np.ascontiguousarray(np.concatenate([a, np.zeros(a.shape[:-1] + (8,), np.float32)], -1))
-        wide = call(kern.paged_attention, pad(q), pad(kc), pad(vc), rows, mask, np.array([0.125], np.float32))
+        wide = call(kern.paged_attention, pad(q), pad(kc), pad(vc), rows, mask, scale)
         wide = wide.reshape(k, nh, hd + 8)
         assert np.array_equal(out.reshape(k, nh, hd), wide[..., :hd]) and not wide[..., hd:].any()
         assert rel(out, cpu.ref_paged_attention(q, kc, vc, rows, mask, 0.125)) < TOL
+        for r in range(k):
+            own = rows[r // kg] if G > 1 else rows
+            assert np.array_equal(call(kern.paged_attention, q[r:r + 1], kc, vc, own, mask[r:r + 1], scale)[0], out[r])
 
 
 def runner(tiny, backend, mode):
