@@ -542,11 +542,13 @@ def policy_markdown(rep: dict) -> list:
               ""]
     bins = (st.get("calibration") or {}).get("bins", [])
     if bins:
-        L += ["Acceptance calibration at the end of the run (draft nodes, by depth and drafter path probability):",
-              "", "| depth | drafter prob | nodes | mean drafter prob | accepted | estimate |",
-              "|---|---|---|---|---|---|"]
-        L += [f"| {b['depth']} | [{b['prob_lo']:g}, {b['prob_hi']:g}) | {b['nodes']:.0f} | "
-              f"{_f(b['drafter_prob'], 3)} | {_f(b['accepted'], 3)} | {_f(b['estimate'], 3)} |" for b in bins]
+        L += ["Acceptance calibration at the end of the run (draft nodes, by proposer, depth, the likeliest child of "
+              "its parent or another, and drafter path probability):",
+              "", "| source | depth | child | drafter prob | nodes | mean drafter prob | accepted | estimate |",
+              "|---|---|---|---|---|---|---|---|"]
+        L += [f"| {b.get('source', '')} | {b['depth']} | {b.get('child', '')} | [{b['prob_lo']:g}, {b['prob_hi']:g}) | "
+              f"{b['nodes']:.0f} | {_f(b['drafter_prob'], 3)} | {_f(b['accepted'], 3)} | {_f(b['estimate'], 3)} |"
+              for b in bins]
         L.append("")
     return L
 
