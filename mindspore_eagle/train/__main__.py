@@ -169,11 +169,26 @@ def prepare_features(args, cfg, tensors, tok) -> str:
 
     t0 = time.time()
     meta = {"teacher": str(args.teacher), "max_len": args.max_len, "aux_layers": list(cfg.aux_layers)}
-    man = extract_features(runner, head_weight(cfg, tensors), samples, fdir, args.shard_size, meta, progress)
+    greedy = bool(args.regen_dir) and _greedy_regen(args.regen_dir, args.teacher)
+    man = extract_features(runner, head_weight(cfg, tensors), samples, fdir, args.shard_size, meta, progress,
+                           greedy_replies=greedy)
     bar.close()
     tok_n = sum(s["tokens"] for s in man["shards"])
     print(f"[features] {len(man['shards'])} shards, {tok_n} tokens, {time.time() - t0:.0f} s this run", flush=True)
     return fdir
+
+
+def _greedy_regen(regen_dir: str, teacher: str) -> bool:
+    """True when ``regen_dir``'s replies were decoded greedily by this teacher (its manifest's meta,
+    ``regen_run.teacher_identity``), so a reply token is the teacher's argmax before it."""
+    from mindspore_eagle.train.regen_run import teacher_identity
+
+    try:
+        with open(os.path.join(regen_dir, "manifest.json"), encoding="utf-8") as f:
+            meta = json.load(f).get("meta", {})
+        return float(meta.get("temperature", 1.0)) == 0.0 and meta.get("teacher") == teacher_identity(teacher)
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def main(argv=None) -> int:

@@ -83,7 +83,7 @@ def _write_manifest(out_dir: str, manifest: dict) -> None:
 
 
 def extract_features(runner, head: np.ndarray, samples: list, out_dir: str, shard_size: int = 64,
-                     meta: dict | None = None, progress=None) -> dict:
+                     meta: dict | None = None, progress=None, greedy_replies: bool = False) -> dict:
     """Run the teacher over ``samples`` and write the missing shards.
 
     Args:
@@ -91,6 +91,9 @@ def extract_features(runner, head: np.ndarray, samples: list, out_dir: str, shar
         samples: list of (ids int [n], mask uint8 [n]); out_dir: created if missing.
         shard_size: samples per shard; meta: stored in the manifest (teacher path, max_len, ...).
         progress: optional callable(samples_done, tokens_done, seconds) after each sample.
+        greedy_replies: every sample's loss-masked tokens are this teacher's greedy replies (a regeneration at
+        temperature 0): the argmax before each of them is that token (``sample_columns``' next_from), without the
+        [V, H] product.
     Returns:
         the final manifest.
     Raises:
@@ -116,7 +119,9 @@ def extract_features(runner, head: np.ndarray, samples: list, out_dir: str, shar
                 hid, aux = runner.prefill(sid, ids, hidden=True)
             finally:
                 runner.free(sid)
-            part.append(sample_columns(ids, mask, hid, aux, head))
+            first_loss = int(np.argmax(np.asarray(mask) != 0)) if np.any(mask) else len(hid)
+            nxt = min(max(first_loss - 1, 0), len(hid)) if greedy_replies else None
+            part.append(sample_columns(ids, mask, hid, aux, head, next_from=nxt))
             n_done += 1
             tok_done += len(ids)
             if progress is not None:
@@ -156,7 +161,8 @@ def sample_columns(ids, mask, hidden: np.ndarray, aux: np.ndarray, head: np.ndar
     rows = np.flatnonzero(np.asarray(mask[1:c + 1]) != 0)             # t < c whose next token carries loss
     if len(rows):
         arg[rows] = np.argmax(np.asarray(hidden[rows], np.float32) @ head.T, -1)
-    arg[c:f] = ids[c + 1:f + 1]
+    e = min(f, n - 1)                                                   # the last token predicts nothing
+    arg[c:e] = ids[c + 1:e + 1]
     hid = np.zeros((n, hidden.shape[1]), np.float16)
     ax = np.zeros((n, aux.shape[1]), np.float16)
     hid[:f], ax[:f] = hidden, aux

@@ -304,6 +304,8 @@ def test_regeneration_writes_the_features_a_separate_pass_would(tiny, ms_runtime
     single, _ = build_runner(cfg, tensors, max_len)
     extract_features(single, head, samples, str(tmp_path / "ref"), shard_size=8)
     ref = FeatureSet(str(tmp_path / "ref"))
+    extract_features(single, head, samples, str(tmp_path / "greedy"), shard_size=8, greedy_replies=True)
+    quick = FeatureSet(str(tmp_path / "greedy"))          # reply tokens taken as the argmax before them
     for k, (ids, mask) in enumerate(samples):
         got, want = fs[k], ref[k]
         np.testing.assert_array_equal(got["input_ids"], ids)
@@ -317,6 +319,8 @@ def test_regeneration_writes_the_features_a_separate_pass_would(tiny, ms_runtime
         top2 = np.sort(logits, -1)[:, -2:]
         clear = top2[:, 1] - top2[:, 0] > 1e-2               # float16 storage may flip near-ties only
         np.testing.assert_array_equal(got["argmax"][:n - 1][clear], want["argmax"][:n - 1][clear])
+        np.testing.assert_array_equal(quick[k]["argmax"][:n - 1][clear], want["argmax"][:n - 1][clear])
+        assert not want["argmax"][:n - 1][mask[1:] == 0].any()          # no loss after it: never read, not made
         # the reply's own tokens are the teacher's greedy picks: argmax at position t is token t + 1
         p = int(np.argmax(mask)) - 1
         np.testing.assert_array_equal(got["argmax"][p:n - 1], ids[p + 1:n])
