@@ -99,11 +99,7 @@ def prepare_features(args, cfg, tensors, tok) -> str:
     from tqdm import tqdm
 
     from mindspore_eagle.train.data import build_samples, load_samples, save_samples
-    from mindspore_eagle.train.features import (
-        build_runner,
-        extract_features,
-        head_weight,
-    )
+    from mindspore_eagle.train.features import build_runner, extract_features, head_weight
 
     fdir = features_dir(args)
     os.makedirs(fdir, exist_ok=True)
@@ -169,12 +165,11 @@ def prepare_features(args, cfg, tensors, tok) -> str:
 
     t0 = time.time()
     meta = {"teacher": str(args.teacher), "max_len": args.max_len, "aux_layers": list(cfg.aux_layers)}
-    greedy = bool(args.regen_dir) and _greedy_regen(args.regen_dir, args.teacher)
     man = extract_features(runner, head_weight(cfg, tensors), samples, fdir, args.shard_size, meta, progress,
-                           greedy_replies=greedy)
+                           greedy_replies=bool(args.regen_dir) and _greedy_regen(args.regen_dir, args.teacher))
     bar.close()
-    tok_n = sum(s["tokens"] for s in man["shards"])
-    print(f"[features] {len(man['shards'])} shards, {tok_n} tokens, {time.time() - t0:.0f} s this run", flush=True)
+    print(f"[features] {len(man['shards'])} shards, {sum(s['tokens'] for s in man['shards'])} tokens, "
+          f"{time.time() - t0:.0f} s this run", flush=True)
     return fdir
 
 
