@@ -202,9 +202,9 @@ class LlamaCppPeer:
     Args:
         gguf_path: file from write_gguf_f32. n_threads: CPU threads (the same as MindSpore's kernel threads).
         n_ctx: the longest prompt + max_new_tokens of any call (``cache.max_seq_len``); each process gets
-        ``n_ctx + max(lookup) + 1``, since a prompt-lookup step evaluates its drafts past the last kept token and
-        llama-cpp-python's logits buffer holds n_ctx rows (without the margin a turn ending near n_ctx failed with
-        "could not broadcast", 152k-vocabulary teacher). eos_ids: ids that end a turn. lookup:
+        ``n_ctx + max(lookup) + 1``, since a prompt-lookup step evaluates its drafts past the last kept token (and
+        llamacpp_worker.py gives those variants a logits buffer of the whole context). eos_ids: ids that end a
+        turn. lookup:
         ``num_pred_tokens`` of each prompt-lookup variant (:data:`LOOKUP_TOKENS`; () = greedy only).
     Raises:
         PeerError: the process could not load the model.
