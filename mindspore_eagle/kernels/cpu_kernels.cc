@@ -742,46 +742,121 @@ static void attend_any(const float *qr, const float *kc, const float *vc, const 
   for (; i < hd; ++i) out[i] = acc[i / 8][i % 8] * inv;
 }
 
+// Attention's vectors hold U pairs (row, head) side by side, 8 lanes each: U = 2 (16 lanes) where AVX-512 makes a
+// 16-lane multiply-add one instruction, else U = 1. Lane by lane a U = 2 vector runs the 8-lane operations of each
+// of its pairs (fma16 fuses as fma8), so packing two pairs never changes a bit.
+#if defined(__AVX512F__) && defined(MSEAGLE_SHUFFLE)
+constexpr int ATTN_UNIT = 2;
+#else
+constexpr int ATTN_UNIT = 1;
+#endif
+template <int U> struct Lanes;
+template <> struct Lanes<1> {
+  typedef v8 V;
+  static V fma(V a, V b, V c) { return fma8(a, b, c); }
+  static V join(v8 a, v8) { return a; }                 // pair A's lanes (and B's, when U = 2)
+  static V dup(const float *p) { return load8(p); }     // the same 8 floats for every pair
+  static v8 part(V v, int) { return v; }                // one pair's 8 lanes
+  static void fold(const V *a, v8 *f) { f[0] = fold8x8(a); }   // f[u] = fold8x8 of pair u's lanes of a[0..7]
+};
+#if defined(MSEAGLE_SHUFFLE)
+template <> struct Lanes<2> {
+  typedef v16 V;
+  static V fma(V a, V b, V c) { return fma16(a, b, c); }
+  static V join(v8 a, v8 b) { return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+  static V dup(const float *p) {                        // one vbroadcastf32x8 from memory where AVX512DQ has it
+#if defined(__AVX512DQ__)
+    return (V)_mm512_broadcast_f32x8(_mm256_loadu_ps(p));
+#else
+    const v8 a = load8(p);
+    return join(a, a);
+#endif
+  }
+  static v8 part(V v, int u) {
+    return u ? __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15)
+             : __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  }
+  // fold8x8 of both pairs at once: the same additions on the same operands, its 4-lane shuffles done in each
+  // 128-bit lane of the 16 (lanes 0-3 carry pair 0, lanes 8-11 pair 1; the others are dropped)
+  static void fold(const V *a, v8 *f) {
+    V b[8], o[2];
+    for (int j = 0; j < 8; ++j)
+      b[j] = a[j] + __builtin_shufflevector(a[j], a[j], 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    for (int h = 0; h < 2; ++h) {
+      const V *c = b + 4 * h;
+#define MSEAGLE_LO(x, y) __builtin_shufflevector(x, y, 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29)
+#define MSEAGLE_HI(x, y) __builtin_shufflevector(x, y, 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31)
+      const V t0 = MSEAGLE_LO(c[0], c[1]), t1 = MSEAGLE_HI(c[0], c[1]);
+      const V t2 = MSEAGLE_LO(c[2], c[3]), t3 = MSEAGLE_HI(c[2], c[3]);
+#undef MSEAGLE_LO
+#undef MSEAGLE_HI
+#define MSEAGLE_L2(x, y) __builtin_shufflevector(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
+#define MSEAGLE_H2(x, y) __builtin_shufflevector(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31)
+      const V l0 = MSEAGLE_L2(t0, t2), l1 = MSEAGLE_H2(t0, t2), l2 = MSEAGLE_L2(t1, t3), l3 = MSEAGLE_H2(t1, t3);
+#undef MSEAGLE_L2
+#undef MSEAGLE_H2
+      o[h] = (l0 + l1) + (l2 + l3);
+    }
+    const V r = __builtin_shufflevector(o[0], o[1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    f[0] = part(r, 0), f[1] = part(r, 1);
+  }
+};
+#endif
+
 // Scores, weights and outputs of the pairs (query row, head) of one chunk that read the same KV head, hd = 8 NC:
 // per pair the same float operations, in the same order, as attend_any above (hence as dot, exp8 and the
 // sequential sums it uses; eight scores folded at once by fold8x8, the query and the accumulators in registers), so
 // a result never depends on the path, the chunk or the other pairs. The loops are turned so that a block of
 // KEY_BLOCK cache rows is read once, from L1, for every pair of the chunk (rows of one sequence see the same
-// prefix; the heads of a KV group read the same cache rows). Per pair p: its visible rows vis[p] (n[p] of them) and
-// mask values mv[p]; sc + p S, acc + p NC, mx[p] and den[p] its scores, accumulators, running max (lane by lane:
-// exact) and sum of weights (scratch); its output goes to out[p].
+// prefix; the heads of a KV group read the same cache rows), and two heads of one row (same visible columns) share
+// each vector (Lanes<U>; a head left alone fills both halves and keeps one). Per pair p: its visible rows vis[p]
+// (n[p] of them) and mask values mv[p]; sc + p S, acc + p NC, mx[p] and den[p] its scores, accumulators, running
+// max (lane by lane: exact) and sum of weights (scratch); its output goes to out[p].
 constexpr int64_t KEY_BLOCK = 32;
 template <int NC>
 static void attend_group(const float *const *qr, const float *kc, const float *vc, const int32_t *const *vis,
                          const float *const *mv, const int64_t *n, int64_t np, int64_t S, float scale, float *sc,
                          v8 *acc, v8 *mx, float *den, float *const *out) {
+  constexpr int U = ATTN_UNIT;
+  typedef Lanes<U> L;
+  typedef typename L::V V;
   constexpr int64_t hd = 8 * NC;
   int64_t nmax = 0;
   for (int64_t p = 0; p < np; ++p) nmax = n[p] > nmax ? n[p] : nmax;
   for (int64_t p = 0; p < np; ++p) mx[p] = splat8(-INFINITY), den[p] = 0.f;
+  // unit (p, p2): p2 = p + 1 when U = 2 and both pairs see the same columns, else p2 = p (one pair)
+  auto second = [&](int64_t p) { return U == 2 && p + 1 < np && vis[p + 1] == vis[p] ? p + 1 : p; };
   for (int64_t b0 = 0; b0 < nmax; b0 += KEY_BLOCK)
-    for (int64_t p = 0; p < np; ++p) {
-      v8 qv[NC];
-      for (int c = 0; c < NC; ++c) qv[c] = load8(qr[p] + 8 * c);
+    for (int64_t p = 0, p2; p < np; p = p2 + 1) {
+      p2 = second(p);
+      V qv[NC];
+      for (int c = 0; c < NC; ++c) qv[c] = L::join(load8(qr[p] + 8 * c), load8(qr[p2] + 8 * c));
       const int32_t *vp = vis[p];
       const float *mp = mv[p];
       const int64_t b1 = b0 + KEY_BLOCK < n[p] ? b0 + KEY_BLOCK : n[p];
       for (int64_t t0 = b0; t0 < b1; t0 += 8) {
         const int64_t m = b1 - t0 < 8 ? b1 - t0 : 8;
-        v8 a[8];
+        V a[8];
         for (int j = 0; j < 8; ++j) {
-          a[j] = splat8(0.f);
+          a[j] = V{};
           if (j >= m) continue;
           const float *kr = kc + (int64_t)vp[t0 + j] * hd;
 #pragma GCC unroll 16
-          for (int c = 0; c < NC; ++c) a[j] = fma8(qv[c], load8(kr + 8 * c), a[j]);
+          for (int c = 0; c < NC; ++c) a[j] = L::fma(qv[c], L::dup(kr + 8 * c), a[j]);
         }
-        const v8 sv = fold8x8(a) * splat8(scale) + (m == 8 ? load8(mp + t0) : load_tail(mp + t0, m));
-        if (m == 8) {
-          store8(sc + p * S + t0, sv);
-          mx[p] = vmax8(mx[p], sv);
-        } else {
-          for (int64_t j = 0; j < m; ++j) sc[p * S + t0 + j] = sv[j], mx[p][j] = sv[j] > mx[p][j] ? sv[j] : mx[p][j];
+        const v8 mk = m == 8 ? load8(mp + t0) : load_tail(mp + t0, m);
+        v8 f[U];
+        L::fold(a, f);
+        for (int u = 0; u < (p2 > p ? 2 : 1); ++u) {
+          const int64_t pu = u ? p2 : p;
+          const v8 sv = f[u] * splat8(scale) + mk;
+          if (m == 8) {
+            store8(sc + pu * S + t0, sv);
+            mx[pu] = vmax8(mx[pu], sv);
+          } else {
+            for (int64_t j = 0; j < m; ++j)
+              sc[pu * S + t0 + j] = sv[j], mx[pu][j] = sv[j] > mx[pu][j] ? sv[j] : mx[pu][j];
+          }
         }
       }
     }
@@ -792,22 +867,23 @@ static void attend_group(const float *const *qr, const float *kc, const float *v
     for (int c = 0; c < NC; ++c) acc[p * NC + c] = splat8(0.f);
   }
   for (int64_t b0 = 0; b0 < nmax; b0 += KEY_BLOCK)
-    for (int64_t p = 0; p < np; ++p) {
+    for (int64_t p = 0, p2; p < np; p = p2 + 1) {
+      p2 = second(p);
       const int64_t b1 = b0 + KEY_BLOCK < n[p] ? b0 + KEY_BLOCK : n[p];
       if (b0 >= b1) continue;
-      v8 ac[NC];
-      float d = den[p];
-      for (int c = 0; c < NC; ++c) ac[c] = acc[p * NC + c];
+      V ac[NC];
+      float d = den[p], d2 = den[p2];
+      for (int c = 0; c < NC; ++c) ac[c] = L::join(acc[p * NC + c], acc[p2 * NC + c]);
+      const float *w = sc + p * S, *w2 = sc + p2 * S;
       for (int64_t t = b0; t < b1; ++t) {
-        const float w = sc[p * S + t];
-        d += w;                                             // the weights' sum, in column order
+        d += w[t], d2 += w2[t];                             // the weights' sums, in column order
         const float *vr = vc + (int64_t)vis[p][t] * hd;
-        const v8 pv = splat8(w);
+        const V pv = L::join(splat8(w[t]), splat8(w2[t]));
 #pragma GCC unroll 16
-        for (int c = 0; c < NC; ++c) ac[c] = fma8(pv, load8(vr + 8 * c), ac[c]);
+        for (int c = 0; c < NC; ++c) ac[c] = L::fma(pv, L::dup(vr + 8 * c), ac[c]);
       }
-      den[p] = d;
-      for (int c = 0; c < NC; ++c) acc[p * NC + c] = ac[c];
+      den[p] = d, den[p2] = d2;                             // p2 == p: the same sum twice
+      for (int c = 0; c < NC; ++c) acc[p * NC + c] = L::part(ac[c], 0), acc[p2 * NC + c] = L::part(ac[c], U - 1);
     }
   for (int64_t p = 0; p < np; ++p) {
     const float inv = n[p] ? 1.0f / den[p] : 0.f;
