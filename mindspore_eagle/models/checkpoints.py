@@ -251,6 +251,9 @@ class LazyTensors(Mapping):
             raise TypeError(f"LazyTensors: the reader of {name} returned {arr.dtype}, not a C-order float32 array")
         return arr
 
+    def __contains__(self, name) -> bool:       # without reading (Mapping's own would read the tensor)
+        return name in self._shapes
+
     def __iter__(self):
         return iter(self._shapes)
 

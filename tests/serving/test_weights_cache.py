@@ -49,6 +49,23 @@ def test_a_gguf_teacher_is_read_once(tmp_path, monkeypatch):
     assert len(calls) == 2 and [p.name for p in root.iterdir()] == [wc.cache_key(path)] != [copy.name]
 
 
+def test_a_model_reads_each_lazy_tensor_once(ms_runtime, tiny):
+    """Loading a teacher from a LazyTensors (the kept copy's reader) reads every tensor exactly once: asking whether
+    a name is there reads nothing (Mapping's default ``in`` read each tensor a second time: 1.2 s of a 0.5B load)."""
+    import mindspore as ms
+
+    from mindspore_eagle.models.checkpoints import LazyTensors
+    from mindspore_eagle.models.llama import LlamaModel
+
+    cfg, tensors, _ = tiny
+    reads = []
+    lazy = LazyTensors({k: v.shape for k, v in tensors.items()},
+                       lambda name: reads.append(name) or np.array(tensors[name], np.float32))
+    assert "model.norm.weight" in lazy and "no.such.tensor" not in lazy and reads == []
+    LlamaModel(cfg, 32, 8, 128, ms.float32).load_hf_weights(lazy)
+    assert sorted(reads) == sorted(set(reads)) and set(reads) <= set(tensors) and len(reads) >= len(tensors) - 1
+
+
 def test_other_checkpoints_are_not_copied(tmp_path, tiny_dir):
     from mindspore_eagle.serving import weights_cache as wc
 
