@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -50,6 +50,9 @@ class CostTable:
         draft_ctx_ms: the drafter's context pass over one new (feature, token) pair.
         draft_step_ms: one drafter expansion step (K rows).
         host_ms: a speculative step's host work (tensorize, mask, accept, commit), added to verify_ms[m].
+        measured: {m: ms} the medians behind decode_ms (m = 1) and verify_ms before :func:`cap_verify_costs`
+            (``Engine.measure_costs``; empty for a table the policy learned or loaded): what the machine showed,
+            where the fields above are what the policy uses.
     """
 
     decode_ms: float
@@ -57,9 +60,11 @@ class CostTable:
     draft_ctx_ms: float
     draft_step_ms: float
     host_ms: float = 0.0
+    measured: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.verify_ms = {int(m): float(v) for m, v in self.verify_ms.items()}
+        self.measured = {int(m): float(v) for m, v in self.measured.items()}
         for name in ("decode_ms", "draft_ctx_ms", "draft_step_ms", "host_ms"):
             if not np.isfinite(getattr(self, name)) or getattr(self, name) < 0:
                 raise ValueError(f"CostTable.{name} = {getattr(self, name)} must be a finite number >= 0 (ms)")
@@ -71,8 +76,11 @@ class CostTable:
         return self.decode_ms if m == 1 else self.verify_ms[m] + self.host_ms
 
     def to_dict(self) -> dict:
-        return {"decode_ms": self.decode_ms, "verify_ms": {str(m): v for m, v in sorted(self.verify_ms.items())},
-                "draft_ctx_ms": self.draft_ctx_ms, "draft_step_ms": self.draft_step_ms, "host_ms": self.host_ms}
+        out = {"decode_ms": self.decode_ms, "verify_ms": {str(m): v for m, v in sorted(self.verify_ms.items())},
+               "draft_ctx_ms": self.draft_ctx_ms, "draft_step_ms": self.draft_step_ms, "host_ms": self.host_ms}
+        if self.measured:
+            out["measured"] = {str(m): v for m, v in sorted(self.measured.items())}
+        return out
 
     def save(self, path: str) -> None:
         """Write the table as JSON to ``path`` atomically (temporary file, then rename); an unwritable path is
@@ -109,13 +117,20 @@ class CostTable:
                 ref = min(have, key=lambda h: abs(h - m)) if have else None
                 base = verify[ref] / prior_verify_ratio(ref) if ref else self.decode_ms
                 verify[int(m)] = base * prior_verify_ratio(m)
-        return CostTable(self.decode_ms, verify, self.draft_ctx_ms, self.draft_step_ms, self.host_ms)
+        return CostTable(self.decode_ms, verify, self.draft_ctx_ms, self.draft_step_ms, self.host_ms, self.measured)
 
     def describe(self) -> str:
-        """One line per call, ms and multiple of a decode."""
-        d = self.decode_ms
-        rows = [f"decode           {d:7.1f} ms  1.00x"]
-        rows += [f"verify m={m:<3d}     {v:7.1f} ms  {v / d:.2f}x" for m, v in sorted(self.verify_ms.items())]
+        """One line per call, ms and multiple of a decode; beside them, where the table was measured, the median
+        each verification showed before the cap (a capped budget's policy cost is lower than what it measured)."""
+        d, meas = self.decode_ms, self.measured
+
+        def seen(m):
+            if m not in meas or 1 not in meas:
+                return ""
+            return f"   measured {meas[m]:7.1f} ms  {meas[m] / meas[1]:.2f}x"
+
+        rows = [f"decode           {d:7.1f} ms  1.00x" + seen(1)]
+        rows += [f"verify m={m:<3d}     {v:7.1f} ms  {v / d:.2f}x" + seen(m) for m, v in sorted(self.verify_ms.items())]
         rows += [f"drafter context  {self.draft_ctx_ms:7.1f} ms  {self.draft_ctx_ms / d:.2f}x",
                  f"drafter step     {self.draft_step_ms:7.1f} ms  {self.draft_step_ms / d:.2f}x",
                  f"step host work   {self.host_ms:7.1f} ms  {self.host_ms / d:.2f}x"]

@@ -147,7 +147,7 @@ class Engine:
         2.07x a decode for m = 2 against 1.24x for m = 4) is capped below it by the prior's ratio. Takes
         about ``repeat`` x (sum of the costs) plus the compiles: ~3 s on the 2-core CPU after warm-up.
         Returns:
-            CostTable (ms; host_ms = 0: host work is inside verify_ms).
+            CostTable (ms; host_ms = 0: host work is inside verify_ms; ``measured``: the medians before the cap).
         Raises:
             ValueError: the engine has no drafter, or context + M does not fit the cache.
         """
@@ -193,9 +193,11 @@ class Engine:
             tg.free(sid)
             dr.free(dsid)
         med = {k: float(np.median(v)) for k, v in times.items()}
-        verify_ms = cap_verify_costs({1: med["decode"], **{m: med[m] for m in budgets}})
+        measured = {1: med["decode"], **{m: med[m] for m in budgets}}
+        verify_ms = cap_verify_costs(measured)
         return CostTable(decode_ms=verify_ms.pop(1), verify_ms=verify_ms, draft_ctx_ms=med["ctx"],
-                         draft_step_ms=max(0.0, med["tree2"] - med["tree1"]) if D > 1 else 0.0, host_ms=0.0)
+                         draft_step_ms=max(0.0, med["tree2"] - med["tree1"]) if D > 1 else 0.0, host_ms=0.0,
+                         measured=measured)
 
     @property
     def compiles(self) -> int:

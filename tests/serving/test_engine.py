@@ -401,6 +401,26 @@ def test_adaptive_engine_measures_nothing_up_front_and_keeps_its_table(ms_runtim
     assert eng.policy.plain_every == eng2.policy.plain_every == PLAIN_EVERY and eng3.policy.plain_every == 0
 
 
+def test_measured_costs_keep_the_medians_behind_the_capped_table(ms_runtime, tiny_dir, drafter_dir):
+    """Engine.measure_costs (``inspect costs``) returns the policy's capped table and, beside it, the medians it
+    measured: one per budget and the decode, each at least its capped cost, equal where no cap applied (the largest
+    budget always); describe() prints both, and the medians survive to_dict / load."""
+    from mindspore_eagle.core.costs import CostTable, cap_verify_costs
+
+    eng, _ = tiny_engine(tiny_dir, drafter_dir, "fused", ["speculative.M=8", "speculative.D_max=3"])
+    t = eng.measure_costs(context=32, repeat=2)
+    budgets = eng.verify_budgets()
+    assert set(t.measured) == {1, *budgets} and set(t.verify_ms) == set(budgets)
+    assert min(t.measured.values()) > 0
+    capped = cap_verify_costs(t.measured)
+    assert capped == {1: t.decode_ms, **t.verify_ms}
+    assert all(t.measured[m] >= capped[m] for m in capped) and t.verify_ms[max(budgets)] == t.measured[max(budgets)]
+    text = t.describe()
+    assert text.count("measured") == 1 + len(budgets) and f"{t.measured[max(budgets)]:7.1f} ms" in text
+    assert CostTable(**t.to_dict()).measured == t.measured
+    assert "measured" not in CostTable(**{k: v for k, v in t.to_dict().items() if k != "measured"}).describe()
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_logprobs_under_speculation_equal_teacher_only_bit_for_bit(ms_runtime, tiny, tiny_dir, tmp_path, temperature):
     """generation.logprobs: every emitted token's log-probability and its top alternatives, the same to the last
