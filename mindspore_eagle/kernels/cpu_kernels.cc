@@ -876,14 +876,19 @@ static void attend_group(const float *const *qr, const float *kc, const float *v
       for (int c = 0; c < NC; ++c) ac[c] = L::join(acc[p * NC + c], acc[p2 * NC + c]);
       const float *w = sc + p * S, *w2 = sc + p2 * S;
       for (int64_t t = b0; t < b1; ++t) {
-        d += w[t], d2 += w2[t];                             // the weights' sums, in column order
+        d += w[t];                                          // the weights' sums, in column order
+        if constexpr (U == 2) d2 += w2[t];
         const float *vr = vc + (int64_t)vis[p][t] * hd;
         const V pv = L::join(splat8(w[t]), splat8(w2[t]));
 #pragma GCC unroll 16
         for (int c = 0; c < NC; ++c) ac[c] = L::fma(pv, L::dup(vr + 8 * c), ac[c]);
       }
-      den[p] = d, den[p2] = d2;                             // p2 == p: the same sum twice
-      for (int c = 0; c < NC; ++c) acc[p * NC + c] = L::part(ac[c], 0), acc[p2 * NC + c] = L::part(ac[c], U - 1);
+      den[p] = d;
+      for (int c = 0; c < NC; ++c) acc[p * NC + c] = L::part(ac[c], 0);
+      if constexpr (U == 2) {                               // p2 == p: the same sums and lanes again
+        den[p2] = d2;
+        for (int c = 0; c < NC; ++c) acc[p2 * NC + c] = L::part(ac[c], 1);
+      }
     }
   for (int64_t p = 0; p < np; ++p) {
     const float inv = n[p] ? 1.0f / den[p] : 0.f;
