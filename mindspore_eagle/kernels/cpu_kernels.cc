@@ -26,6 +26,7 @@
 #include <cstring>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 #if (defined(__FMA__) || defined(__F16C__)) && defined(__AVX__)
 #include <immintrin.h>
@@ -333,12 +334,11 @@ static inline void micro(const float *x, const W *w, float *y, int64_t K, int64_
     for (int b = 0; b < NR; ++b) y[(r0 + a) * N + n0 + b] = fold8(acc[a][b]);
 }
 
-// rows r0 .. k - 1 of x against weight rows n0 .. n0 + NR - 1: tiles of KR rows, then KR / 2, ..., 1
-template <int NR, int KR, typename W>
-static inline void rows_tiles(const float *x, const W *w, float *y, int64_t k, int64_t K, int64_t N, int64_t r,
-                              int64_t n0) {
-  for (; r + KR <= k; r += KR) micro<NR, KR>(x, w, y, K, N, r, n0);
-  if constexpr (KR > 1) rows_tiles<NR, KR / 2>(x, w, y, k, K, N, r, n0);
+// rows r .. k - 1 in tiles of R rows, then R / 2, ..., 1: tile(std::integral_constant<int, rows>, first row)
+template <int R, typename F>
+static inline void row_tiles(int64_t k, int64_t r, const F &tile) {
+  for (; r + R <= k; r += R) tile(std::integral_constant<int, R>{}, r);
+  if constexpr (R > 1) row_tiles<R / 2>(k, r, tile);
 }
 
 // every row of x against the weight rows of blocks [b0, b1) of NR rows; the rows after N / NR blocks one at a time
@@ -352,7 +352,7 @@ static void blocks_into(const float *x, const W *w, float *y, int64_t k, int64_t
         for (int64_t n = n0; n < N; ++n) micro<1, 1>(x, w, y, K, N, r, n);
       continue;
     }
-    rows_tiles<NR, KR>(x, w, y, k, K, N, 0, n0);
+    row_tiles<KR>(k, 0, [&](auto rows, int64_t r) { micro<NR, decltype(rows)::value>(x, w, y, K, N, r, n0); });
   }
 }
 
@@ -431,21 +431,16 @@ static inline void otile(const float *x, const W *wp, float *y, int64_t K, int64
     for (int b = 0; b < NP; ++b) *(v16u *)(y + (r0 + a) * N + (p0 + b) * PANEL) = acc[a][b];
 }
 
-// rows r .. k - 1 against panels p0 .. p0 + NP - 1: tiles of MR rows, then MR / 2, ..., 1
-template <int MR, int NP, typename W>
-static inline void orows(const float *x, const W *wp, float *y, int64_t k, int64_t K, int64_t N, int64_t r,
-                         int64_t p0) {
-  for (; r + MR <= k; r += MR) otile<MR, NP>(x, wp, y, K, N, r, p0);
-  if constexpr (MR > 1) orows<MR / 2, NP>(x, wp, y, k, K, N, r, p0);
-}
-
-// threads split the N / 16 panels into contiguous parts; a part runs NP panels at a time, then one at a time
+// threads split the N / 16 panels into contiguous parts; a part runs NP panels at a time, then one at a time, each
+// over all rows in tiles of MR rows, then MR / 2, ..., 1
 template <int MR, int NP, typename W>
 static void otiled(const float *x, const W *wp, float *y, int64_t k, int64_t K, int64_t N) {
   parallel_for(N / PANEL, [&](int64_t p0, int64_t p1) {
     int64_t p = p0;
-    for (; p + NP <= p1; p += NP) orows<MR, NP>(x, wp, y, k, K, N, 0, p);
-    for (; p < p1; ++p) orows<MR, 1>(x, wp, y, k, K, N, 0, p);
+    for (; p + NP <= p1; p += NP)
+      row_tiles<MR>(k, 0, [&](auto rows, int64_t r) { otile<decltype(rows)::value, NP>(x, wp, y, K, N, r, p); });
+    for (; p < p1; ++p)
+      row_tiles<MR>(k, 0, [&](auto rows, int64_t r) { otile<decltype(rows)::value, 1>(x, wp, y, K, N, r, p); });
   });
 }
 
