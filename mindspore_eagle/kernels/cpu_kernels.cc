@@ -373,9 +373,9 @@ static void tiled(const float *x, const W *w, float *y, int64_t k, int64_t K, in
 // and runs MR NP multiply-adds (the outer-product form of BLAS micro-kernels, Goto & van de Geijn 2008). The
 // panels stream in memory order and are prefetched 4 KB ahead. Measured: docs/cpu_kernels.md, "Packed matrices".
 constexpr int64_t PANEL = 16;
+#if defined(__AVX512F__)
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
-#if defined(__AVX512F__)
 static inline v16 fma16(v16 a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
 #endif
 

