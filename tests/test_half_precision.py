@@ -14,6 +14,7 @@ from mindspore_eagle.serving.pipeline import build_engine
 
 HALF_TIE = 0.05        # logits; measured departures so far at gaps 0.002-0.009 (docs/ascend.md)
 N_PROMPTS, NEW_TOKENS = 24, 32
+MIN_SAME = 18          # of N_PROMPTS; measured 20-22 on the CPUs of docs/ascend.md
 
 pytestmark = pytest.mark.slow
 
@@ -47,9 +48,10 @@ def test_float16_speculation_departs_from_teacher_only_only_at_near_ties(ms_runt
         departures.append((i, j, top2_gap(eng, eng.encode_chat(p) + base[:j])))
     print(f"float16 speculative == teacher-only on {same} of {N_PROMPTS} prompts; departures (prompt, position, "
           f"top-2 gap): {departures}")
-    # README and docs/ascend.md state 22 of 24 identical on this machine type: float16 rounding decides a token
-    # only at a near-tie, and these prompts hold two (gaps 0.0051 and 0.0006); more departures mean a regression
-    assert same >= 22, departures
+    # The guarantee is the gap bound below. How many prompts depart depends on the CPU's float16 kernels (which
+    # near-ties rounding tips): 22 of 24 on AVX-512 Intel, 20 of 24 on AVX2 AMD (docs/ascend.md). A broken verify
+    # path departs on most prompts, so at least MIN_SAME must stay identical.
+    assert same >= MIN_SAME, departures
     assert all(gap < HALF_TIE for _, _, gap in departures), departures
 
 
