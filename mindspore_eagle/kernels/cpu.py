@@ -213,9 +213,10 @@ def pack(w: np.ndarray, inplace: bool = False) -> np.ndarray:
     16 p .. 16 p + 15 column by column (``out[p, i, j] = w[16 p + j, i]``), so a kernel streams 16 outputs' weights
     per reduction step (``cpu_kernels.cc``, "Packed matmul"; docs/cpu_kernels.md, "Packed matrices").
 
-    Panel p occupies the bytes of rows 16 p .. 16 p + 15, so ``inplace=True`` rewrites w's own buffer 64 panels at
-    a time (w must be C-contiguous and writable; the result is a view of it): a model being loaded never holds a
-    matrix twice.
+    Panel p occupies the bytes of rows 16 p .. 16 p + 15, so ``inplace=True`` rewrites w's own buffer (w must be
+    C-contiguous and writable; the result is a view of it): a model being loaded never holds a matrix twice. In
+    place runs in the kernels' ``PackInPlace`` (one panel at a time per thread) once the library is loaded, else
+    in numpy, 64 panels at a time; both give the same bytes.
     Raises:
         ValueError: w is not 2-D, its row count is not a multiple of 16, or ``inplace`` and w is not C-contiguous
             and writable.
@@ -228,6 +229,11 @@ def pack(w: np.ndarray, inplace: bool = False) -> np.ndarray:
         return np.ascontiguousarray(panels.transpose(0, 2, 1))
     if not (w.flags.c_contiguous and w.flags.writeable):
         raise ValueError("pack(inplace=True) needs a C-contiguous, writable matrix")
+    if w.dtype in (np.float32, np.float16) and "path" in _built:     # the kernels' threads, when built
+        lib = ctypes.CDLL(str(_built["path"]))
+        if lib.PackInPlace(ctypes.c_void_p(w.ctypes.data), ctypes.c_int64(n), ctypes.c_int64(k),
+                           ctypes.c_int(w.itemsize)) == 0:
+            return w.reshape(n // PANEL, k, PANEL)
     flat = w.reshape(n // PANEL, PANEL * k)
     for p0 in range(0, n // PANEL, 64):
         block = panels[p0:p0 + 64].transpose(0, 2, 1).copy()       # 64 panels: the only extra memory

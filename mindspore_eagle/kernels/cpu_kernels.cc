@@ -275,6 +275,30 @@ extern "C" int SetSpinMicros(int us) {
   return (int)g_spin_us.load();
 }
 
+// A matrix w [N, K] of elements of E bytes (4: float32, 2: float16) rewritten in place into the packed layout
+// [N / 16, K, 16] of "Packed matmul" below (kernels/cpu.py, pack): panel p occupies the bytes of rows 16 p ..
+// 16 p + 15, so each panel is transposed through a scratch copy of its own, panels split over the threads. Called
+// through ctypes at load (not a MindSpore op). Returns 1 when N is not a multiple of 16 or E is not 2 or 4.
+template <typename T>
+static void pack_panels(T *w, int64_t N, int64_t K) {
+  parallel_for(N / 16, [&](int64_t p0, int64_t p1) {
+    std::vector<T> panel(16 * K);
+    for (int64_t p = p0; p < p1; ++p) {
+      T *base = w + p * 16 * K;
+      std::memcpy(panel.data(), base, 16 * K * sizeof(T));
+      for (int64_t i = 0; i < K; ++i)
+        for (int64_t j = 0; j < 16; ++j) base[i * 16 + j] = panel[j * K + i];
+    }
+  });
+}
+
+extern "C" int PackInPlace(void *w, int64_t N, int64_t K, int E) {
+  if (N % 16 || N < 0 || K < 0) return 1;
+  if (E == 4) return pack_panels((uint32_t *)w, N, K), 0;
+  if (E == 2) return pack_panels((uint16_t *)w, N, K), 0;
+  return 1;
+}
+
 // dot(a, b) over n floats: 8-lane partial sums over i = 0, 8, 16, ... in order (the tail zero-padded), folded by
 // fold8.
 static inline float dot(const float *a, const float *b, int64_t n) {

@@ -237,11 +237,14 @@ class LazyTensors(Mapping):
         shapes: name -> shape, in the mapping's order (what ``check_tensors`` validates without reading).
         read: ``read(name)`` -> a new float32 array of that name that nobody else holds (a loader may take it
             over without copying).
+        read_into: optional ``read_into(name, out)`` that fills a C-contiguous float32 array of the tensor's
+            shape in place (:meth:`into`; without it ``into`` copies ``read(name)``).
     """
 
-    def __init__(self, shapes: dict, read):
+    def __init__(self, shapes: dict, read, read_into=None):
         self._shapes = {k: tuple(int(d) for d in v) for k, v in shapes.items()}
         self._read = read
+        self._read_into = read_into
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._shapes:
@@ -268,9 +271,23 @@ class LazyTensors(Mapping):
         """Bytes of all tensors as float32."""
         return sum(4 * int(np.prod(s)) for s in self._shapes.values())
 
+    def into(self, name: str, out: np.ndarray) -> None:
+        """Read ``name`` into ``out`` (a C-contiguous float32 array of its shape, e.g. rows of a fused matrix) without
+        a temporary where the reader can. Raises KeyError (unknown name) or ValueError (``out`` of another shape,
+        dtype or layout)."""
+        if name not in self._shapes:
+            raise KeyError(name)
+        if out.shape != self._shapes[name] or out.dtype != np.float32 or not out.flags.c_contiguous:
+            raise ValueError(f"LazyTensors.into: {name} is float32 {self._shapes[name]}, got {out.dtype} "
+                             f"{out.shape} (C-contiguous: {out.flags.c_contiguous})")
+        if self._read_into is not None:
+            self._read_into(name, out)
+        else:
+            out[...] = self[name]
+
     def subset(self, names) -> "LazyTensors":
         """The same reader over ``names`` only, in that order."""
-        return LazyTensors({n: self._shapes[n] for n in names}, self._read)
+        return LazyTensors({n: self._shapes[n] for n in names}, self._read, self._read_into)
 
 
 def _shape_of(raw, name: str) -> tuple:

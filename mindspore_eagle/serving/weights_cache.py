@@ -139,7 +139,14 @@ def _read(d: Path):
         shape, offset = heads[name]
         return np.fromfile(files[name], np.float32, int(np.prod(shape)), offset=offset).reshape(shape)
 
-    tensors = LazyTensors({name: shape for name, (shape, _) in heads.items()}, read)
+    def read_into(name, out):                        # straight into the caller's rows (a fused matrix)
+        _, offset = heads[name]
+        with open(files[name], "rb") as f:
+            f.seek(offset)
+            if f.readinto(memoryview(out).cast("B")) != out.nbytes:
+                raise ValueError(f"{files[name]}: shorter than its header says")
+
+    tensors = LazyTensors({name: shape for name, (shape, _) in heads.items()}, read, read_into)
     tk = HFTokenizer.from_str((d / "tokenizer.json").read_text(encoding="utf-8"))
     tokenizer = Tokenizer(_TokenizersBackend(tk), vocab_size=meta["vocab_size"], bos_token_id=meta["bos_token_id"],
                           eos_token_ids=meta["eos_token_ids"], add_bos=meta["add_bos"],

@@ -12,6 +12,8 @@
   decoded one at a time (the property that makes speculation exactly lossless on this backend);
 - a missing compiler or a compile error gives a one-line KernelBuildError.
 """
+import ctypes
+
 import mindspore as ms
 import numpy as np
 import pytest
@@ -94,6 +96,25 @@ def test_pack_needs_rows_in_panels():
     inplace = cpu.pack(buf, inplace=True)
     assert np.shares_memory(inplace, buf) and np.array_equal(inplace, cpu.pack(w))
     assert np.array_equal(cpu.rows(inplace, [0, 17, 1119]), w[[0, 17, 1119]])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_pack_in_place_by_the_kernels_equals_numpy(kern, monkeypatch, dtype):
+    """In place, the kernels' PackInPlace (threads over panels) writes the bytes numpy's transpose writes."""
+    cpu.set_threads(2)
+    for n, k in ((16, 1), (16 * 70, 5), (48, 577)):
+        w = np.random.default_rng(n + k).normal(size=(n, k)).astype(dtype)
+        by_kernels = w.copy()
+        lib = ctypes.CDLL(str(cpu.library_path()))
+        assert lib.PackInPlace(ctypes.c_void_p(by_kernels.ctypes.data), ctypes.c_int64(n), ctypes.c_int64(k),
+                               ctypes.c_int(by_kernels.itemsize)) == 0
+        assert np.array_equal(cpu.pack(w.copy(), inplace=True).reshape(n, k), by_kernels)
+        by_kernels = by_kernels.reshape(n // 16, k, 16)
+        with monkeypatch.context() as m:
+            m.delitem(cpu._built, "path")                                # as if the library were not loaded
+            by_numpy = cpu.pack(w.copy(), inplace=True)
+        assert by_kernels.dtype == dtype and np.array_equal(by_kernels, by_numpy)
+        assert np.array_equal(by_kernels, np.ascontiguousarray(w.reshape(n // 16, 16, k).transpose(0, 2, 1)))
 
 
 def test_linear_same_bits_with_one_thread_or_two(kern):

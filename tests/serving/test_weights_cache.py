@@ -30,6 +30,10 @@ def test_a_gguf_teacher_is_read_once(tmp_path, monkeypatch):
     assert list(again_tensors) == list(ref_tensors)
     assert all(np.array_equal(again_tensors[k], v) and again_tensors[k].dtype == np.float32
                for k, v in ref_tensors.items())
+    for k, v in ref_tensors.items():                        # read straight into rows of a bigger matrix
+        big = np.full((v.shape[0] + 3,) + v.shape[1:], np.nan, np.float32)
+        again_tensors.into(k, big[1:1 + v.shape[0]])
+        assert np.array_equal(big[1:1 + v.shape[0]], v) and np.isnan(big[0]).all() and np.isnan(big[-2:]).all()
     text = "<|im_start|>the thethe 123 tea<|im_end|>"
     msgs = [{"role": "user", "content": "the <|im_end|> tea"}]
     for a, b in ((again_tok, ref_tok),):
@@ -64,6 +68,35 @@ def test_a_model_reads_each_lazy_tensor_once(ms_runtime, tiny):
     assert "model.norm.weight" in lazy and "no.such.tensor" not in lazy and reads == []
     LlamaModel(cfg, 32, 8, 128, ms.float32).load_hf_weights(lazy)
     assert sorted(reads) == sorted(set(reads)) and set(reads) <= set(tensors) and len(reads) >= len(tensors) - 1
+
+
+def test_reading_into_the_fused_matrices_gives_the_same_parameters(ms_runtime, tiny):
+    """A LazyTensors with ``read_into`` (the kept copy's reader) fills q/k/v and gate/up straight into their fused
+    matrices: every Parameter is bit-identical to a load from a plain dict (which reads, scales, concatenates and
+    multiplies through temporaries)."""
+    import mindspore as ms
+
+    from mindspore_eagle.models.checkpoints import LazyTensors
+    from mindspore_eagle.models.llama import LlamaModel
+
+    cfg, tensors, _ = tiny
+    into = []
+
+    def read_into(name, out):
+        into.append(name)
+        out[...] = tensors[name]
+
+    lazy = LazyTensors({k: v.shape for k, v in tensors.items()}, lambda n: np.array(tensors[n], np.float32),
+                       read_into)
+    a, b = LlamaModel(cfg, 32, 8, 128, ms.float32), LlamaModel(cfg, 32, 8, 128, ms.float32)
+    a.load_hf_weights(dict(tensors))
+    b.load_hf_weights(lazy)
+    fused = {f"model.layers.{i}.{n}.weight" for i in range(cfg.num_layers)
+             for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")}
+    assert set(into) == fused
+    pa, pb = dict(a.parameters_and_names()), dict(b.parameters_and_names())
+    assert pa.keys() == pb.keys()
+    assert all(np.array_equal(pa[k].asnumpy(), pb[k].asnumpy()) for k in pa)
 
 
 def test_other_checkpoints_are_not_copied(tmp_path, tiny_dir):
