@@ -217,7 +217,7 @@ def write_report(result: dict, out: str) -> None:
         json.dump(result, f, indent=1)
     head = (f"{result['prompts']} chat prompts ({result['prompt_source']}), up to {result['max_tokens']} new tokens, "
             f"greedy, streamed; clients measured with the openai client. {result['note']}")
-    lines = [f"# Serving benchmark ({result['when']})", "", head, "",
+    lines = ["# Serving benchmark", "", f"Run: {result['when']}.", "", head, "",
              "| server | clients | ok / requests | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 / p99 ms "
              "| same text as the first run | graphs made after warm-up |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
