@@ -2,14 +2,15 @@
 """Time one CPU kernel alone over a teacher's layers, for one or more builds of the kernel library.
 
     python scripts/bench_kernels.py attention [LIB.so ...] [--rows 16] [--heads 9] [--kv-heads 3] [--context 256]
-    python scripts/bench_kernels.py matmul [LIB.so ...] [--rows 1,8,16,32] [--layers 30]
+    python scripts/bench_kernels.py matmul [LIB.so ...] [--rows 1,8,16,32] [--layers 30] [--shapes NxK,...]
 
 attention: ``PagedAttention`` for k query rows (a tree's, causal among themselves) over a cached context, head size
 64, one call per layer with caches of its own (default: the 135M teacher's 9 heads / 3 KV heads; the 0.5B
 teacher's are 14 / 2).
 matmul: the packed ``Linear`` ([N / 16, K, 16] panels) on the q/k/v, o, gate/up and down matrices of the 135M
 teacher's layers (960 x 576, 576 x 576, 3072 x 576, 576 x 1536: 405 MB of float32 at 30 layers, so the weights
-stream from memory as in a forward), for each row count.
+stream from memory as in a forward), for each row count; ``--shapes`` names other [N, K] matrices (the 0.5B
+teacher's: ``--shapes 1152x896,896x896,9728x896,896x4864 --layers 24``).
 Libraries (default: this checkout's build, ``cpu.library_path()``; older builds lie in ``$MSEAGLE_CACHE/kernels/``)
 run in one process, alternated sweep by sweep so that a machine's drift hits all; their outputs are compared bit
 for bit first. Prints the median and minimum ms per sweep of all layers. Not a test.
@@ -92,6 +93,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--sweeps", type=int, default=15)
+    p.add_argument("--shapes", default=None, help="matmul: [N, K] matrices of a layer, NxK comma-separated "
+                                                  "(N a multiple of 16; default: the 135M teacher's)")
     args = p.parse_args()
     from mindspore_eagle.kernels import cpu, runtime
 
@@ -108,7 +111,12 @@ def main() -> None:
         compare(libs, paths, attention_calls(rng, k, args.heads, args.kv_heads, args.context, args.layers),
                 args.sweeps, f"rows {k:>3}")
         return
-    mats = [rng.standard_normal((n // 16, kk, 16), dtype=np.float32) for n, kk in MATMUL_SHAPES * args.layers]
+    shapes = MATMUL_SHAPES
+    if args.shapes:
+        shapes = tuple(tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(","))
+        if any(len(s) != 2 or s[0] % 16 for s in shapes):
+            raise SystemExit(f"--shapes: need NxK pairs with N a multiple of 16, got {args.shapes!r}")
+    mats = [rng.standard_normal((n // 16, kk, 16), dtype=np.float32) for n, kk in shapes * args.layers]
     print(f"packed matmul: {args.layers} layers, {sum(m.nbytes for m in mats) / 2**20:.0f} MB of float32 matrices")
     for k in [int(v) for v in (args.rows or "1,8,16,32").split(",")]:
         calls = [AotCall("Linear", rng.standard_normal((k, m.shape[1]), dtype=np.float32), m,

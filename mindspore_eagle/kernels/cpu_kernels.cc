@@ -425,8 +425,11 @@ static inline vp splatp(float x) { return splat8(x); }
 #endif
 constexpr int PV = PANEL / VL;
 
+// pf, pf_lines: this pass's share of the next panels (pf_lines cache lines from pf, spread evenly over the K steps;
+// 0: none). See otiled.
 template <int MR, int NP, typename W>
-static inline void otile(const float *x, const W *wp, float *y, int64_t K, int64_t N, int64_t r0, int64_t p0) {
+static inline void otile(const float *x, const W *wp, float *y, int64_t K, int64_t N, int64_t r0, int64_t p0,
+                         const char *pf, int64_t pf_lines) {
   vp acc[MR][NP * PV];
 #pragma GCC unroll 8
   for (int a = 0; a < MR; ++a)
@@ -435,7 +438,9 @@ static inline void otile(const float *x, const W *wp, float *y, int64_t K, int64
   const W *wb[NP];
   for (int b = 0; b < NP; ++b) wb[b] = wp + (p0 + b) * K * PANEL;
   const float *xr = x + r0 * K;
+  int64_t due = 0;
   for (int64_t i = 0; i < K; ++i) {
+    for (due += pf_lines; due >= K; due -= K, pf += 64) __builtin_prefetch(pf);
     vp wv[NP * PV];
 #pragma GCC unroll 8
     for (int b = 0; b < NP; ++b) {
@@ -457,15 +462,28 @@ static inline void otile(const float *x, const W *wp, float *y, int64_t K, int64
 }
 
 // threads split the N / 16 panels into contiguous parts; a part runs NP panels at a time, then one at a time, each
-// over all rows in tiles of MR rows, then MR - 1, ..., 1
+// over all rows in tiles of MR rows, then MR - 1, ..., 1 (T = ceil(k / MR) passes over the panels). With T >= 2 the
+// first pass would stream the panels from memory while the later ones find them in cache: so each pass also
+// prefetches 1 / T of the next panels, and memory is read during all T passes instead of the first (the reads are
+// prefetches only: the float operations are unchanged).
 template <int MR, int NP, typename W>
 static void otiled(const float *x, const W *wp, float *y, int64_t k, int64_t K, int64_t N) {
+  const int64_t T = (k + MR - 1) / MR;
   parallel_for(N / PANEL, [&](int64_t p0, int64_t p1) {
+    auto group = [&](auto np, int64_t p, int64_t next) {
+      const int64_t panels = T > 1 ? std::min<int64_t>(np, p1 - next) : 0;   // this part's, none past p1
+      const int64_t lines = panels * K * PANEL * (int64_t)sizeof(W) / 64;
+      const int64_t share = (lines + T - 1) / T;
+      const char *pf = (const char *)(wp + next * K * PANEL);
+      row_tiles<MR>(k, 0, [&](auto rows, int64_t r) {
+        const int64_t first = std::min(lines, r / MR * share);     // r / MR: the pass, 0 .. T - 1
+        otile<decltype(rows)::value, decltype(np)::value>(x, wp, y, K, N, r, p, pf + 64 * first,
+                                                          std::min(lines, first + share) - first);
+      });
+    };
     int64_t p = p0;
-    for (; p + NP <= p1; p += NP)
-      row_tiles<MR>(k, 0, [&](auto rows, int64_t r) { otile<decltype(rows)::value, NP>(x, wp, y, K, N, r, p); });
-    for (; p < p1; ++p)
-      row_tiles<MR>(k, 0, [&](auto rows, int64_t r) { otile<decltype(rows)::value, 1>(x, wp, y, K, N, r, p); });
+    for (; p + NP <= p1; p += NP) group(std::integral_constant<int, NP>{}, p, p + NP);
+    for (; p < p1; ++p) group(std::integral_constant<int, 1>{}, p, p + 1);
   });
 }
 
