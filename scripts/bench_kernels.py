@@ -113,8 +113,11 @@ def main() -> None:
         return
     shapes = MATMUL_SHAPES
     if args.shapes:
-        shapes = tuple(tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(","))
-        if any(len(s) != 2 or s[0] % 16 for s in shapes):
+        try:
+            shapes = tuple(tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(","))
+        except ValueError:
+            shapes = ((),)
+        if any(len(s) != 2 or s[0] % 16 or min(s) < 1 for s in shapes):
             raise SystemExit(f"--shapes: need NxK pairs with N a multiple of 16, got {args.shapes!r}")
     mats = [rng.standard_normal((n // 16, kk, 16), dtype=np.float32) for n, kk in shapes * args.layers]
     print(f"packed matmul: {args.layers} layers, {sum(m.nbytes for m in mats) / 2**20:.0f} MB of float32 matrices")
