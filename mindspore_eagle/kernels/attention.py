@@ -567,6 +567,20 @@ class CpuBackend(PortableBackend):
             return PortableLayerMath.mlp_add_norm(self, h, _wide(w_gate_up), _wide(w_down), resid, eps)
         return self.kernels.mlp_add_norm(h, w_gate_up, w_down, resid, ops.scalar_to_tensor(eps, ms.float32))
 
+    def move_kernel(self, caches: int):
+        """The kernel that moves rows in ``caches`` caches in one call (``cpu.CpuKernels.move_rows``), for
+        :meth:`move_all`; made outside any graph (``models.llama.KVCompactor.__init__``)."""
+        return self.kernels.move_rows(caches)
+
+    def move_all(self, kernel, keys, values, src, dst):
+        """Copy slots src -> dst [P] i32 for every head in every cache of ``keys`` and ``values`` (tuples of
+        [R, hd] caches) with one call of ``kernel`` (:meth:`move_kernel` of their count; every cache read before
+        any is written) -> a dummy f32 [1]. Per-layer gathers and scatters (:meth:`move`) cost ~4 ms of graph ops
+        per commit of the 135M teacher; this call, well under 1 ms."""
+        src_rows = PortableKVOps.write_rows(src, self.head_base)
+        dst_rows = PortableKVOps.write_rows(dst, self.head_base)
+        return kernel(src_rows, dst_rows, *keys, *values)
+
     def attend(self, q, k, v, key_cache, value_cache, meta, scale=None):
         """ScatterUpdate k / v into the caches, then the attention kernel over the block table's rows (hidden
         columns skipped) -> [k, nh * hd]."""

@@ -20,7 +20,8 @@ per decoder layer). A decoder layer is two kernel calls:
 or both in one call, ``decoder_layer(attn_block's inputs..., w_gate_up, w_down) -> (y, rms(y))`` (the teacher's
 layers: one graph node a layer instead of two; the same result bit for bit),
 
-plus ``linear(x [k, K], w [N, K]) -> x @ w.T`` (the head; ref_linear), ``head_topk(K)(h [k, H], w [V, H], d2t [V]
+plus ``move_rows(src [P] i32, dst [P] i32, caches... [R, hd]) -> dummy [1]`` (a commit's cache moves in every
+layer at once, in place; ref_move_rows), ``linear(x [k, K], w [N, K]) -> x @ w.T`` (the head; ref_linear), ``head_topk(K)(h [k, H], w [V, H], d2t [V]
 i32) -> (top_logp [k, K] f32, top_ids [k, K] i32)`` (a draft head's log-softmax and its K best, ids + d2t;
 ref_head_topk), ``add_rms_norm(x, d, eps) -> (x + d,
 rms(x + d))`` (the first layer's norm; ref_add_rms_norm) and ``paged_attention(q [k, nh, hd], key_cache,
@@ -294,6 +295,7 @@ class CpuKernels:
                 "PagedAttention", lambda q, kc, vc, rows, mask, scale: [q[0], q[1] * q[2]],
                 lambda q, kc, vc, rows, mask, scale: q)
             self._heads = {}
+            self._moves = {}
             cls._instance = self
         return cls._instance
 
@@ -306,10 +308,30 @@ class CpuKernels:
         return self._heads[K]
 
 
+    def move_rows(self, caches: int):
+        """The ``move_rows`` primitive for ``caches`` caches (src [P] i32, dst [P] i32, caches... [R, D] f32 ->
+        a dummy f32 [1]; every cache's rows src copied to dst in place, all read before any is written), made on
+        first use: one per cache count, so each primitive keeps one input signature."""
+        if caches not in self._moves:
+            prim = _custom("MoveRows", lambda *shapes: [1], lambda *dtypes: dtypes[2])
+            prim.add_prim_attr("caches", caches)
+            self._moves[caches] = prim
+        return self._moves[caches]
+
+
 # ------------------------------------------------------------------------------------------ numpy references
 def ref_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """x [k, K] @ w [N, K].T in float64, returned float32 [k, N] (w may be packed: ``pack``)."""
     return (x.astype(np.float64) @ unpack(w).astype(np.float64).T).astype(np.float32)
+
+
+def ref_move_rows(caches, src, dst) -> list:
+    """Copies of ``caches`` (each [R, D]) with rows ``src`` copied to rows ``dst``, all read before any is written
+    (:meth:`CpuKernels.move_rows`)."""
+    out = [c.copy() for c in caches]
+    for c, o in zip(caches, out):
+        o[np.asarray(dst)] = c[np.asarray(src)]
+    return out
 
 
 def ref_head_topk(h: np.ndarray, w: np.ndarray, d2t: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray]:

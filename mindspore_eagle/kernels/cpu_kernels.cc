@@ -1121,3 +1121,34 @@ extern "C" int DecoderLayer(int nparam, void **params, int *ndims, int64_t **sha
   return half ? decoder_layer<_Float16>(nparam, params, ndims, shapes)
               : decoder_layer<float>(nparam, params, ndims, shapes);
 }
+
+// ---------------------------------------------------------------------------------------------- MoveRows
+// src [P] i32, dst [P] i32 cache rows, then C caches [R, D] f32, then out [1] f32 (a dummy, zeroed): in every
+// cache, the rows src[i] are copied to dst[i], all read before any is written (overlapping ranges are safe: the
+// commit of an accepted tree path, models/llama.py KVCompactor). One call moves the rows of every layer's K and V
+// cache, where gathers and scatters per layer cost ~4 ms of graph ops a commit (docs/cpu_kernels.md).
+// Returns 1 on a malformed call, 3 when an index is outside [0, R) (nothing is written then).
+extern "C" int MoveRows(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                        void *extra) {
+  if (nparam < 4 || ndims[0] != 1 || ndims[1] != 1 || shapes[0][0] != shapes[1][0]) return 1;
+  const int64_t P = shapes[0][0], C = nparam - 3;
+  const int32_t *src = (const int32_t *)params[0], *dst = (const int32_t *)params[1];
+  for (int64_t c = 0; c < C; ++c) {
+    const int i = 2 + (int)c;
+    if (ndims[i] != 2 || shapes[i][0] != shapes[2][0] || shapes[i][1] != shapes[2][1] ||
+        std::strcmp(dtypes[i], "float32") != 0)
+      return 1;
+  }
+  const int64_t R = shapes[2][0];
+  for (int64_t j = 0; j < P; ++j)
+    if (src[j] < 0 || src[j] >= R || dst[j] < 0 || dst[j] >= R) return 3;
+  *(float *)params[nparam - 1] = 0.f;
+  const int64_t row = shapes[2][1] * (int64_t)sizeof(float);
+  std::vector<char> tmp(P * row);
+  for (int64_t c = 0; c < C; ++c) {
+    char *cache = (char *)params[2 + c];
+    for (int64_t j = 0; j < P; ++j) std::memcpy(tmp.data() + j * row, cache + src[j] * row, row);
+    for (int64_t j = 0; j < P; ++j) std::memcpy(cache + dst[j] * row, tmp.data() + j * row, row);
+  }
+  return 0;
+}

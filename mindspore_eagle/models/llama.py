@@ -329,10 +329,10 @@ def _stacked(tensors, get, parts, g) -> np.ndarray:
 class KVCompactor(nn.Cell):
     """Move K/V slots inside paged caches: gather every source slot into a temporary, then write it at dst.
 
-    construct(src [P] i32, dst [P] i32) slots -> a dummy scalar (the caches update in place). Each slot is moved
-    for every KV head through ``backend.move`` (portable: row gather + ScatterUpdate; fused: gather +
-    ReshapeAndCache). Gathering first makes overlapping source / destination ranges safe (docs/design.md,
-    "Commit").
+    construct(src [P] i32, dst [P] i32) slots -> a dummy (the caches update in place). Each slot is moved for every
+    KV head: on the cpu backend by one kernel call for all layers (``backend.move_all``), elsewhere layer by layer
+    through ``backend.move`` (portable: row gather + ScatterUpdate; fused: gather + ReshapeAndCache). Reading
+    every source before writing makes overlapping source / destination ranges safe (docs/design.md, "Commit").
 
     Args:
         caches: [(key_cache, value_cache)] per layer; backend: the caches' attention backend (``attention.py``).
@@ -343,8 +343,11 @@ class KVCompactor(nn.Cell):
         self.keys = ms.ParameterTuple([k for k, _ in caches])
         self.values = ms.ParameterTuple([v for _, v in caches])
         self.backend = backend
+        self.mover = backend.move_kernel(2 * len(caches)) if hasattr(backend, "move_kernel") else None
 
     def construct(self, src, dst):
+        if self.mover is not None:
+            return self.backend.move_all(self.mover, self.keys, self.values, src, dst)
         outs = ()
         for kc, vc in zip(self.keys, self.values):
             outs = outs + self.backend.move(kc, vc, src, dst)

@@ -413,6 +413,27 @@ def runner(tiny, backend, mode):
     return TeacherRunner(net, 32, 8, 128, mode, 32)
 
 
+def test_move_rows_reads_every_source_before_writing(kern):
+    """One call moves rows in every cache (src -> dst, overlapping: row 2 is a source and a destination, and a
+    chain shifted by one would smear one row forward if written as read); the reference is numpy's fancy
+    assignment; an index outside [0, R) fails the call and writes nothing."""
+    rng = np.random.default_rng(7)
+    caches = [rng.normal(size=(10, 6)).astype(np.float32) for _ in range(3)]
+    src, dst = np.array([3, 2, 4, 5], np.int32), np.array([2, 3, 5, 6], np.int32)
+    ts = [ms.Tensor(c.copy()) for c in caches]
+    out = kern.move_rows(3)(ms.Tensor(src), ms.Tensor(dst), *ts)
+    assert out.asnumpy().tolist() == [0.0]
+    want = cpu.ref_move_rows(caches, src, dst)
+    for t, w, c in zip(ts, want, caches):
+        assert np.array_equal(t.asnumpy(), w)
+        assert not np.array_equal(w, c)
+    assert np.array_equal(want[0][6], caches[0][5]) and np.array_equal(want[0][2], caches[0][3])
+    before = [t.asnumpy().copy() for t in ts]
+    with pytest.raises(Exception):
+        kern.move_rows(3)(ms.Tensor(np.array([1], np.int32)), ms.Tensor(np.array([10], np.int32)), *ts).asnumpy()
+    assert all(np.array_equal(t.asnumpy(), b) for t, b in zip(ts, before))
+
+
 @pytest.mark.parametrize("mode", ["eager", "fused"])
 def test_cpu_backend_equals_portable(ms_runtime, tiny, mode):
     """Chunked prefill (32 + 8 rows: the 32-row chunk takes the kernel, as do decode and verify), decodes, a tree
