@@ -470,7 +470,8 @@ template <int MR, int NP, typename W>
 static void otiled(const float *x, const W *wp, float *y, int64_t k, int64_t K, int64_t N) {
   const int64_t T = (k + MR - 1) / MR;
   parallel_for(N / PANEL, [&](int64_t p0, int64_t p1) {
-    auto group = [&](auto np, int64_t p, int64_t next) {
+    auto group = [&](auto np, int64_t p) {
+      const int64_t next = p + np;                                          // the next panels to prefetch
       const int64_t panels = T > 1 ? std::min<int64_t>(np, p1 - next) : 0;   // this part's, none past p1
       const int64_t lines = panels * K * PANEL * (int64_t)sizeof(W) / 64;
       const int64_t share = (lines + T - 1) / T;
@@ -482,8 +483,8 @@ static void otiled(const float *x, const W *wp, float *y, int64_t k, int64_t K, 
       });
     };
     int64_t p = p0;
-    for (; p + NP <= p1; p += NP) group(std::integral_constant<int, NP>{}, p, p + NP);
-    for (; p < p1; ++p) group(std::integral_constant<int, 1>{}, p, p + 1);
+    for (; p + NP <= p1; p += NP) group(std::integral_constant<int, NP>{}, p);
+    for (; p < p1; ++p) group(std::integral_constant<int, 1>{}, p);
   });
 }
 
