@@ -865,6 +865,7 @@ static void attend_group(const float *const *qr, const float *kc, const float *v
   typedef Lanes<U> L;
   typedef typename L::V V;
   constexpr int64_t hd = 8 * NC;
+  constexpr int QH = U == 2 ? NC : 4;            // query vectors held at once in the score loop
   int64_t nmax = 0;
   for (int64_t p = 0; p < np; ++p) nmax = n[p] > nmax ? n[p] : nmax;
   for (int64_t p = 0; p < np; ++p) mx[p] = splat8(-INFINITY), den[p] = 0.f;
@@ -873,20 +874,25 @@ static void attend_group(const float *const *qr, const float *kc, const float *v
   for (int64_t b0 = 0; b0 < nmax; b0 += KEY_BLOCK)
     for (int64_t p = 0, p2; p < np; p = p2 + 1) {
       p2 = second(p);
-      V qv[NC];
-      for (int c = 0; c < NC; ++c) qv[c] = L::join(load8(qr[p] + 8 * c), load8(qr[p2] + 8 * c));
       const int32_t *vp = vis[p];
       const float *mp = mv[p];
       const int64_t b1 = b0 + KEY_BLOCK < n[p] ? b0 + KEY_BLOCK : n[p];
       for (int64_t t0 = b0; t0 < b1; t0 += 8) {
         const int64_t m = b1 - t0 < 8 ? b1 - t0 : 8;
+        const float *kr[8];                       // a key past the block's end reads the first one's row (dropped)
+        for (int j = 0; j < 8; ++j) kr[j] = kc + (int64_t)vp[t0 + (j < m ? j : 0)] * hd;
         V a[8];
-        for (int j = 0; j < 8; ++j) {
-          a[j] = V{};
-          if (j >= m) continue;
-          const float *kr = kc + (int64_t)vp[t0 + j] * hd;
+        for (int j = 0; j < 8; ++j) a[j] = V{};
+        // the query a part of QH vectors at a time, so that the part and the eight accumulators stay in registers
+        // (AVX2 has 16): each accumulator takes the same multiply-adds in the same order, c = 0 .. NC - 1
+        for (int c0 = 0; c0 < NC; c0 += QH) {
+          V qh[QH];
+          for (int c = 0; c < QH; ++c)
+            qh[c] = L::join(load8(qr[p] + 8 * (c0 + c)), load8(qr[p2] + 8 * (c0 + c)));
+#pragma GCC unroll 8
+          for (int j = 0; j < 8; ++j)
 #pragma GCC unroll 16
-          for (int c = 0; c < NC; ++c) a[j] = L::fma(qv[c], L::dup(kr + 8 * c), a[j]);
+            for (int c = 0; c < QH; ++c) a[j] = L::fma(qh[c], L::dup(kr[j] + 8 * (c0 + c)), a[j]);
         }
         const v8 mk = m == 8 ? load8(mp + t0) : load_tail(mp + t0, m);
         v8 f[U];
