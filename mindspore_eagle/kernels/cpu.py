@@ -21,8 +21,8 @@ or both in one call, ``decoder_layer(attn_block's inputs..., w_gate_up, w_down) 
 layers: one graph node a layer instead of two; the same result bit for bit),
 
 plus ``move_rows(src [P] i32, dst [P] i32, caches... [R, hd]) -> dummy [1]`` (a commit's cache moves in every
-layer at once, in place; ref_move_rows), ``linear(x [k, K], w [N, K]) -> x @ w.T`` (the head; ref_linear), ``head_topk(K)(h [k, H], w [V, H], d2t [V]
-i32) -> (top_logp [k, K] f32, top_ids [k, K] i32)`` (a draft head's log-softmax and its K best, ids + d2t;
+layer at once, in place; ref_move_rows), ``linear(x [k, K], w [N, K]) -> x @ w.T`` (the head; ref_linear),
+``head_topk(K)(h [k, H], w [V, H], d2t [V] i32) -> (top_logp [k, K] f32, top_ids [k, K] i32)`` (a draft head's log-softmax and its K best, ids + d2t;
 ref_head_topk), ``add_rms_norm(x, d, eps) -> (x + d,
 rms(x + d))`` (the first layer's norm; ref_add_rms_norm) and ``paged_attention(q [k, nh, hd], key_cache,
 value_cache, read_rows, mask, scale [1]) -> [k, nh hd]`` (the drafter's attention; ref_paged_attention). rms(y) =
@@ -306,7 +306,6 @@ class CpuKernels:
             prim.add_prim_attr("top_k", K)      # part of MindSpore's op cache key: the shape depends on it
             self._heads[K] = prim
         return self._heads[K]
-
 
     def move_rows(self, caches: int):
         """The ``move_rows`` primitive for ``caches`` caches (src [P] i32, dst [P] i32, caches... [R, D] f32 ->
