@@ -22,9 +22,9 @@ layers: one graph node a layer instead of two; the same result bit for bit),
 
 plus ``move_rows(src [P] i32, dst [P] i32, caches... [R, hd]) -> dummy [1]`` (a commit's cache moves in every
 layer at once, in place; ref_move_rows), ``linear(x [k, K], w [N, K]) -> x @ w.T`` (the head; ref_linear),
-``head_topk(K)(h [k, H], w [V, H], d2t [V] i32) -> (top_logp [k, K] f32, top_ids [k, K] i32)`` (a draft head's log-softmax and its K best, ids + d2t;
-ref_head_topk), ``add_rms_norm(x, d, eps) -> (x + d,
-rms(x + d))`` (the first layer's norm; ref_add_rms_norm) and ``paged_attention(q [k, nh, hd], key_cache,
+``head_topk(K)(h [k, H], w [V, H], d2t [V] i32) -> (top_logp [k, K] f32, top_ids [k, K] i32)`` (a draft head's
+log-softmax and its K best, ids + d2t; ref_head_topk), ``add_rms_norm(x, d, eps) -> (x + d, rms(x + d))`` (the
+first layer's norm; ref_add_rms_norm) and ``paged_attention(q [k, nh, hd], key_cache,
 value_cache, read_rows, mask, scale [1]) -> [k, nh hd]`` (the drafter's attention; ref_paged_attention). rms(y) =
 y / sqrt(mean(y^2) + eps), unweighted (the norm weights are folded into the next matmul, models/llama.py);
 attention hides a column whose mask is <= -1e4 and gives a row that sees nothing zeros.
