@@ -491,6 +491,13 @@ class CpuBackend(PortableBackend):
 
         return cpu.pack(w, inplace) if cpu.packable(w.shape) else w
 
+    def half_matrix(self, w: np.ndarray) -> np.ndarray:
+        """w [n, k] float32 rounded to float16 (nearest even) in the layout of :meth:`matrix_shape`, a new array
+        (``cpu.to_half``: one pass in the kernels' threads)."""
+        from mindspore_eagle.kernels import cpu
+
+        return cpu.to_half(w, cpu.packable(w.shape))
+
     def embed_rows(self, table, ids):
         """Rows ``ids`` int32 [k] of ``table`` [V, H], or of a packed [V / 16, H, 16] one (a tied head: row n at
         [n // 16, :, n % 16]: the rows' panels gathered, then each row's lane; a flat view of the table made

@@ -242,6 +242,32 @@ def pack(w: np.ndarray, inplace: bool = False) -> np.ndarray:
     return w.reshape(n // PANEL, k, PANEL)
 
 
+def to_half(w: np.ndarray, packed: bool) -> np.ndarray:
+    """A float32 matrix w [N, K] as a new float16 array, rounded to nearest even (the bytes of
+    ``w.astype(np.float16)``), packed [N / 16, K, 16] as :func:`pack` lays it out when ``packed``, else [N, K].
+
+    One pass over w in the kernels' ``ToHalf`` (their threads) once the library is loaded, else in numpy; both give
+    the same bytes. The kernels' pass matters at load: numpy's conversion of the 0.5B teacher's 2.5 GB of float32
+    took 3.9 s of a 10 s start on the 2-core VM (docs/models.md, "Memory").
+    Raises:
+        ValueError: w is not a 2-D float32 array, or ``packed`` and its row count is not a multiple of 16.
+    """
+    if w.ndim != 2 or w.dtype != np.float32:
+        raise ValueError(f"to_half: need a 2-D float32 matrix, got {w.dtype} of shape {tuple(w.shape)}")
+    if packed and not packable(w.shape):
+        raise ValueError(f"to_half: packing needs N a multiple of {PANEL}, got shape {tuple(w.shape)}")
+    n, k = w.shape
+    out = np.empty((n // PANEL, k, PANEL) if packed else (n, k), np.float16)
+    if "path" in _built:                                    # the kernels' threads, when built
+        src = np.ascontiguousarray(w)
+        lib = ctypes.CDLL(str(_built["path"]))
+        if lib.ToHalf(ctypes.c_void_p(src.ctypes.data), ctypes.c_void_p(out.ctypes.data), ctypes.c_int64(n),
+                      ctypes.c_int64(k), ctypes.c_int(int(packed))) == 0:
+            return out
+    out[...] = pack(w) if packed else w
+    return out
+
+
 def unpack(w: np.ndarray) -> np.ndarray:
     """The [N, K] matrix of a packed [N / 16, K, 16] one (a 2-D matrix is returned as it is)."""
     if w.ndim == 2:

@@ -254,14 +254,13 @@ class LlamaModel(nn.Cell):
         T = Tensor.from_numpy if dt == ms.float32 else (lambda arr: ms.Tensor(arr, dt))   # one rounding to dt
         fresh = isinstance(tensors, LazyTensors)
         Tin = (lambda arr: Tensor.from_numpy(arr if fresh else np.array(arr, np.float32))) if dt == ms.float32 else T
-        wdt = self.weight_dtype
-        W0 = T if wdt == dt else (lambda arr: Tensor.from_numpy(arr.astype(np.float16)))   # one rounding to wdt
-        Win0 = Tin if wdt == dt else W0
         pack = self.backend.pack      # the backend's matrix layout: in place for an array made here or handed out
-        W = lambda arr: W0(pack(arr, True))            # noqa: E731  (arr made here: fused matrices)
+        W = lambda arr: T(pack(arr, True))            # noqa: E731  (arr made here: fused matrices)
         packs = lambda arr: self.backend.matrix_shape(*arr.shape) != arr.shape    # noqa: E731
         # arr of ``tensors``: packed in place when fresh, into a new array when the caller keeps it, else as before
-        Win = lambda arr: W0(pack(arr, fresh)) if packs(arr) else Win0(arr)       # noqa: E731
+        Win = lambda arr: T(pack(arr, fresh)) if packs(arr) else Tin(arr)         # noqa: E731
+        if self.weight_dtype != dt:   # half matrices: rounded once and laid out in one pass, into a new array
+            W = Win = lambda arr: Tensor.from_numpy(self.backend.half_matrix(arr))   # noqa: E731
 
         def get(name, shape):
             if name not in tensors:

@@ -117,6 +117,35 @@ def test_pack_in_place_by_the_kernels_equals_numpy(kern, monkeypatch, dtype):
         assert np.array_equal(by_kernels, np.ascontiguousarray(w.reshape(n // 16, 16, k).transpose(0, 2, 1)))
 
 
+def test_to_half_by_the_kernels_equals_numpy_rounding(kern, monkeypatch):
+    """cpu.to_half (the kernels' ToHalf, one pass over two threads) writes the bytes of numpy's astype(float16) of
+    the matrix, packed or not, with and without the library: round to nearest even, overflow to inf (65520 is the
+    first float that rounds up to it), subnormal halves, signed zeros; a shape it cannot pack is refused."""
+    cpu.set_threads(2)
+    rng = np.random.default_rng(5)
+    for n, k in ((16, 1), (48, 577), (160, 64)):
+        scale = rng.choice([1e-9, 6e-8, 1e-5, 1.0, 300.0, 7e4], size=(n, k))
+        w = (rng.standard_normal((n, k)) * scale).astype(np.float32)
+        w[0, :1] = np.inf
+        if k > 8:
+            w[1, :8] = [-np.inf, 65504, 65519.99, 65520, 5.9604645e-08, 2.9802322e-08, -0.0, 1e-45]
+        with np.errstate(over="ignore"):
+            want = {True: cpu.pack(w).astype(np.float16), False: w.astype(np.float16)}
+        for packed in (True, False):
+            got = cpu.to_half(w, packed)
+            assert got.dtype == np.float16 and got.shape == want[packed].shape
+            assert np.array_equal(got.view(np.uint16), want[packed].view(np.uint16))
+            with monkeypatch.context() as m:
+                m.delitem(cpu._built, "path")                            # as if the library were not loaded
+                with np.errstate(over="ignore"):
+                    assert np.array_equal(cpu.to_half(w, packed).view(np.uint16), want[packed].view(np.uint16))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpu.to_half(np.ones((17, 4), np.float32), True)
+    assert cpu.to_half(np.ones((17, 4), np.float32), False).shape == (17, 4)
+    with pytest.raises(ValueError, match="float32"):
+        cpu.to_half(np.ones((16, 4), np.float64), True)
+
+
 def test_linear_same_bits_with_one_thread_or_two(kern):
     """The threads split the weight rows; each output is computed by one thread with the same operations."""
     rng = np.random.default_rng(3)
