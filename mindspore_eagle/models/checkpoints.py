@@ -239,12 +239,14 @@ class LazyTensors(Mapping):
             over without copying).
         read_into: optional ``read_into(name, out)`` that fills a C-contiguous float32 array of the tensor's
             shape in place (:meth:`into`; without it ``into`` copies ``read(name)``).
+        origin: the directory of the kept copy the tensors are read from (``serving.weights_cache``), else None.
     """
 
-    def __init__(self, shapes: dict, read, read_into=None):
+    def __init__(self, shapes: dict, read, read_into=None, origin=None):
         self._shapes = {k: tuple(int(d) for d in v) for k, v in shapes.items()}
         self._read = read
         self._read_into = read_into
+        self.origin = origin
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._shapes:
@@ -287,7 +289,7 @@ class LazyTensors(Mapping):
 
     def subset(self, names) -> "LazyTensors":
         """The same reader over ``names`` only, in that order."""
-        return LazyTensors({n: self._shapes[n] for n in names}, self._read, self._read_into)
+        return LazyTensors({n: self._shapes[n] for n in names}, self._read, self._read_into, self.origin)
 
 
 def _shape_of(raw, name: str) -> tuple:

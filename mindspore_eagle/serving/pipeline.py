@@ -114,6 +114,7 @@ def build_engine(cfg: Config, loaded: Loaded | None = None, trace=None, log=None
     from mindspore_eagle.runners.teacher import TeacherRunner
     from mindspore_eagle.runners.warmup import slow, stderr_log
     from mindspore_eagle.serving.engine import Engine
+    from mindspore_eagle.serving.weights_cache import load_model_weights
 
     if loaded is None:
         with slow(f"loading weights ({cfg.model.teacher} teacher, {cfg.model.drafter} drafter)", log or stderr_log,
@@ -123,7 +124,7 @@ def build_engine(cfg: Config, loaded: Loaded | None = None, trace=None, log=None
     teacher_wdt, drafter_wdt = weight_dtypes(cfg)
     teacher = LlamaModel(loaded.teacher_cfg, c.num_blocks, c.block_size, c.max_seq_len,
                            COMPUTE_DTYPES[cfg.model.dtype], weight_dtype=teacher_wdt)
-    teacher.load_hf_weights(loaded.teacher_tensors)
+    load_model_weights(teacher, loaded.teacher_tensors)
     target = TeacherRunner(teacher, c.num_blocks, c.block_size, c.max_seq_len, mode, c.prefill_chunk)
     drafter = None
     if loaded.drafter_cfg is not None and sp.method != "suffix":

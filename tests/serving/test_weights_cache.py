@@ -3,6 +3,7 @@ tensors and tokenizer; a damaged copy is read again from the GGUF; other checkpo
 import json
 
 import numpy as np
+import pytest
 from tiny_gguf import write_llama_gguf
 from tiny_pangu import random_tensors
 
@@ -97,6 +98,71 @@ def test_reading_into_the_fused_matrices_gives_the_same_parameters(ms_runtime, t
     pa, pb = dict(a.parameters_and_names()), dict(b.parameters_and_names())
     assert pa.keys() == pb.keys()
     assert all(np.array_equal(pa[k].asnumpy(), pb[k].asnumpy()) for k in pa)
+
+
+@pytest.mark.parametrize("weight_dtype", ["float32", "float16"])
+def test_a_kept_teacher_maps_its_prepared_weights(ms_runtime, tmp_path, monkeypatch, weight_dtype):
+    """A model built from a kept copy keeps its load's arrays (folded, packed, rounded): a second model of the same
+    kind maps them without reading a tensor, every weight Parameter bit-identical to a fresh load and its logits
+    equal; a write into a mapped weight leaves the file as it was (copy-on-write); a damaged file, or another
+    model (other sources), loads from the tensors again; at most PREPARED_KEEP keys stay; a plain dict keeps none."""
+    import mindspore as ms
+
+    from mindspore_eagle.models.llama import LlamaModel
+    from mindspore_eagle.serving import weights_cache as wc
+
+    cfg = ModelConfig(vocab_size=261, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
+                      num_kv_heads=2, head_dim=8, rope_theta=1e5, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                      max_position_embeddings=256, arch="llama")
+    path = write_llama_gguf(tmp_path / "t.gguf", cfg, random_tensors(cfg, seed=4))
+    root = tmp_path / "weights"
+    wdt = getattr(ms, weight_dtype)
+
+    def build(loader=wc.load_model_weights):
+        tcfg, tensors, _ = wc.load_teacher_cached(path, root)
+        net = LlamaModel(tcfg, 32, 8, 128, ms.float32, attention="cpu", weight_dtype=wdt)
+        return net, loader(net, tensors)
+
+    def weights(net):
+        return {n: p.asnumpy().copy() for n, p in wc._weight_params(net)}
+
+    fresh, mapped = build(lambda net, t: net.load_hf_weights(t)), build()
+    assert mapped[1] is False                                   # the first keeps its arrays
+    (copy,) = list(root.iterdir())
+    (key,) = list((copy / "prepared").iterdir())
+    assert key.name == wc.prepared_key(fresh[0])
+    monkeypatch.setattr(LlamaModel, "load_hf_weights", lambda *a: pytest.fail("read the tensors again"))
+    net, from_prepared = build()
+    assert from_prepared is True
+    want, got = weights(fresh[0]), weights(net)
+    assert want.keys() == got.keys() and all(np.array_equal(want[n], got[n]) and want[n].dtype == got[n].dtype
+                                             for n in want)
+    assert net.layers[0].wqkv.dtype == wdt and len(net.layers[0].wqkv.shape) == 3     # packed, as loaded
+
+    def logits(m):
+        from mindspore_eagle.runners.teacher import TeacherRunner
+
+        r = TeacherRunner(m, 32, 8, 128, "fused", 32)
+        return r.prefill(r.new_seq(), [5, 9, 3, 7, 11])[0]
+
+    assert np.array_equal(logits(fresh[0]), logits(net))
+    first = wc._weight_params(net)[0]
+    on_disk = (key / "0.npy").read_bytes()
+    view = first[1].asnumpy()
+    view[...] = 0                                                # writes the process's private pages only
+    assert not first[1].asnumpy().any() and (key / "0.npy").read_bytes() == on_disk
+    monkeypatch.undo()
+    del net, view, first
+    (key / "1.npy").unlink()                                     # a damaged file: loaded again, kept again
+    (key / "1.npy").write_bytes(b"damaged")
+    assert build()[1] is False and build()[1] is True
+    for i in range(wc.PREPARED_KEEP + 1):                         # other sources: other keys, the oldest dropped
+        monkeypatch.setattr(wc, "_PREPARED_SOURCES", wc._PREPARED_SOURCES[:3 - i])
+        assert build()[1] is False
+    assert len(list((copy / "prepared").iterdir())) == wc.PREPARED_KEEP and not key.exists()
+    plain = LlamaModel(cfg, 32, 8, 128, ms.float32, attention="cpu", weight_dtype=wdt)
+    _, tensors, _ = load_teacher(path)
+    assert wc.load_model_weights(plain, dict(tensors)) is False
 
 
 def test_other_checkpoints_are_not_copied(tmp_path, tiny_dir):
