@@ -248,7 +248,7 @@ def to_half(w: np.ndarray, packed: bool) -> np.ndarray:
 
     One pass over w in the kernels' ``ToHalf`` (their threads) once the library is loaded, else in numpy; both give
     the same bytes. The kernels' pass matters at load: numpy's conversion of the 0.5B teacher's 2.5 GB of float32
-    took 3.9 s of a 10 s start on the 2-core VM (docs/models.md, "Memory").
+    took 3.9 s of a 10 s start on the 2-core VM (docs/cpu_kernels.md, "Half-float matrices").
     Raises:
         ValueError: w is not a 2-D float32 array, or ``packed`` and its row count is not a multiple of 16.
     """
