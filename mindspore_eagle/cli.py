@@ -537,6 +537,10 @@ def _dispatch(argv: list) -> int:
         from mindspore_eagle.bench.serving import main as bench_serve
 
         return bench_serve(argv[2:])
+    if argv[:2] == ["bench", "gguf"]:
+        from mindspore_eagle.bench.llama_server import gguf_main
+
+        return gguf_main(argv[2:])
     if argv and argv[0] in ("bench", "train-drafter"):
         return _delegate(argv[0], argv[1:])
     parser = build_parser()

@@ -60,9 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attn-samples", type=int, default=4,
                    help="context-pass rows per turn sampled for the attention evidence (Figure 7); 0 = off")
     p.add_argument("--peer-llamacpp", action="store_true",
-                   help="also time llama.cpp (llama-cpp-python) on an F32 GGUF of the teacher, if importable: greedy "
-                        "and with its prompt lookup (2 and 10 predicted tokens), in a process of its own with a "
-                        "clean environment, turn by turn between ours")
+                   help="also time upstream llama.cpp's llama-server (pip install -e '.[peer]') on an F32 GGUF of the "
+                        "teacher, one server process per --peer-variants entry with a clean environment, turn by "
+                        "turn between ours")
+    p.add_argument("--peer-variants", default=None, metavar="greedy,ngram-mod,eagle3:3",
+                   help="llama-server variants of --peer-llamacpp: greedy, an n-gram --spec-type (ngram-mod, "
+                        "ngram-map-k, ngram-map-k4v, ngram-simple, ngram-cache), eagle3[:N] (our drafter converted to "
+                        "GGUF, --spec-draft-n-max N), '+' joins kinds (default "
+                        "greedy,ngram-mod,eagle3:2,eagle3:3,eagle3:4)")
     p.add_argument("--allow-mismatch", action="store_true",
                    help="record output mismatches instead of stopping (identical_outputs becomes false)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
@@ -80,16 +85,20 @@ def _log(msg: str) -> None:
 
 
 def machine_info() -> dict:
-    """CPU model, core count, load average, MindSpore version, kernel threads (for report.md)."""
-    model = platform.processor() or ""
+    """CPU model and vector width (AVX-512 / AVX2, from /proc/cpuinfo's flags), core count, load average, MindSpore
+    version (for report.md)."""
+    model, flags = platform.processor() or "", set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.startswith("model name") and not flags:
                     model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
                     break
     except OSError:
         pass
+    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2" if flags else "?"
     try:
         import mindspore
 
@@ -98,9 +107,9 @@ def machine_info() -> dict:
         msv = "?"
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     cores = os.cpu_count() or 1
-    return {"cpu": model, "cores": cores, "loadavg_start": list(load), "python": platform.python_version(),
-            "mindspore": msv, "platform": platform.platform(),
-            "summary": f"{model}, {cores} cores, MindSpore {msv}, Python {platform.python_version()}"}
+    return {"cpu": model, "vector": vector, "cores": cores, "loadavg_start": list(load),
+            "python": platform.python_version(), "mindspore": msv, "platform": platform.platform(),
+            "summary": f"{model} ({vector}), {cores} cores, MindSpore {msv}, Python {platform.python_version()}"}
 
 
 def _threads(cfg) -> int:
@@ -120,6 +129,10 @@ def _inputs(args):
         raise ConfigError(f"--max-new-tokens = {args.max_new_tokens} is out of range: must be >= 1")
     subset = [s.strip() for s in args.subset.split(",") if s.strip()] if args.subset else None
     items = eval_turns(args.turns, subset)
+    if args.peer_variants is not None:
+        from mindspore_eagle.bench.llama_server import parse_variants
+
+        parse_variants(args.peer_variants)                   # a bad spec fails before any model is loaded
     budgets = sw.parse_int_list(args.budgets)
     depths = sw.parse_int_list(args.depths)
     top_ks = sw.parse_int_list(args.top_ks) if args.top_ks.strip() else ()
@@ -205,12 +218,11 @@ def _time_turns(args, cfg, gen, turns, todo, settings, out: str, jsonl: str) -> 
     res["warm"].update(pool.warmup(gen, args.warmup, log=_log))
     peer = None
     if args.peer_llamacpp:
-        from mindspore_eagle.bench.peer import make_peer
+        from mindspore_eagle.bench.llama_server import make_peer
 
-        peer = make_peer(cfg, loaded, out, _threads(cfg), log=_log)
-        res["peer_note"] = ("llama.cpp peer ran in its own process (greedy; prompt lookup "
-                            + ", ".join(map(str, peer.variants[1:])) + ")") if peer else \
-            "llama_cpp not importable (or teacher not GGUF): skipped"
+        peer = make_peer(cfg, loaded, out, _threads(cfg), args.peer_variants, log=_log)
+        res["peer_note"] = (f"llama-server ({peer.version}), one process per variant: "
+                            + ", ".join(peer.variants)) if peer else "llama-server not found (or teacher not GGUF): skipped"
     try:
         run_turns(pool, turns, gen, settings, jsonl, args.attn_samples, peer, args.allow_mismatch,
                   progress=not args.no_progress)

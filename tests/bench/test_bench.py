@@ -417,18 +417,19 @@ def test_llamacpp_peer_runs_in_a_clean_process(tmp_path, monkeypatch):
         p.close()
     assert p.proc.proc.poll() == 0
 
-    class FakePeer:
-        def run(self, ids, n, ref):
-            return {"tok_s": 20.0, "new_tokens": n, "seconds": n / 20.0, "match_prefix": 1.0,
-                    "lookup": {"2": {"tok_s": 25.0, "new_tokens": n, "seconds": n / 25.0, "match_prefix": 1.0}}}
 
-    recs = run_turns(FakePool(FakeEngine()), TURNS[:1], GEN, MAIN, str(tmp_path / "t.jsonl"), peer=FakePeer(),
-                     progress=False)
+
+def test_report_reads_llama_cpp_python_rows_of_older_runs(tmp_path):
+    """Records of runs made before the llama-server peer keep their rows (``peer_llamacpp``, greedy + lookup)."""
+    recs = run_turns(FakePool(FakeEngine()), TURNS[:1], GEN, MAIN, str(tmp_path / "t.jsonl"), progress=False)
+    recs[0]["peer_llamacpp"] = {"tok_s": 20.0, "new_tokens": 6, "seconds": 0.3, "match_prefix": 1.0,
+                                "lookup": {"2": {"tok_s": 25.0, "new_tokens": 6, "seconds": 0.24, "match_prefix": 1.0}}}
     rep = report_mod.build_report(recs, {"main": MAIN[0].to_dict(), "sweeps": {}})
-    assert rep["peer_llamacpp_tok_s"]["mean"] == 20.0 and "llama.cpp" in report_mod.markdown(rep)
+    assert rep["peer_llamacpp_tok_s"]["mean"] == 20.0
     rows = rep["peers"]["rows"]
     main = recs[0]["settings"]["main"]
     ours = main["new_tokens"] / ((main["prefill_ms"] + main["decode_ms"]) / 1e3)
-    assert rows["llama.cpp greedy"]["tok_s"] == pytest.approx(20.0)
-    assert rows["llama.cpp prompt lookup 2"]["ea_over"] == pytest.approx(ours / 25.0)
-    assert "llama.cpp prompt lookup 2" in report_mod.markdown(rep)
+    assert rows["llama-cpp-python greedy"]["tok_s"] == pytest.approx(20.0)
+    assert rows["llama-cpp-python prompt lookup 2"]["ea_over"] == pytest.approx(ours / 25.0)
+    assert rows["llama-cpp-python greedy"]["same_turns"] is None
+    assert "llama-cpp-python prompt lookup 2" in report_mod.markdown(rep)
