@@ -36,4 +36,27 @@ def context_widths(max_seq_len: int, block_size: int, lo: int = 256) -> list[int
     return out + [max_seq_len]
 
 
-__all__ = ["pow2_buckets", "context_widths"]
+def batch_rows(max_batch: int) -> list[int]:
+    """Row buckets of the batched round: 1, 2, 4, ... below ``max_batch``, then ``max_batch``.
+
+    A step of n live sequences runs the smallest bucket >= n (:func:`rows_for`), not ``max_batch`` rows: on a CPU a
+    forward's matrix products are compute-bound past a few rows (16 rows cost ~1.8x one row on the 135M teacher,
+    docs/performance.md), so padding 4 sequences to 16 rows nearly doubled their step."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + [max_batch]
+
+
+def rows_for(n: int, max_batch: int) -> int:
+    """The row bucket of a step of ``n`` sequences (1 <= n <= max_batch; :func:`batch_rows`).
+
+    Raises:
+        ValueError: n outside 1..max_batch."""
+    if not 1 <= n <= max_batch:
+        raise ValueError(f"a batched step of {n} sequences does not fit max_batch={max_batch}")
+    return next(b for b in batch_rows(max_batch) if b >= n)
+
+
+__all__ = ["pow2_buckets", "context_widths", "batch_rows", "rows_for"]

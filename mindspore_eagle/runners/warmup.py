@@ -32,6 +32,7 @@ import time
 import numpy as np
 
 from mindspore_eagle.core.tree import DraftTree, tensorize
+from mindspore_eagle.runners.shapes import batch_rows
 
 MODES = ("full", "short", "none")
 _FILL_ID = 100    # any valid token id: warm-up only needs shapes
@@ -116,7 +117,8 @@ def _verify(teacher, p0: int, M: int, D: int) -> None:
 
 def batch_shapes(teacher, rows: int, M: int, D: int, speculative: bool):
     """Yield (what, fn) calls compiling the continuous-batching graphs (``scheduler.py``): ``decode_batch`` of
-    ``rows`` = N rows at each width and, when ``speculative``, ``verify_batch`` of N x M rows at each width.
+    b rows at each width and, when ``speculative``, ``verify_batch`` of b x M rows at each width, for every row
+    bucket b of ``runners.shapes.batch_rows(rows)`` (a step of n sequences runs the smallest b >= n).
 
     Only for backends that take a block table per sequence (``TeacherRunner._grouped``; the portable one), whose
     batched widths are the sequence width buckets; a concatenated batch's width depends on the lengths in it, so
@@ -124,15 +126,16 @@ def batch_shapes(teacher, rows: int, M: int, D: int, speculative: bool):
     """
     if rows <= 1 or not teacher._grouped:
         return
-    prev = 0
-    for w in teacher.widths:
-        p0 = _start(prev, 1, teacher.S, lo=1)
-        if p0 is not None:
-            yield f"teacher decode_batch {rows} x {w}", lambda p0=p0: _decode_batch(teacher, p0, rows)
-        p0 = _start(prev, M, teacher.S, lo=1)
-        if speculative and p0 is not None:
-            yield f"teacher verify_batch {rows * M} x {w}", lambda p0=p0: _verify_batch(teacher, p0, rows, M, D)
-        prev = w
+    for b in batch_rows(rows):
+        prev = 0
+        for w in teacher.widths:
+            p0 = _start(prev, 1, teacher.S, lo=1)
+            if p0 is not None:
+                yield f"teacher decode_batch {b} x {w}", lambda p0=p0, b=b: _decode_batch(teacher, p0, b)
+            p0 = _start(prev, M, teacher.S, lo=1)
+            if speculative and p0 is not None:
+                yield f"teacher verify_batch {b * M} x {w}", lambda p0=p0, b=b: _verify_batch(teacher, p0, b, M, D)
+            prev = w
 
 
 def drafter_batch_shapes(drafter, groups: int, M: int, D: int, context_limit: int):

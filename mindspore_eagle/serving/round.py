@@ -65,6 +65,7 @@ from mindspore_eagle.core.trace import StepTrace, Timer
 from mindspore_eagle.core.tree import SOURCE_BOTH, SOURCE_SUFFIX, DraftTree, merge_trees, tensorize, validate_tree
 from mindspore_eagle.kernels.runtime import graph_stats
 from mindspore_eagle.runners.interfaces import DrafterRunnerLike, TeacherRunnerLike
+from mindspore_eagle.runners.shapes import rows_for
 
 
 @dataclass
@@ -147,8 +148,10 @@ class DecodeRound:
     Args:
         teacher: a runners.interfaces.TeacherRunnerLike (runners.teacher.TeacherRunner). drafter: a
             runners.interfaces.DrafterRunnerLike (runners.drafter.DrafterRunner), or None (teacher-only).
-        spec: SpeculativeConfig (M, D_max; ``validate_tree``). rows: N, the static row count of batched calls;
-            N = 1 uses the single-sequence calls and ``policy``.
+        spec: SpeculativeConfig (M, D_max; ``validate_tree``). rows: N, the most sequences of a batched step; a
+            step of n sequences runs ``runners.shapes.rows_for(n, N)`` rows (plain) or that many x M (trees), the
+            smallest of the buckets 1, 2, 4, ..., N that holds them; N = 1 uses the single-sequence calls and
+            ``policy``.
         policy: N = 1 with a drafter: core.policy.AdaptivePolicy or FixedPolicy (kept by the caller across turns).
         gate: N > 1 with a drafter: the step-kind chooser (default ``RateGate(("tree", "plain"))``).
         validate: check every tensorized tree against its invariants before verifying it (eager mode).
@@ -377,20 +380,21 @@ class DecodeRound:
         (path [0], one token; ``aux`` None on teacher-only batched rounds), None for one whose logits were not
         finite."""
         tg = self.teacher
+        rows = 1 if self.single else rows_for(len(live), self.rows)
         with timer.phase("decode"):
             if self.single:
                 logits, aux = tg.decode(live[0].sid, live[0].next)
                 logits = logits[None]
             elif self.features:
-                logits, hidden, aux = tg.decode_batch([s.sid for s in live], [s.next for s in live], rows=self.rows,
+                logits, hidden, aux = tg.decode_batch([s.sid for s in live], [s.next for s in live], rows=rows,
                                                       width_step=self.width_step, with_hidden=True)
                 for i, s in enumerate(live):          # copies: a view would keep the whole call's output alive
                     s.features.append((hidden[i:i + 1].copy(), aux[i:i + 1].copy()))
             elif self.drafter is not None:        # the drafter will need the (feature, token) pairs
-                logits, aux = tg.decode_batch([s.sid for s in live], [s.next for s in live], rows=self.rows,
+                logits, aux = tg.decode_batch([s.sid for s in live], [s.next for s in live], rows=rows,
                                               width_step=self.width_step, with_aux=True)
             else:
-                logits = tg.decode_batch([s.sid for s in live], [s.next for s in live], rows=self.rows,
+                logits = tg.decode_batch([s.sid for s in live], [s.next for s in live], rows=rows,
                                          width_step=self.width_step)
                 aux = [None] * len(live)
             # the token drawn sits at the teacher's new length (sampling draws its noise by position)
@@ -417,7 +421,7 @@ class DecodeRound:
             if self.single:
                 layout = BatchLayout(budgets, budgets[0])
             else:                                     # one budget M for every row block: one graph per width
-                layout = BatchLayout.uniform(len(live), self.M, self.rows * self.M)
+                layout = BatchLayout.uniform(len(live), self.M, rows_for(len(live), self.rows) * self.M)
             tts = []
             for i, (s, t) in enumerate(zip(live, trees)):
                 m = int(layout.budgets[i])

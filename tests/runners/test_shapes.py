@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from mindspore_eagle.runners.shapes import context_widths, pow2_buckets
+from mindspore_eagle.runners.shapes import batch_rows, context_widths, pow2_buckets, rows_for
 
 
 def test_pow2_buckets():
@@ -29,3 +29,12 @@ def test_context_widths(S, B, want):
     got = context_widths(S, B)
     assert got == want
     assert all(w % B == 0 for w in got) and got == sorted(set(got)) and got[-1] == S
+
+
+def test_batch_rows_and_rows_for():
+    assert batch_rows(16) == [1, 2, 4, 8, 16] and batch_rows(12) == [1, 2, 4, 8, 12] and batch_rows(1) == [1]
+    assert [rows_for(n, 16) for n in (1, 2, 3, 4, 5, 9, 16)] == [1, 2, 4, 4, 8, 16, 16]
+    assert [rows_for(n, 12) for n in (8, 9, 12)] == [8, 12, 12]
+    for bad in (0, 17):
+        with pytest.raises(ValueError, match="max_batch=16"):
+            rows_for(bad, 16)

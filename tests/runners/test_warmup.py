@@ -214,8 +214,9 @@ def test_teacher_only_warmup_has_no_tree_or_drafter_shape(ms_runtime, tiny_dir):
     eng = build_engine(_cfg(tiny_dir, ["model.drafter=none"]))
     assert [w for w, _ in full_shapes(eng)] == ["teacher prefill 16 x 256", "teacher decode 1 x 256",
                                                 "teacher prefill 16 x 512", "teacher decode 1 x 512"]
-    assert [w for w, _ in full_shapes(eng, max_batch=3)][4:] == ["teacher decode_batch 3 x 256",
-                                                                "teacher decode_batch 3 x 512"]
+    assert [w for w, _ in full_shapes(eng, max_batch=3)][4:] == [          # row buckets 1, 2, then max_batch
+        "teacher decode_batch 1 x 256", "teacher decode_batch 1 x 512", "teacher decode_batch 2 x 256",
+        "teacher decode_batch 2 x 512", "teacher decode_batch 3 x 256", "teacher decode_batch 3 x 512"]
 
 
 def test_budgets_at_hand_are_the_verifications_already_made(ms_runtime, tiny_dir):

@@ -105,9 +105,18 @@ def test_multi_turn_and_messages_records_in_a_batch(ms_runtime, tiny_dir):
                                              {"role": "user", "content": "Name a fruit."}]},
                     {"id": "d", "turns": ["Count to three.", "And back."]}])
     ref = one_at_a_time(eng, gen, recs)
-    got, _, _ = run_batched(eng, gen, recs, max_batch=4)
+    rows, real = [], eng.teacher.decode_batch
+
+    def spy(sids, tokens, **kw):
+        rows.append((len(sids), kw["rows"]))
+        return real(sids, tokens, **kw)
+    eng.teacher.decode_batch = spy
+    got, _, _ = run_batched(eng, gen, recs, max_batch=8)
     same_answers(got, ref)
     assert isinstance(got["a"]["text"], list) and len(got["a"]["text"]) == 3
+    # each step runs the smallest row bucket that holds its sequences, not max_batch rows
+    assert rows and all(r == next(b for b in (1, 2, 4, 8) if b >= n) for n, r in rows), rows
+    assert {r for _, r in rows} >= {4}
 
 
 @pytest.mark.slow
