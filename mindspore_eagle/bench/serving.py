@@ -12,7 +12,8 @@ greedy and with its ``ngram-mod`` speculation (``--llama-server-variants``), in 
 drives servers that are already running.
 
 Per server and client count N: N clients, each a loop that takes the next prompt (ShareGPT first user turns from
-``--offset`` on, evaluation prompts excluded; a built-in list when ShareGPT is not available offline) and streams
+``--offset`` on, evaluation prompts excluded, a fresh set of ``--prompts`` per client count unless
+``--same-prompts``; a built-in list when ShareGPT is not available offline) and streams
 its chat completion (greedy, ``--max-tokens`` new tokens at most), until ``--prompts`` requests are done. Measured
 on the client (the official ``openai`` client's async streaming):
 
@@ -22,8 +23,8 @@ on the client (the official ``openai`` client's async streaming):
     ITL        gap between two content chunks of a request (ms, p50 / p99 over all gaps; a tree step sends its
                L_k tokens in one chunk)
     TPOT       (last chunk - first chunk) / (completion tokens - 1) per request (ms, p50 / p99)
-    same text  requests whose streamed text equals the first run's (greedy: teacher-only at the first client
-               count, i.e. one request at a time with ``--clients 1,...``)
+    same text  requests whose streamed text equals the first server's at the same client count (greedy:
+               teacher-only; its texts do not depend on the count, tests/serving)
     graphs     ``mseagle_graphs_made_after_warmup`` of the server after the run (0: no request paid for a graph)
 
 Writes ``serve_bench.json`` and ``serve_bench.md`` into ``--out``.
@@ -80,22 +81,30 @@ async def _drive(url: str, model: str, prompts: list, clients: int, max_tokens: 
 
     async def one(prompt: str) -> dict:
         t0 = time.perf_counter()
-        times, tokens, text = [], None, []
-        try:
-            stream = await client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
-                stream=True, stream_options={"include_usage": True})
-            async for ch in stream:
-                if ch.choices and ch.choices[0].delta.content:
-                    times.append(time.perf_counter())
-                    text.append(ch.choices[0].delta.content)
-                if getattr(ch, "usage", None) is not None:
-                    tokens = ch.usage.completion_tokens
-        except openai.APIError as e:
-            return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        times, tokens, text, retried = [], None, [], 0
+        while True:
+            try:
+                stream = await client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+                    temperature=0, stream=True, stream_options={"include_usage": True})
+                async for ch in stream:
+                    if ch.choices and ch.choices[0].delta.content:
+                        times.append(time.perf_counter())
+                        text.append(ch.choices[0].delta.content)
+                    if getattr(ch, "usage", None) is not None:
+                        tokens = ch.usage.completion_tokens
+                break
+            except openai.APIConnectionError as e:
+                # a connection the server closed between two requests (llama-server's HTTP layer does) is sent
+                # again once, as a client library would; it stays counted in the row's "retried"
+                if times or retried:
+                    return {"ok": False, "error": f"{type(e).__name__}: {e}", "retried": retried}
+                retried += 1
+            except openai.APIError as e:
+                return {"ok": False, "error": f"{type(e).__name__}: {e}", "retried": retried}
         tokens = len(times) if tokens is None else tokens
         out = {"ok": True, "tokens": tokens, "text": "".join(text), "ttft": times[0] - t0 if times else None,
-               "gaps": list(np.diff(times)) if len(times) > 1 else []}
+               "gaps": list(np.diff(times)) if len(times) > 1 else [], "retried": retried}
         out["tpot"] = (times[-1] - times[0]) / (tokens - 1) if len(times) > 1 and tokens > 1 else None
         return out
 
@@ -114,6 +123,7 @@ async def _drive(url: str, model: str, prompts: list, clients: int, max_tokens: 
     gaps = [g for r in ok for g in r["gaps"]]
     tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
     return {"clients": clients, "requests": len(results), "ok": len(ok),
+            "retried": sum(r.get("retried", 0) for r in results),
             "errors": sorted({r["error"] for r in results if not r["ok"]})[:3], "tokens": tokens,
             "wall_s": round(wall, 2), "tok_s": round(tokens / wall, 2) if wall > 0 else None,
             "texts": {r["index"]: r["text"] for r in ok},
@@ -212,11 +222,12 @@ def write_report(result: dict, out: str) -> None:
     head = (f"{result['prompts']} chat prompts ({result['prompt_source']}), up to {result['max_tokens']} new tokens, "
             f"greedy, streamed; clients measured with the openai client. {result['note']}")
     lines = ["# Serving benchmark", "", f"Run: {result['when']}.", "", head, "",
-             "| server | clients | ok / requests | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 / p99 ms "
-             "| same text as the first run | graphs made after warm-up |",
+             "| server | clients | ok / requests (retried) | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 / p99 ms "
+             "| same text as the first server at this count | graphs made after warm-up |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
-        lines.append(f"| {r['server']} | {r['clients']} | {r['ok']} / {r['requests']} | {r['tok_s']} | "
+        lines.append(f"| {r['server']} | {r['clients']} | {r['ok']} / {r['requests']} ({r.get('retried', 0)}) | "
+                     f"{r['tok_s']} | "
                      f"{r['ttft_p50_ms']} / {r['ttft_p99_ms']} | {r['itl_p50_ms']} / {r['itl_p99_ms']} | "
                      f"{r['tpot_p50_ms']} / {r['tpot_p99_ms']} | {r.get('identical', '-')} | "
                      f"{r.get('graphs_after_warmup', '-')} |")
@@ -238,6 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=32, help="requests per run (default 32)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request at most (default 128)")
     p.add_argument("--offset", type=int, default=9000, help="first ShareGPT conversation of the prompts")
+    p.add_argument("--same-prompts", action="store_true",
+                   help="replay the same --prompts prompts at every client count (default: a fresh set per count, "
+                        "so no server answers a prompt it has answered before: a server that keeps earlier outputs "
+                        "for copying, ngram-mod's shared pool or our suffix index, would copy whole answers)")
     p.add_argument("--no-llamacpp", action="store_true", help="with --config: do not start llama-server")
     p.add_argument("--llama-server-variants", default="greedy,ngram-mod", metavar="greedy,ngram-mod",
                    help="with --config: llama-server runs, each with -np = the largest client count: greedy and/or an "
@@ -283,15 +298,27 @@ def main(argv=None) -> int:
         raise ConfigError(f"--clients must list integers >= 1, got {args.clients!r}")
     if not args.config and not args.url:
         raise ConfigError("bench serve needs --config (start the servers) or --url (drive a running one)")
+    from mindspore_eagle.bench.llama_server import parse_variants
+
+    try:
+        parse_variants(args.llama_server_variants)
+    except ValueError as e:
+        raise ConfigError(f"--llama-server-variants: {e}") from None
     os.makedirs(args.out, exist_ok=True)
-    prompts, source = prompts_for(args.prompts, args.offset)
+    sets = 1 if args.same_prompts else len(clients)
+    pool, source = prompts_for(args.prompts * sets, args.offset)
+    prompt_sets = [pool[j * args.prompts:(j + 1) * args.prompts] for j in range(sets)]
+    prompts = prompt_sets[0]
     rows = []
 
     def measure(label, url, model, api_key):
-        for n in clients:
-            _log(f"{label}: {n} client(s), {len(prompts)} requests")
-            row = {"server": label, **run_load(url, model, prompts, n, args.max_tokens, api_key)}
-            ref = rows[0]["texts"] if rows else row["texts"]     # greedy: every run must give the first run's texts
+        for j, n in enumerate(clients):
+            todo = prompt_sets[j % sets]
+            _log(f"{label}: {n} client(s), {len(todo)} requests")
+            row = {"server": label, **run_load(url, model, todo, n, args.max_tokens, api_key)}
+            # greedy: every server at this client count must give the first server's texts at this count
+            first = next((r for r in rows if r["clients"] == n), row)
+            ref = first["texts"] if sets > 1 else (rows[0]["texts"] if rows else row["texts"])
             row["identical"] = f"{sum(ref.get(i) == t for i, t in row['texts'].items())} / {len(ref)}"
             if label.startswith("mindspore-eagle"):
                 row["graphs_after_warmup"] = _graphs_after_warmup(url)
@@ -332,6 +359,8 @@ def main(argv=None) -> int:
                         measure(f"{label} -np {max(clients)}", p.url, "llama-server", "none")
                     finally:
                         p.close()
+    if sets > 1:
+        source += f", a fresh set of {args.prompts} per client count"
     result = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "prompts": len(prompts),
               "prompt_source": source, "max_tokens": args.max_tokens, "clients": clients, "rows": rows,
               "note": f"{os.cpu_count()} CPU cores; load average {os.getloadavg()[0]:.2f} at the end.",
