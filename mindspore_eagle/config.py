@@ -136,7 +136,11 @@ class SpeculativeConfig:
     only: the sequence's prompt and output and the process's earlier outputs, core/suffix.py; no drafter needed); suffix_tokens: the most tokens of earlier outputs the
     process keeps for suffix candidates (oldest outputs dropped first; the index takes ~1.7 KB a token, measured
     with tracemalloc on 65,536 tokens: 111 MB). hybrid needs a drafter: with
-    ``model.drafter: none`` it decodes teacher-only, as eagle3 does; suffix drafts copies with or without one."""
+    ``model.drafter: none`` it decodes teacher-only, as eagle3 does; suffix drafts copies with or without one.
+    batch_tree_rows: rows a batched tree verification holds in all (continuous batching): a step of n sequences,
+    run in row bucket b >= n, verifies ``runners.shapes.batch_budget(b, M, batch_tree_rows)`` = max(2, min(M,
+    batch_tree_rows // b)) tokens of each sequence, so a batch's verification stays near the row count where a
+    forward is still cheap (a CPU forward is compute-bound past ~16 rows: docs/performance.md)."""
     M: int = 16
     D_max: int = 5
     top_k: int = 4
@@ -147,6 +151,7 @@ class SpeculativeConfig:
     trace: str = ""
     method: str = "hybrid"
     suffix_tokens: int = 16384
+    batch_tree_rows: int = 16
 
     def validate(self):
         _check_int("speculative.M", self.M, 2, 512)
@@ -162,6 +167,7 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ConfigError(f"speculative.method = {self.method!r}: must be one of {', '.join(METHODS)}")
         _check_int("speculative.suffix_tokens", self.suffix_tokens, 1, 1 << 26)
+        _check_int("speculative.batch_tree_rows", self.batch_tree_rows, 2, 8192)
         if not isinstance(self.validate_tree, bool):
             raise ConfigError("speculative.validate_tree must be true or false")
 

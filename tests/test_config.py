@@ -78,7 +78,7 @@ def test_unknown_key_lists_allowed(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(_yaml(tmp_path, "speculative:\n  budget: 8\n"))
     assert str(e.value) == ("unknown key speculative.budget; allowed keys: M, D_max, top_k, window, mode, policy, "
-                            "validate_tree, trace, method, suffix_tokens")
+                            "validate_tree, trace, method, suffix_tokens, batch_tree_rows")
 
 
 def test_method_is_checked():

@@ -59,4 +59,10 @@ def rows_for(n: int, max_batch: int) -> int:
     return next(b for b in batch_rows(max_batch) if b >= n)
 
 
-__all__ = ["pow2_buckets", "context_widths", "batch_rows", "rows_for"]
+def batch_budget(bucket: int, M: int, tree_rows: int) -> int:
+    """Tokens each sequence of a batched tree step in row bucket ``bucket`` verifies: max(2, min(M, tree_rows //
+    bucket)) (``speculative.batch_tree_rows``; the call has bucket x that many rows)."""
+    return max(2, min(M, tree_rows // bucket))
+
+
+__all__ = ["pow2_buckets", "context_widths", "batch_rows", "rows_for", "batch_budget"]

@@ -32,7 +32,7 @@ import time
 import numpy as np
 
 from mindspore_eagle.core.tree import DraftTree, tensorize
-from mindspore_eagle.runners.shapes import batch_rows
+from mindspore_eagle.runners.shapes import batch_budget, batch_rows
 
 MODES = ("full", "short", "none")
 _FILL_ID = 100    # any valid token id: warm-up only needs shapes
@@ -115,10 +115,11 @@ def _verify(teacher, p0: int, M: int, D: int) -> None:
         teacher.commit(sid, np.array([0, min(2, M - 1)]), D + 2)
 
 
-def batch_shapes(teacher, rows: int, M: int, D: int, speculative: bool):
+def batch_shapes(teacher, rows: int, M: int, D: int, speculative: bool, tree_rows: int = 16):
     """Yield (what, fn) calls compiling the continuous-batching graphs (``scheduler.py``): ``decode_batch`` of
-    b rows at each width and, when ``speculative``, ``verify_batch`` of b x M rows at each width, for every row
-    bucket b of ``runners.shapes.batch_rows(rows)`` (a step of n sequences runs the smallest b >= n).
+    b rows at each width and, when ``speculative``, ``verify_batch`` of b x m_b rows at each width (m_b =
+    ``runners.shapes.batch_budget(b, M, tree_rows)``), for every row bucket b of ``runners.shapes.batch_rows(rows)``
+    (a step of n sequences runs the smallest b >= n).
 
     Only for backends that take a block table per sequence (``TeacherRunner._grouped``; the portable one), whose
     batched widths are the sequence width buckets; a concatenated batch's width depends on the lengths in it, so
@@ -132,16 +133,18 @@ def batch_shapes(teacher, rows: int, M: int, D: int, speculative: bool):
             p0 = _start(prev, 1, teacher.S, lo=1)
             if p0 is not None:
                 yield f"teacher decode_batch {b} x {w}", lambda p0=p0, b=b: _decode_batch(teacher, p0, b)
-            p0 = _start(prev, M, teacher.S, lo=1)
+            m = batch_budget(b, M, tree_rows)
+            p0 = _start(prev, m, teacher.S, lo=1)
             if speculative and p0 is not None:
-                yield f"teacher verify_batch {b * M} x {w}", lambda p0=p0, b=b: _verify_batch(teacher, p0, b, M, D)
+                yield (f"teacher verify_batch {b * m} x {w}",
+                       lambda p0=p0, b=b, m=m: _verify_batch(teacher, p0, b, m, D))
             prev = w
 
 
 def drafter_batch_shapes(drafter, groups: int, M: int, D: int, context_limit: int):
-    """Yield (what, fn) calls compiling the drafter's batched graphs (``DrafterRunner.draft_batch``): context
-    passes of ``groups`` x b rows for each bucket b <= BATCH_EXTEND_MAX and expansion steps of ``groups`` x K
-    rows, at each width, except those that run on the host. Nothing for one group or a backend without per-sequence
+    """Yield (what, fn) calls compiling the drafter's batched graphs (``DrafterRunner.draft_batch``): for every
+    group bucket g of ``runners.shapes.batch_rows(groups)``, context passes of g x b rows for each bucket b <=
+    BATCH_EXTEND_MAX and expansion steps of g x K rows, at each width, except those that run on the host. Nothing for one group or a backend without per-sequence
     block tables."""
     from mindspore_eagle.runners.drafter import BATCH_EXTEND_MAX
 
@@ -150,17 +153,18 @@ def drafter_batch_shapes(drafter, groups: int, M: int, D: int, context_limit: in
     width = 3 * drafter.drafter.cfg.target_hidden_size
     scratch = drafter.K * max(0, D - 1)
     limit = min(context_limit, drafter.S - scratch)
-    prev = 0
-    for w in drafter.widths:
-        for b, p0, n in _bucket_calls([b for b in drafter.buckets if b <= BATCH_EXTEND_MAX], prev, limit):
-            if not drafter.on_host(groups * b):
-                yield (f"drafter context {groups} x {b} x {w}",
-                       lambda p0=p0, n=n: _draft_batch(drafter, p0, n, groups, M, 1, width))
-        p0 = _start(prev, 1 + scratch, limit + scratch)
-        if D > 1 and p0 is not None and not drafter.on_host(groups * drafter.K):
-            yield (f"drafter expansion {groups} x {drafter.K} x {w}",
-                   lambda p0=p0: _draft_batch(drafter, p0, 1, groups, M, D, width))
-        prev = w
+    for g in batch_rows(groups):             # a step of n sequences drafts in the smallest group bucket >= n
+        prev = 0
+        for w in drafter.widths:
+            for b, p0, n in _bucket_calls([b for b in drafter.buckets if b <= BATCH_EXTEND_MAX], prev, limit):
+                if not drafter.on_host(g * b):
+                    yield (f"drafter context {g} x {b} x {w}",
+                           lambda p0=p0, n=n, g=g: _draft_batch(drafter, p0, n, g, M, 1, width))
+            p0 = _start(prev, 1 + scratch, limit + scratch)
+            if D > 1 and p0 is not None and not drafter.on_host(g * drafter.K):
+                yield (f"drafter expansion {g} x {drafter.K} x {w}",
+                       lambda p0=p0, g=g: _draft_batch(drafter, p0, 1, g, M, D, width))
+            prev = w
 
 
 def _draft_batch(drafter, p0: int, n: int, groups: int, M: int, D: int, width: int) -> None:
@@ -269,7 +273,7 @@ def full_shapes(engine, drafters=None, budgets=None, max_batch: int = 1) -> list
     calls = list(teacher_shapes(engine.teacher, budgets, spec.D_max))
     for dr in ([engine.drafter] if drafter else []) + list(drafters or []):
         calls += list(drafter_shapes(dr, spec.M, spec.D_max, engine.teacher.S))
-    calls += list(batch_shapes(engine.teacher, max_batch, spec.M, spec.D_max, tree))
+    calls += list(batch_shapes(engine.teacher, max_batch, spec.M, spec.D_max, tree, spec.batch_tree_rows))
     if drafter:
         calls += list(drafter_batch_shapes(engine.drafter, max_batch, spec.M, spec.D_max, engine.teacher.S))
     return calls

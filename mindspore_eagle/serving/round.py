@@ -65,7 +65,7 @@ from mindspore_eagle.core.trace import StepTrace, Timer
 from mindspore_eagle.core.tree import SOURCE_BOTH, SOURCE_SUFFIX, DraftTree, merge_trees, tensorize, validate_tree
 from mindspore_eagle.kernels.runtime import graph_stats
 from mindspore_eagle.runners.interfaces import DrafterRunnerLike, TeacherRunnerLike
-from mindspore_eagle.runners.shapes import rows_for
+from mindspore_eagle.runners.shapes import batch_budget, rows_for
 
 
 @dataclass
@@ -236,13 +236,20 @@ class DecodeRound:
             self.suffix.add(s.emitter.ids, key=st.key)
         s.state = None
 
-    def _suffix_tree(self, s) -> DraftTree | None:
-        """The suffix candidates of ``s`` rooted at its pending token (None: no earlier match, or no suffix)."""
+    def _suffix_tree(self, s, depth: int | None = None, m: int | None = None) -> DraftTree | None:
+        """The suffix candidates of ``s`` rooted at its pending token, at most ``depth`` deep and ``m`` nodes
+        (default D_max and M; None: no earlier match, or no suffix)."""
         st = s.state
         if st is None or st.text is None:
             return None
         ctx = st.text.docs[0]
-        return propose(s.next, [(st.text, ctx, None), (self.suffix, ctx, st.key)], self.D, self.M).tree
+        return propose(s.next, [(st.text, ctx, None), (self.suffix, ctx, st.key)], depth or self.D, m or self.M).tree
+
+    def batch_budget(self, n: int) -> tuple[int, int]:
+        """(m, depth) of a batched tree step of ``n`` sequences: m tokens verified per sequence
+        (``runners.shapes.batch_budget`` of its row bucket) and drafts at most m - 1 deep (and D_max)."""
+        m = batch_budget(rows_for(n, self.rows), self.M, self.spec.batch_tree_rows)
+        return m, min(self.D, m - 1)
 
     # ------------------------------------------------------------------ one step
     def step(self, live: list) -> list:
@@ -331,19 +338,20 @@ class DecodeRound:
         if self.gate.choose() != "tree":
             return plans
         dr = self.drafter
+        m, depth = self.batch_budget(len(live))
         with timer.phase("draft"):
             trees = [None] * len(live)
             if dr is not None:
                 pending = [_take_pending(s.state) for s in live]
-                trees = dr.draft_batch([s.state.dsid for s in live], pending, [s.next for s in live], self.M,
-                                       self.D, self.rows)
+                trees = dr.draft_batch([s.state.dsid for s in live], pending, [s.next for s in live], m, depth,
+                                       rows_for(len(live), self.rows))
             if self.suffix is not None:
                 for i, s in enumerate(live):
-                    sfx = self._suffix_tree(s)
+                    sfx = self._suffix_tree(s, depth, m)
                     t = sfx if trees[i] is None else merge_trees(trees[i], sfx)
-                    trees[i] = None if t is None else select(t, self.M, self.model)
-        grown = max(0, self.D - 1) if dr is not None else 0
-        return [StepPlan(t, Choice(self.M, 0.0, 0.0) if t is not None else None, grown, dr is not None)
+                    trees[i] = None if t is None else select(t, m, self.model)
+        grown = max(0, depth - 1) if dr is not None else 0
+        return [StepPlan(t, Choice(m, 0.0, 0.0) if t is not None else None, grown, dr is not None)
                 for t in trees]
 
     def _plan_one(self, s, timer: Timer) -> StepPlan:
@@ -421,7 +429,8 @@ class DecodeRound:
             if self.single:
                 layout = BatchLayout(budgets, budgets[0])
             else:                                     # one budget M for every row block: one graph per width
-                layout = BatchLayout.uniform(len(live), self.M, rows_for(len(live), self.rows) * self.M)
+                m = self.batch_budget(len(live))[0]
+                layout = BatchLayout.uniform(len(live), m, rows_for(len(live), self.rows) * m)
             tts = []
             for i, (s, t) in enumerate(zip(live, trees)):
                 m = int(layout.budgets[i])

@@ -38,3 +38,10 @@ def test_batch_rows_and_rows_for():
     for bad in (0, 17):
         with pytest.raises(ValueError, match="max_batch=16"):
             rows_for(bad, 16)
+
+
+def test_batch_budget():
+    from mindspore_eagle.runners.shapes import batch_budget
+
+    assert [batch_budget(b, 16, 16) for b in (1, 2, 4, 8, 16)] == [16, 8, 4, 2, 2]
+    assert [batch_budget(b, 8, 64) for b in (1, 4, 16)] == [8, 8, 4]

@@ -72,8 +72,8 @@ def test_full_warmup_then_no_compile_in_any_turn(ms_runtime, tiny_dir):
 
 @pytest.mark.slow
 def test_batched_warmup_then_scheduler_compiles_nothing(ms_runtime, tiny_dir):
-    """max_batch 3 with trees: the warm-up also compiles decode_batch (3 rows) and verify_batch (3 x M rows) at each
-    width, after which a continuous-batching run over short and long prompts (both widths, tree and plain steps)
+    """max_batch 3 with trees: the warm-up also compiles decode_batch (b rows) and verify_batch (b x m_b rows) for
+    each row bucket b at each width, after which a continuous-batching run over short and long prompts (both widths, tree and plain steps)
     compiles no graph."""
     from tiny_engines import ScriptedGate, records
 
@@ -88,16 +88,22 @@ def test_batched_warmup_then_scheduler_compiles_nothing(ms_runtime, tiny_dir):
 
     cfg = batch.batched_config(_cfg(tiny_dir, ["batch.max_batch=3", "batch.speculative=true"]))
     eng = build_engine(cfg)
+    # row buckets 1, 2, 3; each verifies min(M, 16 // b) tokens a sequence (speculative.batch_tree_rows 16)
     assert [w for w, _ in batch_shapes(eng.teacher, 3, 8, 3, True)] == [
-        "teacher decode_batch 3 x 256", "teacher verify_batch 24 x 256",
-        "teacher decode_batch 3 x 512", "teacher verify_batch 24 x 512"]
+        "teacher decode_batch 1 x 256", "teacher verify_batch 8 x 256",
+        "teacher decode_batch 1 x 512", "teacher verify_batch 8 x 512",
+        "teacher decode_batch 2 x 256", "teacher verify_batch 16 x 256",
+        "teacher decode_batch 2 x 512", "teacher verify_batch 16 x 512",
+        "teacher decode_batch 3 x 256", "teacher verify_batch 15 x 256",
+        "teacher decode_batch 3 x 512", "teacher verify_batch 15 x 512"]
     assert list(batch_shapes(eng.teacher, 1, 8, 3, True)) == []
     # drafter calls of at most 32 rows run on the host: only the batched context pass of 3 x 16 rows is a graph
     assert [w for w, _ in drafter_batch_shapes(eng.drafter, 3, 8, 3, eng.teacher.S)] == [
         "drafter context 3 x 16 x 256", "drafter context 3 x 16 x 512"]
     out = warmup(eng, cfg.generation, "full", max_batch=3)
-    # teacher's one-sequence graphs (test above) 7; teacher decode_batch + verify_batch at 2 widths 4; drafter 2
-    assert out["compiles"] == 7 + 4 + 2
+    # teacher's one-sequence graphs (test above) 7; teacher decode_batch + verify_batch at 3 row buckets and 2
+    # widths 12; drafter 2 (group buckets 1 and 2 run on the host)
+    assert out["compiles"] == 7 + 12 + 2
     before = eng.teacher.compiles + eng.drafter.compiles
     recs = records([{"id": i, "prompt": p} for i, p in enumerate(["Hi", LONG, "Thanks", "What is 2+2?"])])
     sched = BatchScheduler(eng, cfg.generation, 3, speculative=True)

@@ -205,7 +205,8 @@ def test_speculative_round_one_sequence_is_lossless(oracle):
 
 
 def test_speculative_batch_is_lossless_and_the_gate_sees_both_kinds():
-    """N = 3: trees of budget M for every row (one verify_batch), or a plain batched step, as the gate says."""
+    """N = 3: trees of one budget for every row (one verify_batch; M here, as batch_tree_rows allows 3 x M rows), or
+    a plain batched step, as the gate says."""
 
     class Scripted:
         def __init__(self, kinds):
@@ -219,8 +220,11 @@ def test_speculative_batch_is_lossless_and_the_gate_sees_both_kinds():
             self.seen.append((kind, tokens))
 
     gen = GenerationConfig(max_new_tokens=17)
-    spec = SpeculativeConfig(M=8, D_max=3, top_k=2, policy="fixed")
+    spec = SpeculativeConfig(M=8, D_max=3, top_k=2, policy="fixed", batch_tree_rows=24)   # 3 rows x M = 8 each
     tg, dr = FakeTeacher(), FakeDrafter(True)
+    # the default batch_tree_rows 16: a step of 3 (row bucket 4) verifies 4 tokens each and drafts 3 deep
+    assert DecodeRound(tg, dr, SpeculativeConfig(M=8, D_max=3, top_k=2), rows=4, gate=Scripted([])).batch_budget(3) \
+        == (4, 3)
     gate = Scripted(["tree", "plain"])
     seqs = run(DecodeRound(tg, dr, spec, rows=3, gate=gate), tg, PROMPTS, gen)
     for s, p in zip(seqs, PROMPTS):
