@@ -283,6 +283,32 @@ def _model_of(url: str, api_key: str) -> str:
     return r.json()["data"][0]["id"]
 
 
+def _measure_llama_servers(cfg, args, slots: int, measure) -> None:
+    """Start each ``--llama-server-variants`` server in turn with ``slots`` parallel slots and ``measure`` it; one
+    that does not start is logged and skipped (the rows measured so far are kept).
+
+    Raises:
+        ConfigError: an eagle3 variant (single stream only: bench --peer-llamacpp)."""
+    from mindspore_eagle.bench.llama_server import PeerError, parse_variants
+    from mindspore_eagle.config import ConfigError
+
+    threads = cfg.context.threads or min(os.cpu_count() or 1, 8)
+    for label, spec_args in parse_variants(args.llama_server_variants):
+        if "{drafter}" in spec_args:
+            raise ConfigError("--llama-server-variants: eagle3 is for bench --peer-llamacpp (single stream)")
+        try:
+            p = start_llama_server(cfg, args.out, threads, slots, spec_args, label.replace(" ", "_"),
+                                   args.start_timeout)
+        except PeerError as e:
+            _log(f"{label} did not start ({e}); its rows are skipped")
+            continue
+        if p is not None:
+            try:
+                measure(f"{label} -np {slots}", p.url, "llama-server", "none")
+            finally:
+                p.close()
+
+
 def main(argv=None) -> int:
     """Entry point of ``bench serve``; returns the exit code (0; 2 for a known error, printed by the CLI)."""
     from mindspore_eagle.config import ConfigError, load_config
@@ -342,23 +368,7 @@ def main(argv=None) -> int:
             finally:
                 p.stop()
         if not args.no_llamacpp:
-            from mindspore_eagle.bench.llama_server import PeerError, parse_variants
-
-            threads = cfg.context.threads or min(os.cpu_count() or 1, 8)
-            for label, spec_args in parse_variants(args.llama_server_variants):
-                if "{drafter}" in spec_args:
-                    raise ConfigError("--llama-server-variants: eagle3 is for bench --peer-llamacpp (single stream)")
-                name = label.replace(" ", "_")
-                try:
-                    p = start_llama_server(cfg, args.out, threads, max(clients), spec_args, name, args.start_timeout)
-                except PeerError as e:           # the rows measured so far are kept
-                    _log(f"{label} did not start ({e}); its rows are skipped")
-                    p = None
-                if p is not None:
-                    try:
-                        measure(f"{label} -np {max(clients)}", p.url, "llama-server", "none")
-                    finally:
-                        p.close()
+            _measure_llama_servers(cfg, args, max(clients), measure)
     if sets > 1:
         source += f", a fresh set of {args.prompts} per client count"
     result = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "prompts": len(prompts),
