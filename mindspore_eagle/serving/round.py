@@ -1,20 +1,21 @@
 """The decode round: one step of every live sequence, plain or tree, for every caller.
 
-Legend: n = live sequences in the step, N = ``rows`` (the static row count of a batched call), M = tree budget
-ceiling, m = budget of one step (1 = plain decode), D = D_max, V = vocabulary, H = teacher hidden size,
+Legend: n = live sequences in the step, N = ``rows`` (the most sequences of a batched call), b = the row bucket of
+the step (1, 2, 4, ..., N: the smallest >= n, ``runners.shapes.rows_for``), M = tree budget ceiling, m = budget of one step (1 = plain decode), D = D_max, V = vocabulary, H = teacher hidden size,
 L_k = accepted length of the step (accepted drafts + bonus).
 
 One round (docs/architecture.md, "The decode round"):
 
     plan       N = 1: the speculation policy (core/policy.py) answers "draft?", "one more level?", "budget m?"
-               N > 1: a RateGate picks a tree of the fixed budget M for every sequence, or a plain step for all
+               N > 1: a RateGate picks a tree of budget m_b for every sequence (``runners.shapes.batch_budget``:
+               max(2, min(M, speculative.batch_tree_rows // b))), or a plain step for all
     draft      drafter context pass on the pairs the drafter has not seen, then the EAGLE-2 tree; with suffix
                candidates (core/suffix.py) the continuations of the longest earlier match in the sequence's own
                text and in the process's earlier outputs are merged into it (core.tree.merge_trees), or verified
                alone when the drafter does not run or there is none
     tensorize  core.tree.tensorize at the step's budget [+ validate_tree in eager mode / when asked]
-    forward    a plain step: one teacher decode (N = 1) or one batched decode of n rows;
-               a tree step: one teacher verification of m rows (N = 1) or of n x M rows (``BatchLayout``)
+    forward    a plain step: one teacher decode (N = 1) or one batched decode of b rows;
+               a tree step: one teacher verification of m rows (N = 1) or of b x m_b rows (``BatchLayout``)
     accept     greedy longest path + bonus, or seeded sampling by coupling (core/accept.py): a draft is accepted
                when it equals the teacher's own sample at its position
     commit     teacher KV of the accepted path moved after the prefix; (feature, token) pairs queued for the drafter

@@ -1,6 +1,6 @@
 """Continuous batching: many sequences share one teacher forward per step, admitted as rows and KV blocks free.
 
-Legend: N = ``max_batch`` (rows of one batched forward), S = cache.max_seq_len, B = cache.block_size, NB =
+Legend: N = ``max_batch`` (the most sequences of one batched forward), S = cache.max_seq_len, B = cache.block_size, NB =
 cache.num_blocks (the KV pool), need = prompt tokens + max_new_tokens of one request (+ speculative.M when trees
 are verified).
 
@@ -25,7 +25,8 @@ Pool: admission reserves a request's worst case (ceil(need / B) blocks) against 
 meets an exhausted pool and nothing is ever preempted; a request waits while the pool is full. A request whose need
 exceeds S, or NB on its own, ends with an error (:meth:`BatchScheduler.fit_error` gives the words), never a crash.
 
-Rounds: the batched round (``engine.decode_round(speculative, rows=N)``) runs N-row graphs; with trees, a
+Rounds: the batched round (``engine.decode_round(speculative, rows=N)``) runs the smallest row bucket 1, 2, 4, ...,
+N that holds the step's sequences (a tree step: that many x ``speculative.batch_tree_rows`` // bucket); with trees, a
 :class:`SizeGates` (one ``RateGate`` per number of live sequences) picks a tree step or a plain step by measured
 tokens per ms at that batch size, so speculation steps aside where it does not pay. With ``single_round``, a step
 with one sequence alone runs the single-sequence round instead (decode k = 1 / verify k = m graphs and the
@@ -139,7 +140,7 @@ class SizeGates:
     sets ``n`` (sequences in the next step) before each step, and the round's ``choose`` / ``observe`` go to that
     size's gate, so whether trees pay is measured separately at 2, 3, ... N sequences. A size seen for the first
     time starts from the nearest size's measurements (``RateGate.seed_from``) instead of warming up again: each
-    warm-up took two tree steps of N x M rows, at every size the batch passed through."""
+    warm-up took two tree steps, at every size the batch passed through."""
 
     def __init__(self, make):
         self.make, self.gates, self.n = make, {}, 1
