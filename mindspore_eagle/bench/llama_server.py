@@ -292,12 +292,14 @@ class LlamaServer:
             self._log.close()
 
 
-def compare(ids, ref_ids) -> dict:
+def compare(ids, ref_ids, eos=()) -> dict:
     """{"same_tokens": ids == ref_ids, "match_prefix": share of ``ref_ids`` before the first difference}.
 
-    A peer's ids may stop one short of ours at an end-of-sequence id (ours keep it, llama-server does not return
-    it): a shorter run that is a prefix of ours ending just before our final EOS counts as the same."""
+    llama-server does not return the end-of-sequence id it stopped at (ours keep it): when ``ref_ids`` ends with
+    an id of ``eos`` and ``ids`` equals everything before it, the EOS is put back before comparing."""
     ids, ref = list(ids), list(ref_ids)
+    if ref and ref[-1] in set(eos) and ids == ref[:-1]:
+        ids = ref
     first = next((i for i, (a, b) in enumerate(zip(ids, ref)) if a != b), min(len(ids), len(ref)))
     return {"same_tokens": ids == ref, "match_prefix": first / len(ref) if ref else float("nan")}
 
@@ -340,10 +342,8 @@ class LlamaServerPeer:
         for label, srv in self.servers.items():
             r = srv.complete(prompt_ids, max_new_tokens)
             ids = r.pop("ids")
-            if ids and ids[-1] not in self.eos and ref and ref[-1] in self.eos and len(ids) == len(ref) - 1:
-                ids = ids + [ref[-1]] if ids == ref[:-1] else ids
             out[label] = {**r, "tok_s": r["new_tokens"] / r["seconds"] if r["seconds"] > 0 else float("nan"),
-                          **compare(ids, ref)}
+                          **compare(ids, ref, self.eos)}
         return out
 
     def close(self) -> None:

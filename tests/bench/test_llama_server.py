@@ -150,6 +150,10 @@ def test_parse_variants():
 def test_compare():
     assert ls.compare([1, 2, 3], [1, 2, 3]) == {"same_tokens": True, "match_prefix": 1.0}
     assert ls.compare([1, 2, 4], [1, 2, 3, 5]) == {"same_tokens": False, "match_prefix": 0.5}
+    assert ls.compare([1, 2], [1, 2, 9], eos=(9,))["same_tokens"]                 # the EOS it does not return
+    assert ls.compare([], [9], eos=(9,))["same_tokens"]
+    assert not ls.compare([1, 2], [1, 2, 9])["same_tokens"]                       # 9 is not an EOS here
+    assert not ls.compare([1, 3], [1, 2, 9], eos=(9,))["same_tokens"]
 
 
 def test_peer_runs_clean_and_compares_tokens(stand_in, monkeypatch):
