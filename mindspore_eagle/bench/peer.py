@@ -78,6 +78,24 @@ def _copy_tokenizer_fields(writer, source) -> int:
     return n
 
 
+def add_llama_hparams(w, layers: int, ctx: int, hidden: int, ffn: int, heads: int, kv_heads: int, head_dim: int,
+                      rope_theta: float, rms_eps: float, vocab: int) -> None:
+    """The Llama-family hyper-parameter keys of a GGUF (``gguf.GGUFWriter`` ``w``, under its architecture):
+    block count, context length, widths, heads, head dim (key / value / RoPE), RoPE base, RMSNorm eps, vocab."""
+    w.add_block_count(layers)
+    w.add_context_length(ctx)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float(rope_theta))
+    w.add_layer_norm_rms_eps(float(rms_eps))
+    w.add_vocab_size(vocab)
+
+
 def write_gguf_f32(path, cfg, tensors: dict, tokenizer_from) -> str:
     """Write an F32 llama-arch GGUF of a teacher.
 
@@ -96,18 +114,8 @@ def write_gguf_f32(path, cfg, tensors: dict, tokenizer_from) -> str:
         raise ValueError("llama.cpp's llama architecture has no attn_output bias; cannot write this teacher")
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("mindspore_eagle teacher (F32)")
-    w.add_block_count(cfg.num_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(cfg.head_dim)
-    w.add_rope_freq_base(float(cfg.rope_theta))
-    w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
-    w.add_vocab_size(cfg.vocab_size)
+    add_llama_hparams(w, cfg.num_layers, cfg.max_position_embeddings, cfg.hidden_size, cfg.intermediate_size,
+                      cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_theta, cfg.rms_norm_eps, cfg.vocab_size)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     _copy_tokenizer_fields(w, tokenizer_from)
     for name, arr in tensors.items():
@@ -283,5 +291,5 @@ def make_peer(cfg, loaded, outdir: str, threads: int, log=print, lookup=LOOKUP_T
     return LlamaCppPeer(path, threads, cfg.cache.max_seq_len, loaded.teacher_cfg.eos_token_ids, lookup)
 
 
-__all__ = ["available", "permute_qk", "gguf_name", "write_gguf_f32", "peer_env", "PeerProcess", "PeerError",
+__all__ = ["add_llama_hparams", "available", "permute_qk", "gguf_name", "write_gguf_f32", "peer_env", "PeerProcess", "PeerError",
            "LlamaCppPeer", "LOOKUP_TOKENS", "write_peer_gguf", "make_peer"]

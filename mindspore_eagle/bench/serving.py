@@ -35,12 +35,13 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import numpy as np
+
+from mindspore_eagle.bench.llama_server import free_port, stop_process
 
 BUILTIN_PROMPTS = ["What is the capital of France?", "Explain photosynthesis in two sentences.",
                    "Write a haiku about the sea.", "How do I reverse a list in Python?", "Name three primary colours.",
@@ -138,12 +139,6 @@ def run_load(url: str, model: str, prompts: list, clients: int, max_tokens: int,
     return asyncio.run(_drive(url, model, prompts, clients, max_tokens, api_key, timeout))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_health(url: str, proc, timeout: float, path: str = "/health") -> None:
     import httpx
 
@@ -169,19 +164,13 @@ class ServeProcess:
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 120)
         self.log.close()
 
 
 def start_ours(configs: list, sets: list, max_batch: int, baseline: bool, out: str, timeout: float) -> ServeProcess:
     """Start ``mindspore-eagle serve`` (teacher-only with ``baseline``) and wait until /health answers 200."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "mindspore_eagle", "serve", "--port", str(port), "--max-batch", str(max_batch)]
     for c in configs:
         cmd += ["--config", c]
