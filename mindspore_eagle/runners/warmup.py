@@ -144,8 +144,8 @@ def batch_shapes(teacher, rows: int, M: int, D: int, speculative: bool, tree_row
 def drafter_batch_shapes(drafter, groups: int, M: int, D: int, context_limit: int):
     """Yield (what, fn) calls compiling the drafter's batched graphs (``DrafterRunner.draft_batch``): for every
     group bucket g of ``runners.shapes.batch_rows(groups)``, context passes of g x b rows for each bucket b <=
-    BATCH_EXTEND_MAX and expansion steps of g x K rows, at each width, except those that run on the host. Nothing for one group or a backend without per-sequence
-    block tables."""
+    BATCH_EXTEND_MAX and expansion steps of g x K rows, at each width, except those that run on the host. Nothing
+    for one group or a backend without per-sequence block tables."""
     from mindspore_eagle.runners.drafter import BATCH_EXTEND_MAX
 
     if groups <= 1 or not drafter.grouped:
