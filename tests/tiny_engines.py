@@ -14,13 +14,14 @@ from mindspore_eagle.models.eagle3 import (
 )
 
 
-def make_target(loaded_cfg, tensors, mode, num_blocks=32, block_size=8, max_seq_len=128, chunk=16):
+def make_target(loaded_cfg, tensors, mode, num_blocks=32, block_size=8, max_seq_len=128, chunk=16, host=None):
+    """A TeacherRunner of the loaded tiny teacher (``host`` as TeacherRunner: False = every call a graph)."""
     from mindspore_eagle.models.llama import LlamaModel
     from mindspore_eagle.runners.teacher import TeacherRunner
 
     net = LlamaModel(loaded_cfg, num_blocks, block_size, max_seq_len)
     net.load_hf_weights(tensors)
-    return TeacherRunner(net, num_blocks, block_size, max_seq_len, mode, chunk)
+    return TeacherRunner(net, num_blocks, block_size, max_seq_len, mode, chunk, host=host)
 
 
 def tiny_tree(rng, root, M, D, vocab):

@@ -568,6 +568,25 @@ class CpuBackend(PortableBackend):
             return self.kernels.decoder_layer[1](*args, bqkv, w_gate_up, w_down)
         return self.kernels.decoder_layer[2](*args, bqkv, bo, w_gate_up, w_down)
 
+    def stack_kernel(self, inputs: int):
+        """The kernel that runs every decoder layer of a model in one call (``cpu.CpuKernels.decoder_stack`` for a
+        call of ``inputs`` inputs), for :meth:`decoder_stack`; made outside any graph (a model's ``__init__``)."""
+        return self.kernels.decoder_stack(inputs)
+
+    def decoder_stack(self, kernel, spec, tokens, positions, slots, block_table, mask, embed, cos, sin, eps: float,
+                      weights):
+        """A teacher's trunk in one call of ``kernel`` (:meth:`stack_kernel`; ``cpu_kernels.cc`` DecoderStack): the
+        embedding rows of ``tokens`` [k] (``embed`` as :meth:`embed_rows` reads it), their norm, the RoPE rows of
+        ``positions`` [k] from the tables ``cos`` / ``sin`` [P, hd], the cache rows of ``slots`` [k] and
+        ``block_table`` ([S/B], or [G, S/B]) as :meth:`prepare`, then every layer's :meth:`decoder_layer`, bit
+        for bit what those calls compute. ``spec`` int32 [7] = (nh, n_kv, biases, L, a0, a1, a2), ``weights``
+        each layer's (wqkv, wo, [bqkv, [bo,]] w_gate_up, w_down, key_cache, value_cache) in layer order
+        -> (x [k, H] after the last layer, rms(x) [k, H], aux [k, 3H]: the residual stream entering layers
+        a0, a1, a2). One graph node instead of ~45 takes ~1 ms of MindSpore's host work off a forward of the
+        135M teacher (docs/cpu_kernels.md, "Host work around a forward")."""
+        return kernel(spec, tokens, positions, slots, block_table, mask, embed, cos, sin,
+                      ops.scalar_to_tensor(eps, ms.float32), *weights)
+
     def mlp_add_norm(self, h, w_gate_up, w_down, resid, eps: float):
         """One kernel call (``cpu.ref_mlp_add_norm``); MatMul + portable ops over CPU_LINEAR_MAX_ROWS rows."""
         if not self._fused(h, w_gate_up, w_down):

@@ -189,7 +189,8 @@ def set_spin_us(us: int) -> int:
     return int(lib.SetSpinMicros(ctypes.c_int(max(0, int(us)))))
 
 
-KERNEL_NAMES = ("linear", "add_rms_norm", "paged_attention", "attn_block", "mlp_add_norm", "decoder_layer")
+KERNEL_NAMES = ("linear", "add_rms_norm", "paged_attention", "attn_block", "mlp_add_norm", "decoder_layer",
+                "decoder_stack")
 """Names of :func:`kernel_stats` (``linear`` includes ``head_topk``)."""
 
 
@@ -322,6 +323,7 @@ class CpuKernels:
                 lambda q, kc, vc, rows, mask, scale: q)
             self._heads = {}
             self._moves = {}
+            self._stacks = {}
             cls._instance = self
         return cls._instance
 
@@ -332,6 +334,19 @@ class CpuKernels:
             prim.add_prim_attr("top_k", K)      # part of MindSpore's op cache key: the shape depends on it
             self._heads[K] = prim
         return self._heads[K]
+
+    def decoder_stack(self, inputs: int):
+        """The ``decoder_stack`` primitive for a call of ``inputs`` inputs (spec [7] i32 = (nh, n_kv, biases, L,
+        a0, a1, a2), tokens, positions, slots, block_table, mask, embed, cos, sin, eps, then each layer's weights
+        and caches -> (x [k, H], rms(x) [k, H], aux [k, 3H]); ``cpu_kernels.cc``, DecoderStack), made on first
+        use: one per input count, so each primitive keeps one input signature."""
+        if inputs not in self._stacks:
+            prim = _custom("DecoderStack", lambda spec, tok, pos, slots, table, mask, emb, *_: (
+                [tok[0], emb[1]], [tok[0], emb[1]], [tok[0], 3 * emb[1]]),
+                lambda spec, tok, pos, slots, table, mask, emb, *_: (emb, emb, emb))
+            prim.add_prim_attr("inputs", inputs)
+            self._stacks[inputs] = prim
+        return self._stacks[inputs]
 
     def move_rows(self, caches: int):
         """The ``move_rows`` primitive for ``caches`` caches (src [P] i32, dst [P] i32, caches... [R, D] f32 ->

@@ -241,7 +241,7 @@ static void parallel_for(int64_t n, const F &body) {
 }
 
 // Time spent inside each kernel (steady clock, ns) and its calls, for profiles: KernelStats / ResetKernelStats.
-enum { K_LINEAR, K_NORM, K_ATTN, K_BLOCK, K_MLP, K_LAYER, K_COUNT };
+enum { K_LINEAR, K_NORM, K_ATTN, K_BLOCK, K_MLP, K_LAYER, K_STACK, K_COUNT };
 static std::atomic<int64_t> g_ns[K_COUNT], g_calls[K_COUNT];
 struct Timed {
   int id;
@@ -1147,6 +1147,124 @@ extern "C" int DecoderLayer(int nparam, void **params, int *ndims, int64_t **sha
     return 1;
   return half ? decoder_layer<_Float16>(nparam, params, ndims, shapes)
               : decoder_layer<float>(nparam, params, ndims, shapes);
+}
+
+// ---------------------------------------------------------------------------------------------- DecoderStack
+// A teacher's trunk in one call, from token ids to the last layer: spec [7] i32 = (nh, n_kv, biases, L, a0, a1,
+// a2), tokens [k] i32, positions [k] i32, slots [k] i32, block_table [S / B] or [G, S / B] i32 (G sequences of k / G
+// rows each), mask [k, S] f32 additive, embed [V, H] f32 or packed [V / 16, H, 16], cos / sin_signed [P, hd] f32
+// (RoPE tables), eps [1]; then per layer (wqkv, wo, [bqkv, [bo,]] w_gate_up, w_down, key_cache, value_cache) as
+// DecoderLayer takes them (biases = 0, 1 or 2 of them; caches [n_kv (NB + 1) B, hd], written in place)
+// -> x [k, H] after the last layer, rms(x) [k, H], aux [k, 3 H] = the residual stream entering layers a0, a1, a2
+// side by side (EAGLE-3's captured features).
+// It does what the graph did around L DecoderLayer nodes, with the same float operations: the embedding rows
+// (cpu.rows), the first norm (AddRmsNorm with a zero addend), the RoPE rows of the positions, the cache rows of
+// PortableKVOps.indices (write: head j's row of slot s is j (NB + 1) B + s; read: block_table[c / B] B + c % B of
+// column c, per head), then each layer as DecoderLayer on the previous layer's output. One graph node instead of
+// ~45 takes ~1 ms of MindSpore's host work off every forward of the 135M teacher (docs/cpu_kernels.md, "Host work
+// around a forward"). Returns 1 on a malformed call, 3 on an index out of range (a token, a position, a block), else
+// what a layer returns.
+enum DecoderStackArg { DS_SPEC, DS_TOKENS, DS_POS, DS_SLOTS, DS_TABLE, DS_MASK, DS_EMBED, DS_COS, DS_SIN, DS_EPS,
+                       DS_LAYERS };
+template <typename W>
+static int decoder_stack(void **params, int *ndims, int64_t **shapes, int per) {
+  const int32_t *spec = (const int32_t *)params[DS_SPEC];
+  const int nb = spec[2], L = spec[3];
+  const int64_t nkv = spec[1], k = shapes[DS_TOKENS][0], S = shapes[DS_MASK][1];
+  const int64_t H = shapes[DS_EMBED][1];
+  const int64_t V = ndims[DS_EMBED] == 3 ? shapes[DS_EMBED][0] * shapes[DS_EMBED][2] : shapes[DS_EMBED][0];
+  const int64_t P = shapes[DS_COS][0], hd = shapes[DS_COS][1];
+  const int64_t G = ndims[DS_TABLE] == 2 ? shapes[DS_TABLE][0] : 1, nblk = shapes[DS_TABLE][ndims[DS_TABLE] - 1];
+  const int64_t R = shapes[DS_LAYERS + 4 + nb][0], span = R / nkv, B = S / nblk;
+  const int32_t *tokens = (const int32_t *)params[DS_TOKENS], *pos = (const int32_t *)params[DS_POS];
+  const int32_t *slots = (const int32_t *)params[DS_SLOTS], *table = (const int32_t *)params[DS_TABLE];
+  const float *embed = (const float *)params[DS_EMBED];
+  const float *cos_t = (const float *)params[DS_COS], *sin_t = (const float *)params[DS_SIN];
+  const float eps = ((const float *)params[DS_EPS])[0];
+  const int out_y = DS_LAYERS + L * per, out_h = out_y + 1, out_aux = out_y + 2;
+  float *aux = (float *)params[out_aux];
+  // the prologue: embedding rows, their norm, RoPE rows, cache rows
+  std::vector<float> x0(k * H), h0(k * H), zero(H, 0.f), tmp(H), cs(k * hd), sn(k * hd), buf(4 * k * H);
+  std::vector<int32_t> wrows(k * nkv), rrows(G * nkv * S);
+  for (int64_t r = 0; r < k; ++r) {
+    const int64_t t = tokens[r], p = pos[r];
+    if (t < 0 || t >= V || p < 0 || p >= P || slots[r] < 0 || slots[r] >= span) return 3;
+    if (ndims[DS_EMBED] == 3)
+      for (int64_t i = 0; i < H; ++i) x0[r * H + i] = embed[(t / PANEL * H + i) * PANEL + t % PANEL];
+    else
+      std::memcpy(x0.data() + r * H, embed + t * H, H * sizeof(float));
+    add_norm_row(zero.data(), x0.data() + r * H, nullptr, eps, tmp.data(), h0.data() + r * H, H);
+    std::memcpy(cs.data() + r * hd, cos_t + p * hd, hd * sizeof(float));
+    std::memcpy(sn.data() + r * hd, sin_t + p * hd, hd * sizeof(float));
+    for (int64_t j = 0; j < nkv; ++j) wrows[r * nkv + j] = (int32_t)(j * span + slots[r]);
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = 0; c < S; ++c) {
+      const int64_t blk = table[g * nblk + c / B];
+      if (blk < 0 || (blk + 1) * B > span) return 3;
+      for (int64_t j = 0; j < nkv; ++j) rrows[(g * nkv + j) * S + c] = (int32_t)(j * span + blk * B + c % B);
+    }
+  int64_t kh[2] = {k, H}, khd[2] = {k, hd}, wsh[1] = {k * nkv}, rsh3[3] = {G, nkv, S}, two[1] = {2};
+  int64_t *rsh = ndims[DS_TABLE] == 2 ? rsh3 : rsh3 + 1;
+  const int rnd = ndims[DS_TABLE] == 2 ? 3 : 2;
+  const float *x = x0.data(), *h = h0.data();
+  for (int l = 0; l < L; ++l) {
+    for (int j = 0; j < 3; ++j)
+      if (spec[4 + j] == l)
+        for (int64_t r = 0; r < k; ++r) std::memcpy(aux + r * 3 * H + j * H, x + r * H, H * sizeof(float));
+    const int base = DS_LAYERS + l * per;
+    float *y = l + 1 == L ? (float *)params[out_y] : buf.data() + (l % 2) * 2 * k * H;
+    float *hn = l + 1 == L ? (float *)params[out_h] : y + k * H;
+    // DecoderLayer's arguments: x, h, wqkv, wo, cos, sin, heads, kc, vc, write_rows, read_rows, mask, eps[, bqkv
+    // [, bo]], w_gate_up, w_down, y, rms(y)
+    void *p[AB_BIAS + 6] = {(void *)x, (void *)h, params[base], params[base + 1], cs.data(), sn.data(),
+                            (void *)spec, params[base + 4 + nb], params[base + 5 + nb], wrows.data(), rrows.data(),
+                            params[DS_MASK], params[DS_EPS]};
+    int nd[AB_BIAS + 6] = {2, 2, ndims[base], ndims[base + 1], 2, 2, 1, ndims[base + 4 + nb], ndims[base + 5 + nb],
+                           1, rnd, ndims[DS_MASK], ndims[DS_EPS]};
+    int64_t *sh[AB_BIAS + 6] = {kh, kh, shapes[base], shapes[base + 1], khd, khd, two, shapes[base + 4 + nb],
+                                shapes[base + 5 + nb], wsh, rsh, shapes[DS_MASK], shapes[DS_EPS]};
+    int n = AB_BIAS;
+    for (int i = 2; i < 4 + nb; ++i)       // the biases, then w_gate_up, w_down
+      p[n] = params[base + i], nd[n] = ndims[base + i], sh[n++] = shapes[base + i];
+    p[n] = y, nd[n] = 2, sh[n++] = kh;
+    p[n] = hn, nd[n] = 2, sh[n++] = kh;
+    const int rc = decoder_layer<W>(n, p, nd, sh);
+    if (rc) return rc;
+    x = y, h = hn;
+  }
+  return 0;
+}
+
+extern "C" int DecoderStack(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                            void *stream, void *extra) {
+  Timed timed(K_STACK);
+  if (nparam < DS_LAYERS + 3 || ndims[DS_SPEC] != 1 || shapes[DS_SPEC][0] != 7) return 1;
+  const int32_t *spec = (const int32_t *)params[DS_SPEC];
+  const int nb = spec[2], L = spec[3], per = 6 + nb;
+  if (nb < 0 || nb > 2 || L < 1 || spec[1] < 1 || nparam != DS_LAYERS + L * per + 3) return 1;
+  for (int j = 0; j < 3; ++j)
+    if (spec[4 + j] < 0 || spec[4 + j] >= L) return 1;
+  const int o = DS_LAYERS + L * per, et = ndims[DS_EMBED];
+  if (ndims[DS_TOKENS] != 1 || ndims[DS_MASK] != 2 || (et != 2 && et != 3) || (et == 3 && shapes[DS_EMBED][2] != PANEL) ||
+      std::strcmp(dtypes[DS_EMBED], "float32") != 0 || ndims[DS_COS] != 2 || ndims[DS_SIN] != 2 ||
+      shapes[DS_SIN][0] != shapes[DS_COS][0] || shapes[DS_SIN][1] != shapes[DS_COS][1] ||
+      (ndims[DS_TABLE] != 1 && ndims[DS_TABLE] != 2))
+    return 1;
+  const int64_t k = shapes[DS_TOKENS][0], H = shapes[DS_EMBED][1], S = shapes[DS_MASK][1];
+  const int64_t nblk = shapes[DS_TABLE][ndims[DS_TABLE] - 1], G = ndims[DS_TABLE] == 2 ? shapes[DS_TABLE][0] : 1;
+  const int64_t R = shapes[DS_LAYERS + 4 + nb][0];
+  if (shapes[DS_POS][0] != k || shapes[DS_SLOTS][0] != k || shapes[DS_MASK][0] != k || nblk < 1 || S % nblk ||
+      k % G || R % spec[1] || shapes[o][0] != k || shapes[o][1] != H || shapes[o + 2][1] != 3 * H)
+    return 1;
+  const bool half = is_half(dtypes[DS_LAYERS]);
+  for (int l = 0; l < L; ++l) {
+    const int base = DS_LAYERS + l * per;
+    for (int i : {0, 1, 2 + nb, 3 + nb})
+      if (is_half(dtypes[base + i]) != half) return 1;
+    if (shapes[base + 4 + nb][0] != R || shapes[base + 5 + nb][0] != R) return 1;
+  }
+  return half ? decoder_stack<_Float16>(params, ndims, shapes, per) : decoder_stack<float>(params, ndims, shapes, per);
 }
 
 // ---------------------------------------------------------------------------------------------- MoveRows

@@ -23,7 +23,7 @@ import numpy as np
 
 from mindspore_eagle.kernels import cpu
 
-_NAMES = ("Linear", "AddRmsNorm", "AttnBlock", "MlpAddNorm", "HeadTopK")
+_NAMES = ("Linear", "AddRmsNorm", "AttnBlock", "MlpAddNorm", "HeadTopK", "DecoderStack", "MoveRows")
 
 
 class HostKernelError(RuntimeError):
@@ -80,6 +80,11 @@ class HostKernels:
             raise HostKernelError(f"{name} refused its arguments (code {rc}): shapes "
                                   f"{[tuple(a.shape) for a in arrays]}")
 
+    def prepared(self, name: str, arrays: list) -> PreparedCall:
+        """A :class:`PreparedCall` of kernel ``name`` whose arguments that never change (the entries of ``arrays``
+        that are not None: weights, caches) are marshalled once."""
+        return PreparedCall(self, name, arrays)
+
     def _dtype_name(self, dtype) -> bytes:
         name = self._dtype_names.get(dtype)
         if name is None:
@@ -121,3 +126,51 @@ class HostKernels:
         lp, ids = np.empty((h.shape[0], K), np.float32), np.empty((h.shape[0], K), np.int32)
         self.call("HeadTopK", h, w, d2t, lp, ids)
         return lp, ids
+
+
+class PreparedCall:
+    """One kernel call whose ctypes argument arrays are built once: a call of the teacher's DecoderStack has ~200
+    arguments, and marshalling them all per call cost ~0.8 ms (numpy ``ctypes`` objects and shape arrays); here the
+    fixed ones are marshalled at construction and a call sets only the others (:meth:`__call__`).
+
+    Args:
+        kernels: the :class:`HostKernels`. name: the kernel. arrays: every argument in order (inputs, then
+            outputs); None marks one given per call. The fixed arrays are kept referenced (their memory must live).
+    Raises:
+        HostKernelError: a fixed array is not C-contiguous.
+    """
+
+    def __init__(self, kernels: HostKernels, name: str, arrays: list):
+        n = len(arrays)
+        self.name, self.kernels, self.fn = name, kernels, kernels._fns[name]
+        self.n = n
+        self.ptrs, self.ndims = (ctypes.c_void_p * n)(), (ctypes.c_int * n)()
+        self.shapes, self.dtypes = (ctypes.POINTER(ctypes.c_int64) * n)(), (ctypes.c_char_p * n)()
+        self.arrays = list(arrays)
+        self._keep = [None] * n
+        for i, a in enumerate(arrays):
+            if a is not None:
+                self._set(i, a)
+
+    def _set(self, i: int, a: np.ndarray) -> None:
+        if not a.flags.c_contiguous:
+            raise HostKernelError(f"{self.name}: argument {i} is not C-contiguous")
+        self.ptrs[i] = a.__array_interface__["data"][0]
+        self.ndims[i] = a.ndim
+        shape = (ctypes.c_int64 * max(1, a.ndim))(*a.shape)
+        self._keep[i] = shape
+        self.shapes[i] = shape
+        self.dtypes[i] = self.kernels._dtype_name(a.dtype)
+        self.arrays[i] = a
+
+    def __call__(self, given: dict) -> None:
+        """Run the kernel with the per-call arguments ``given`` {index: C-contiguous array} (every None slot of
+        the construction, and any fixed one to replace).
+        Raises:
+            HostKernelError: an array is not C-contiguous, or the kernel returned a non-zero code."""
+        for i, a in given.items():
+            self._set(i, a)
+        rc = self.fn(self.n, self.ptrs, self.ndims, self.shapes, self.dtypes, None, None)
+        if rc:
+            raise HostKernelError(f"{self.name} refused its arguments (code {rc}): shapes "
+                                  f"{[tuple(a.shape) for a in self.arrays if a is not None][:12]}")

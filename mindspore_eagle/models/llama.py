@@ -128,6 +128,12 @@ class DecoderLayer(nn.Cell):
         self.key_cache = backend.make_cache(f"key_cache_{layer}")
         self.value_cache = backend.make_cache(f"value_cache_{layer}")
 
+    def stack_args(self) -> tuple:
+        """(wqkv, wo, [bqkv, [bo,]] w_gate_up, w_down, key_cache, value_cache): this layer's part of a
+        ``decoder_stack`` call (``attention.CpuBackend.decoder_stack``)."""
+        biases = () if self.bqkv is None else ((self.bqkv,) if self.bo is None else (self.bqkv, self.bo))
+        return (self.wqkv, self.wo) + biases + (self.w_gate_up, self.w_down, self.key_cache, self.value_cache)
+
     def construct(self, x, h, cos, sin, meta):
         return self.backend.decoder_layer(x, h, self.wqkv, self.bqkv, self.wo, self.bo, self.w_gate_up, self.w_down,
                                           cos, sin, self.key_cache, self.value_cache, meta, self.eps)
@@ -182,18 +188,27 @@ class LlamaModel(nn.Cell):
         cos, sin = rope_tables(cfg.head_dim, max_seq_len, cfg.rope_theta)
         self.cos, self.sin = Tensor(cos), Tensor(sin)
         self.aux_layers = tuple(int(i) for i in cfg.aux_layers)
+        self.weights_version = 0        # bumped by every load: host views of the Parameters (llama_host.py) renew
+        # all layers in one kernel call where the backend has one (the cpu backend: ``CpuBackend.decoder_stack``)
+        biases = int(cfg.qkv_bias) + int(cfg.o_bias)
+        self.stack = self.stack_spec = None
+        self.kernel_norm = hasattr(self.backend, "stack_kernel")      # the final norm by the cpu backend's kernel
+        if hasattr(self.backend, "stack_kernel") and (cfg.o_bias <= cfg.qkv_bias):
+            self.stack = self.backend.stack_kernel(10 + cfg.num_layers * (6 + biases))
+            self.stack_spec = Tensor(np.array([cfg.num_heads, cfg.num_kv_heads, biases, cfg.num_layers,
+                                               *self.aux_layers], np.int32))
 
     def head_weight(self):
         return self.embed if self.lm_head is None else self.lm_head
 
     def construct(self, tokens, positions, slots, block_table, mask, out_rows):
-        x, aux = self._trunk(tokens, positions, slots, block_table, mask)
-        return self._logits(self.norm(ops.gather(x, out_rows, 0))), self._f32(aux)
+        x, hn, aux = self._trunk(tokens, positions, slots, block_table, mask)
+        return self._logits(self._normed(x, hn, out_rows)), self._f32(aux)
 
     def hidden(self, tokens, positions, slots, block_table, mask, out_rows):
         """Like ``construct`` but returns the final-normed hidden rows f32 [m, H] instead of logits [m, V]."""
-        x, aux = self._trunk(tokens, positions, slots, block_table, mask)
-        return self._f32(self.norm(ops.gather(x, out_rows, 0))), self._f32(aux)
+        x, hn, aux = self._trunk(tokens, positions, slots, block_table, mask)
+        return self._f32(self._normed(x, hn, out_rows)), self._f32(aux)
 
     def logits_hidden(self, tokens, positions, slots, block_table, mask, out_rows):
         """``construct`` plus the final-normed hidden states of every row (regeneration that writes training
@@ -203,9 +218,20 @@ class LlamaModel(nn.Cell):
             (logits f32 [m, V] of ``out_rows``, computed exactly as ``construct`` computes them, hidden f32 [k, H]
             of all k rows, aux f32 [k, 3H]).
         """
-        x, aux = self._trunk(tokens, positions, slots, block_table, mask)
-        logits = self._logits(self.norm(ops.gather(x, out_rows, 0)))
-        return logits, self._f32(self.norm(x)), self._f32(aux)
+        x, hn, aux = self._trunk(tokens, positions, slots, block_table, mask)
+        logits = self._logits(self._normed(x, hn, out_rows))
+        return logits, self._f32(self._normed(x, hn, None)), self._f32(aux)
+
+    def _normed(self, x, hn, rows):
+        """The final norm of the rows ``rows`` int32 [m] (all k rows when None) of x [k, H]: from the stack's
+        rms(x) ``hn`` [k, H] times the norm weight when the trunk ran as one DecoderStack call (the host calls of
+        ``models/llama_host.py`` compute exactly this; on the cpu backend a layer-by-layer trunk takes the same
+        norm kernel, so both trunks give the same logits bit for bit), else :class:`RMSNorm`."""
+        if hn is None and not self.kernel_norm:
+            return self.norm(x if rows is None else ops.gather(x, rows, 0))
+        if hn is None:                         # the layer-by-layer trunk on the cpu backend: its norm kernel
+            return self.backend.norm(x if rows is None else ops.gather(x, rows, 0), self.eps) * self.norm.weight
+        return (hn if rows is None else ops.gather(hn, rows, 0)) * self.norm.weight
 
     def _f32(self, t):
         """``t`` in float32 (no cast op when the compute dtype is float32)."""
@@ -220,9 +246,26 @@ class LlamaModel(nn.Cell):
         # noise from upstream (docs/ascend.md, "Measured: float16 against float32")
         return linear(h.astype(ms.float32), self.head_weight().astype(ms.float32))
 
+    def _stacked(self, tokens) -> bool:
+        """True when this call's layers take the one-call stack: the layer kernels take its rows on these
+        matrices (``CpuBackend._fused``; always for the packed matrices of every teacher here)."""
+        l0 = self.layers[0]
+        return self.backend._fused(tokens, l0.wqkv, l0.wo, l0.w_gate_up, l0.w_down)
+
+    def stacked_rows(self, rows: int) -> bool:
+        """:meth:`_stacked` for a call of ``rows`` query rows, on the host (no tensor needed)."""
+        return self.stack is not None and self._stacked(np.empty((rows, 0), np.int32))
+
     def _trunk(self, tokens, positions, slots, block_table, mask):
-        """Residual stream after the last layer [k, H] (before the final norm) and captured features [k, 3H], both
-        in the compute dtype."""
+        """(x, hn, aux): the residual stream after the last layer [k, H] (before the final norm), its unweighted
+        rms [k, H] when the trunk ran as one DecoderStack call (else None), the captured features [k, 3H]; in the
+        compute dtype."""
+        if self.stack is not None and self._stacked(tokens):
+            weights = ()
+            for layer in self.layers:
+                weights = weights + layer.stack_args()
+            return self.backend.decoder_stack(self.stack, self.stack_spec, tokens, positions, slots, block_table, mask,
+                                              self.embed, self.cos, self.sin, self.eps, weights)
         x = self.backend.embed_rows(self.embed, tokens)
         cos, sin = self.backend.rope_rows(ops.gather(self.cos, positions, 0), ops.gather(self.sin, positions, 0))
         meta = self.backend.prepare(slots, block_table, mask)
@@ -233,7 +276,7 @@ class LlamaModel(nn.Cell):
             x, h = layer(x, h, cos, sin, meta)
         a0, a1, a2 = self.aux_layers
         aux = ops.concat((inputs[a0], inputs[a1], inputs[a2]), -1)
-        return x, aux
+        return x, None, aux
 
     # ------------------------------------------------------------------ weights
     def load_hf_weights(self, tensors) -> None:
@@ -248,6 +291,7 @@ class LlamaModel(nn.Cell):
             ValueError: a tensor is missing or its shape differs from the config (names the tensor, both shapes).
         """
         cfg, dt = self.cfg, self.dtype
+        self.weights_version += 1
         # A Parameter takes over (Tensor.from_numpy) an array made here or handed out by a LazyTensors (each read
         # a new array), never one the caller keeps, so the weights are held once: T / W take a new array (a fused
         # matrix, a rounding), Tin / Win one of ``tensors``.

@@ -18,6 +18,7 @@ from mindspore_eagle.core.tree import NEG_BIAS, TreeTensors, tree_attention_bias
 from mindspore_eagle.kernels.kv import BlockManager, CacheExhaustedError
 from mindspore_eagle.kernels.runtime import CompiledFn
 from mindspore_eagle.models.llama import KVCompactor, LlamaModel
+from mindspore_eagle.models.llama_host import HostTeacher
 from mindspore_eagle.runners.shapes import context_widths, pow2_buckets
 
 
@@ -28,10 +29,14 @@ class TeacherRunner:
         teacher: the Cell (weights loaded). num_blocks / block_size / max_seq_len: cache geometry (max_seq_len
         is S, the slots one sequence can address, and must not exceed the teacher's RoPE table).
         mode: "fused" (jit) or "eager" (PyNative). prefill_chunk: largest prefill call.
+        host: run the calls whose trunk is one DecoderStack call, and the commits, on the host
+            (``models/llama_host.py``: the same kernels without a graph launch, bit-identical outputs; a prefill
+            chunk then carries no padding rows); None = in fused mode on the cpu backend. Eager mode keeps the
+            PyNative Cell calls it exists for.
     """
 
     def __init__(self, teacher: LlamaModel, num_blocks: int, block_size: int, max_seq_len: int, mode: str,
-                 prefill_chunk: int = 128):
+                 prefill_chunk: int = 128, host: bool | None = None):
         self.model, self.mode = teacher, mode
         self.bm = BlockManager(num_blocks, block_size, max_seq_len)
         self.S, self.B = max_seq_len, block_size
@@ -41,6 +46,11 @@ class TeacherRunner:
         self._hidden = CompiledFn(teacher.hidden, mode)
         self._both = CompiledFn(teacher.logits_hidden, mode)
         self._compact = CompiledFn(KVCompactor(teacher.caches(), teacher.backend), mode)
+        self._methods = {self._fwd: "construct", self._hidden: "hidden", self._both: "logits_hidden"}
+        on_host = mode == "fused" and teacher.stack is not None
+        self.host = HostTeacher(teacher) if (on_host if host is None else host) else None
+        """The :class:`HostTeacher` that runs the calls whose trunk is one DecoderStack call (every call of a
+        packed teacher) and the commits, or None (every call a graph)."""
 
     @property
     def compiles(self) -> int:
@@ -72,12 +82,19 @@ class TeacherRunner:
         """Key slots attended by a call whose sequence needs ``need`` positions: the smallest width bucket."""
         return next(w for w in self.widths if w >= need)
 
+    def on_host(self, rows: int) -> bool:
+        """True when a call of ``rows`` query rows runs on the host (so it has no graph to compile)."""
+        return self.host is not None and self.host.takes(rows)
+
     def _call(self, fn, sid, tokens, positions, slots, mask, out_rows):
         return self._run(fn, self.bm.block_table(sid)[: mask.shape[1] // self.B], tokens, positions, slots, mask,
                          out_rows)
 
-    @staticmethod
-    def _run(fn, table, tokens, positions, slots, mask, out_rows):
+    def _run(self, fn, table, tokens, positions, slots, mask, out_rows):
+        """``fn`` (``_fwd``, ``_hidden`` or ``_both``) over one call's arrays -> its outputs as numpy: on the host
+        when :meth:`on_host`, else through the graph (bit for bit the same numbers)."""
+        if self.on_host(len(tokens)):
+            return self.host.run(self._methods[fn], tokens, positions, slots, table, mask, out_rows)
         args = (ms.Tensor(np.asarray(tokens, np.int32)), ms.Tensor(np.asarray(positions, np.int32)),
                 ms.Tensor(np.asarray(slots, np.int32)), ms.Tensor(np.asarray(table, np.int32)),
                 ms.Tensor(mask), ms.Tensor(np.asarray(out_rows, np.int32)))
@@ -123,7 +140,8 @@ class TeacherRunner:
         chunk = self.buckets[-1]
         for start in range(0, len(ids), chunk):
             part = ids[start:start + chunk]
-            n, k, p0 = len(part), self._bucket(len(part)), self.bm.length(sid)
+            n, p0 = len(part), self.bm.length(sid)
+            k = n if self.on_host(n) else self._bucket(n)         # a graph has its static rows; the host needs none
             tokens = np.zeros(k, np.int64)
             tokens[:n] = part
             positions = np.zeros(k, np.int64)
@@ -303,7 +321,11 @@ class TeacherRunner:
     def commit(self, sid: int, path, width: int) -> None:
         """Move the K/V of accepted tree nodes ``path`` (root first) to the positions after the prefix."""
         src, dst = self.bm.commit_plan(sid, path, width)
-        if not np.array_equal(src, dst):     # a chain prefix [0, 1, ..., a] is already in place: no device work
+        if np.array_equal(src, dst):         # a chain prefix [0, 1, ..., a] is already in place: no device work
+            pass
+        elif self.host is not None:
+            self.host.move(src, dst)
+        else:
             self._compact(ms.Tensor(np.asarray(src, np.int32)), ms.Tensor(np.asarray(dst, np.int32)))
         self.bm.finish_commit(sid, len(path))
 

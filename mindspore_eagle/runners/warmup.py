@@ -6,7 +6,8 @@ configuration:
 
 - teacher: each prefill bucket (16..prefill_chunk) x each attention width (256, 512, ..., S); decode (1 query
   row) and verification (k = each tree budget of ``engine.verify_budgets()``) at each width; the K/V compaction of
-  a commit (D_max + 2 rows);
+  a commit (D_max + 2 rows); none of them for calls that run on the host (``models/llama_host.py``: in fused mode
+  on the cpu backend, every call of a teacher whose matrices are packed);
 - drafter: each context-pass bucket (1..prefill_chunk rows; feature fusion, layer and the head on the last row
   in one graph) x each width; tree expansion (top_k rows) at each width; on the cpu backend only the buckets over
   32 rows (smaller calls run on the host without a graph: ``models/eagle3_host.py``).
@@ -76,7 +77,9 @@ def _bucket_calls(buckets, prev: int, limit: int):
 
 
 def teacher_shapes(teacher, budgets, D: int):
-    """Yield (what, fn) calls compiling every teacher graph: prefill buckets, decode, verify per budget, commit.
+    """Yield (what, fn) calls compiling every teacher graph: prefill buckets, decode, verify per budget, commit;
+    none for the calls that run on the host (``TeacherRunner.on_host``: every call of a packed teacher on the cpu
+    backend in fused mode).
 
     Args:
         teacher: TeacherRunner. budgets: tree budgets M to verify (ints >= 2). D: D_max (commit compaction rows).
@@ -84,13 +87,14 @@ def teacher_shapes(teacher, budgets, D: int):
     prev = 0
     for w in teacher.widths:
         for b, p0, n in _bucket_calls(teacher.buckets, prev, teacher.S):
-            yield f"teacher prefill {b} x {w}", lambda p0=p0, n=n: _prefill(teacher, p0, n)
+            if not teacher.on_host(n):
+                yield f"teacher prefill {b} x {w}", lambda p0=p0, n=n: _prefill(teacher, p0, n)
         p0 = _start(prev, 1, teacher.S, lo=1)
-        if p0 is not None:
+        if p0 is not None and not teacher.on_host(1):
             yield f"teacher decode 1 x {w}", lambda p0=p0: _decode(teacher, p0)
         for M in budgets:
             p0 = _start(prev, M, teacher.S, lo=1)
-            if p0 is not None:
+            if p0 is not None and not teacher.on_host(M):
                 yield f"teacher verify {M} x {w}", lambda p0=p0, M=M: _verify(teacher, p0, M, D)
         prev = w
 
@@ -131,11 +135,11 @@ def batch_shapes(teacher, rows: int, M: int, D: int, speculative: bool, tree_row
         prev = 0
         for w in teacher.widths:
             p0 = _start(prev, 1, teacher.S, lo=1)
-            if p0 is not None:
+            if p0 is not None and not teacher.on_host(b):
                 yield f"teacher decode_batch {b} x {w}", lambda p0=p0, b=b: _decode_batch(teacher, p0, b)
             m = batch_budget(b, M, tree_rows)
             p0 = _start(prev, m, teacher.S, lo=1)
-            if speculative and p0 is not None:
+            if speculative and p0 is not None and not teacher.on_host(b * m):
                 yield (f"teacher verify_batch {b * m} x {w}",
                        lambda p0=p0, b=b, m=m: _verify_batch(teacher, p0, b, m, D))
             prev = w
@@ -290,7 +294,8 @@ def budgets_at_hand(teacher, budgets, length: int, prefer: int = 4) -> list:
     """The verification budgets a step at sequence ``length`` can use without compiling or loading a graph (made
     in this process at this attention width); when there is none, one budget: a stored one (graph store,
     ``kernels/graph_cache.py``) nearest to ``prefer`` if any, else the one nearest to ``prefer``. So a process that
-    makes graphs on first use (a one-shot answer) makes one verification graph, not one per budget."""
+    makes graphs on first use (a one-shot answer) makes one verification graph, not one per budget. A budget
+    whose call runs on the host (``TeacherRunner.on_host``) is always at hand."""
     from mindspore_eagle.kernels import graph_cache
 
     def near(ms_):
@@ -298,7 +303,8 @@ def budgets_at_hand(teacher, budgets, length: int, prefer: int = 4) -> list:
 
     fwd, out = teacher._fwd, []
     for m in budgets:
-        if length + m <= teacher.S and verify_signature(teacher, m, teacher.width(length + m)) in fwd._seen:
+        if length + m <= teacher.S and (teacher.on_host(m) or
+                                        verify_signature(teacher, m, teacher.width(length + m)) in fwd._seen):
             out.append(m)
     if out:
         return out

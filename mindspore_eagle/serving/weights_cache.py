@@ -230,6 +230,8 @@ def _map_prepared(net, d: Path) -> None:
         arrays.append(arr)
     for (_, p), arr in zip(params, arrays):
         p.set_data(Tensor.from_numpy(arr))
+    if hasattr(net, "weights_version"):          # host views of the old storage (models/llama_host.py) renew
+        net.weights_version += 1
 
 
 def _keep_prepared(net, d: Path) -> None:

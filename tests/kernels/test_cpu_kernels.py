@@ -431,7 +431,7 @@ def test_attention_register_path_same_bits_as_any_head_size(kern, hd):
             assert np.array_equal(call(kern.paged_attention, q[r:r + 1], kc, vc, own, mask[r:r + 1], scale)[0], out[r])
 
 
-def runner(tiny, backend, mode):
+def runner(tiny, backend, mode, host=None):
     from mindspore_eagle.models.llama import LlamaModel
     from mindspore_eagle.runners.teacher import TeacherRunner
 
@@ -439,7 +439,81 @@ def runner(tiny, backend, mode):
     net = LlamaModel(cfg, 32, 8, 128, ms.float32, attention=backend)
     net.load_hf_weights(tensors)
     assert net.backend.name == backend
-    return TeacherRunner(net, 32, 8, 128, mode, 32)
+    return TeacherRunner(net, 32, 8, 128, mode, 32, host=host)
+
+
+@pytest.mark.parametrize("biases", [0, 1, 2])
+@pytest.mark.parametrize("mode", ["eager", "fused"])
+def test_decoder_stack_is_the_layers_bit_for_bit(ms_runtime, tiny, biases, mode):
+    """The cpu backend runs a teacher's trunk as one DecoderStack call (embedding rows, first norm, RoPE rows, cache
+    rows, every layer); the same model with the stack off runs the graph's own gathers and index ops and one
+    DecoderLayer node a layer. Both, through a chunked prefill (32 + 8 rows), decodes, a tree verification and its
+    commit, a grouped two-sequence decode and a rollback: logits, aux features and every cache bit for bit, for
+    models without biases (Llama), with q/k/v biases (Qwen2) and with q/k/v and o biases (openPangu)."""
+    from tiny_engines import tiny_tree
+
+    cfg, tensors, tok = tiny
+    cfg = cfg.replace(qkv_bias=biases >= 1, o_bias=biases == 2)
+    runners = []
+    for stack in (True, False):
+        r = runner((cfg, tensors, tok), "cpu", mode, host=False)          # graphs (or PyNative) both
+        assert r.model.stack is not None
+        if not stack:
+            r.model.stack = None
+        runners.append(r)
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France? " * 3}]))
+    sids = [[r.new_seq(), r.new_seq()] for r in runners]
+    rng = np.random.default_rng(biases)
+    calls = 0
+
+    def both(fn):
+        nonlocal calls
+        a, b = (fn(r, s) for r, s in zip(runners, sids))
+        for x, y in zip(a, b):
+            assert np.array_equal(x, y)
+        calls += 1
+        return a
+
+    last, _ = both(lambda r, s: r.prefill(s[0], ids[:40]))
+    both(lambda r, s: r.prefill(s[1], ids[:9]))
+    for _ in range(2):
+        last, _ = both(lambda r, s: r.decode(s[0], int(np.argmax(last))))
+    tt = tensorize(tiny_tree(rng, int(np.argmax(last)), 12, 4, cfg.vocab_size), 12, 4)
+    both(lambda r, s: r.verify(s[0], tt))
+    for r, s in zip(runners, sids):
+        r.commit(s[0], max((row[row < 12] for row in tt.retrieve), key=len), 6)
+    both(lambda r, s: r.decode_batch(s, [5, 7], 4, with_aux=True))
+    both(lambda r, s: r.verify(s[1], tt))
+    for r, s in zip(runners, sids):
+        r.rollback(s[1])
+    both(lambda r, s: r.decode(s[1], 11))
+    assert calls == 8
+    for (ka, va), (kb, vb) in zip(runners[0].model.caches(), runners[1].model.caches()):
+        assert np.array_equal(ka.asnumpy(), kb.asnumpy()) and np.array_equal(va.asnumpy(), vb.asnumpy())
+    assert runners[0].model.stack_spec.asnumpy().tolist() == [cfg.num_heads, cfg.num_kv_heads, biases,
+                                                              cfg.num_layers, *cfg.aux_layers]
+
+
+def test_decoder_stack_refuses_indices_out_of_range(ms_runtime, tiny):
+    """A token id past the vocabulary, a position past the RoPE table or a block past the cache makes the stack
+    call fail (kernel status 3) without writing a cache row."""
+    cfg, tensors, tok = tiny
+    r = runner(tiny, "cpu", "eager")
+    m = r.model
+    weights = ()
+    for layer in m.layers:
+        weights = weights + layer.stack_args()
+    good = dict(tokens=[3, 4], positions=[0, 1], slots=[0, 1], table=[0] * 4)
+    for field, value in (("tokens", [3, cfg.vocab_size]), ("positions", [0, 128]), ("table", [0, 0, 0, 40])):
+        args = dict(good, **{field: value})
+        before = [c.asnumpy().copy() for pair in m.caches() for c in pair]
+        with pytest.raises(Exception):
+            out = m.backend.decoder_stack(
+                m.stack, m.stack_spec, *(ms.Tensor(np.asarray(args[f], np.int32)) for f in
+                                         ("tokens", "positions", "slots", "table")),
+                ms.Tensor(np.zeros((2, 32), np.float32)), m.embed, m.cos, m.sin, m.eps, weights)
+            out[0].asnumpy()
+        assert all(np.array_equal(c.asnumpy(), b) for c, b in zip((c for pair in m.caches() for c in pair), before))
 
 
 def test_move_rows_reads_every_source_before_writing(kern):

@@ -109,7 +109,7 @@ RUN = textwrap.dedent("""
     from mindspore_eagle.models.checkpoints import load_teacher
     from tiny_engines import make_target
     cfg, tensors, _ = load_teacher(sys.argv[1])
-    tg = make_target(cfg, tensors, "fused", num_blocks=64, block_size=8, max_seq_len=512)
+    tg = make_target(cfg, tensors, "fused", num_blocks=64, block_size=8, max_seq_len=512, host=False)
     store = graph_cache.activate(sys.argv[2])
     def run(ids):
         sid = tg.new_seq()

@@ -32,6 +32,10 @@ def test_warmup_shape_list_is_exact(ms_runtime, tiny_dir):
 
     eng = build_engine(_cfg(tiny_dir))
     assert eng.verify_budgets() == [8]
+    # every teacher call here runs on the host in fused mode on the cpu backend (models/llama_host.py): no graph
+    assert eng.teacher.on_host(1) and eng.teacher.on_host(16)
+    assert list(teacher_shapes(eng.teacher, eng.verify_budgets(), 3)) == []
+    eng.teacher.host = None                                             # every teacher call a graph
     t = [what for what, _ in teacher_shapes(eng.teacher, eng.verify_budgets(), 3)]
     assert t == ["teacher prefill 16 x 256", "teacher decode 1 x 256", "teacher verify 8 x 256",
                  "teacher prefill 16 x 512", "teacher decode 1 x 512", "teacher verify 8 x 512"]
@@ -55,6 +59,7 @@ def test_full_warmup_then_no_compile_in_any_turn(ms_runtime, tiny_dir):
     cfg = _cfg(tiny_dir)
     eng = build_engine(cfg)
     eng.drafter.host = None               # every drafter call a graph (the host path compiles none: shape test)
+    eng.teacher.host = None               # every teacher call a graph, likewise
     out = warmup(eng, cfg.generation, "full")
     # teacher: (prefill 16, decode, verify 8) x 2 widths + the commit's K/V compaction = 7 graphs;
     # drafter: 5 context-pass buckets (fc + layer + head on the last row, one graph) x 2 widths + expansion at
@@ -88,6 +93,8 @@ def test_batched_warmup_then_scheduler_compiles_nothing(ms_runtime, tiny_dir):
 
     cfg = batch.batched_config(_cfg(tiny_dir, ["batch.max_batch=3", "batch.speculative=true"]))
     eng = build_engine(cfg)
+    assert list(batch_shapes(eng.teacher, 3, 8, 3, True)) == []           # on the host: no graph
+    eng.teacher.host = None                                               # every teacher call a graph
     # row buckets 1, 2, 3; each verifies min(M, 16 // b) tokens a sequence (speculative.batch_tree_rows 16)
     assert [w for w, _ in batch_shapes(eng.teacher, 3, 8, 3, True)] == [
         "teacher decode_batch 1 x 256", "teacher verify_batch 8 x 256",
@@ -126,6 +133,7 @@ def test_compiles_on_first_use_are_reported(ms_runtime, tiny_dir):
 
     cfg = _cfg(tiny_dir, ["model.drafter=none"])
     eng = build_engine(cfg)
+    eng.teacher.host = None                   # every teacher call a graph (the host path compiles none)
     lines = []
     report_compiles(lines.append, every_s=0.02)
     try:
@@ -218,6 +226,8 @@ def test_teacher_only_warmup_has_no_tree_or_drafter_shape(ms_runtime, tiny_dir):
     from mindspore_eagle.serving.pipeline import build_engine
 
     eng = build_engine(_cfg(tiny_dir, ["model.drafter=none"]))
+    assert full_shapes(eng) == [] and full_shapes(eng, max_batch=3) == []    # the teacher's calls: on the host
+    eng.teacher.host = None                                                   # every teacher call a graph
     assert [w for w, _ in full_shapes(eng)] == ["teacher prefill 16 x 256", "teacher decode 1 x 256",
                                                 "teacher prefill 16 x 512", "teacher decode 1 x 512"]
     assert [w for w, _ in full_shapes(eng, max_batch=3)][4:] == [          # row buckets 1, 2, then max_batch
@@ -234,6 +244,8 @@ def test_budgets_at_hand_are_the_verifications_already_made(ms_runtime, tiny_dir
     eng = build_engine(_cfg(tiny_dir, ["speculative.policy=adaptive"]))
     tg = eng.teacher
     assert eng.verify_budgets() == [2, 4, 8]
+    assert budgets_at_hand(tg, [2, 4, 8], 40) == [2, 4, 8]              # on the host every budget is at hand
+    tg.host = None                                                      # every teacher call a graph
     assert budgets_at_hand(tg, [2, 4, 8], 40) == [4] and budgets_at_hand(tg, [8, 16], 40) == [8]
     _verify(tg, 40, 8, 3)
     assert verify_signature(tg, 8, 256) in tg._fwd._seen
@@ -257,6 +269,7 @@ RUN = textwrap.dedent("""
     from mindspore_eagle.serving.pipeline import prepare
     cfg = load_config(None, sys.argv[1:])
     eng = build_engine(cfg)
+    eng.teacher.host = None               # every teacher call a graph (the host path stores none)
     lines = []
     out = prepare(eng, cfg, cfg.generation, "full", lines.append)
     gens = eng.chat(["What is the capital of France?", "And of Spain?", "Thanks"], cfg.generation)
