@@ -389,8 +389,9 @@ def _md_paper(rep: dict) -> list:
             f"| mean L_k | {_f(rep['accept_len']['mean'])} | {P['accept_len_mean']:.2f} |", "",
             "What differs: the paper runs an openPangu teacher on Ascend NPUs with fused kernels, where one verify "
             "call over M tree tokens costs about the same as one decode step (memory-bound), so every accepted token "
-            "is nearly free. Here the teacher (named above) runs in float32 on the CPU above under MindSpore graph "
-            "mode: multi-row products are compute-bound, so a verify over M tokens costs noticeably more than a "
+            "is nearly free. Here the teacher (named above) runs in float32 on the CPU above (MindSpore, with its "
+            "CPU kernels called from the host): multi-row products are compute-bound, so a verify over M tokens "
+            "costs noticeably more than a "
             "decode, the drafter's layer is a larger fraction of a small teacher's cost, and host-side work "
             "(tree building, masks, Python) is not hidden behind device time. The drafter is our own small EAGLE-3 "
             "head trained on a CPU budget, not the paper's. Speedup and L_k are therefore not expected to match; "

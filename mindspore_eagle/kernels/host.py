@@ -18,6 +18,7 @@ block writes in place (pass a view of the cache Parameter's storage: ``Parameter
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import numpy as np
 
@@ -148,6 +149,7 @@ class PreparedCall:
         self.shapes, self.dtypes = (ctypes.POINTER(ctypes.c_int64) * n)(), (ctypes.c_char_p * n)()
         self.arrays = list(arrays)
         self._keep = [None] * n
+        self._lock = threading.Lock()          # the argument arrays are shared: one call at a time
         for i, a in enumerate(arrays):
             if a is not None:
                 self._set(i, a)
@@ -168,9 +170,10 @@ class PreparedCall:
         the construction, and any fixed one to replace).
         Raises:
             HostKernelError: an array is not C-contiguous, or the kernel returned a non-zero code."""
-        for i, a in given.items():
-            self._set(i, a)
-        rc = self.fn(self.n, self.ptrs, self.ndims, self.shapes, self.dtypes, None, None)
+        with self._lock:
+            for i, a in given.items():
+                self._set(i, a)
+            rc = self.fn(self.n, self.ptrs, self.ndims, self.shapes, self.dtypes, None, None)
         if rc:
             raise HostKernelError(f"{self.name} refused its arguments (code {rc}): shapes "
                                   f"{[tuple(a.shape) for a in self.arrays if a is not None][:12]}")

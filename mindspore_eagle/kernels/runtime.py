@@ -172,7 +172,7 @@ def graph_runner(fn, args):
     import mindspore as ms
 
     try:
-        from mindspore.graph.api import _JitExecutor, _pynative_executor, ms_compile_cache
+        from mindspore.graph.api import _get_args_for_run, _JitExecutor, _pynative_executor, ms_compile_cache
     except ImportError:                       # another MindSpore: keep mindspore.jit
         return None
     obj = fn if isinstance(fn, ms.nn.Cell) else getattr(fn, "__self__", None)
@@ -187,9 +187,13 @@ def graph_runner(fn, args):
         return None
     if phase not in known:                    # not the graph the first call made: keep mindspore.jit
         return None
-    executor, modified = ex._graph_executor, ex.sequence_modified
+    # this graph's own flags: ``_generate_run_args`` would read the Cell's, which the last compile of any of its
+    # methods sets (a drafter's context pass and expansion step have different arities)
+    executor, modified, flags = ex._graph_executor, ex.sequence_modified, ex._mutable_flags
+    if flags is None or len(flags) != len(args):
+        return None
 
     def run(call_args):
-        return executor(tuple(ex._generate_run_args(call_args, {}, modified)), phase)
+        return executor(tuple(_get_args_for_run(ex, call_args, {}, flags, modified)), phase)
 
     return run

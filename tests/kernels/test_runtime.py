@@ -58,3 +58,25 @@ def test_no_direct_run_for_a_plain_function(ms_runtime):
     for _ in range(3):
         assert np.array_equal(fn(x).asnumpy(), np.arange(4) * 2)
     assert list(fn._runs.values()) == [None]
+
+
+class TwoMethods(nn.Cell):
+    """Two jitted methods of one Cell with different arities (as the drafter's context pass and expansion step)."""
+
+    def construct(self, x, y):
+        return x + y
+
+    def three(self, x, y, z):
+        return x * y + z
+
+
+def test_methods_of_one_cell_with_different_arities_interleave(ms_runtime):
+    """MindSpore keeps the flags of a Cell's latest compile on the Cell; a direct run must use its own graph's:
+    compiling ``construct`` (2 inputs) after ``three`` (3 inputs) must not make ``three`` drop its third input."""
+    cell = TwoMethods()
+    two, three = runtime.CompiledFn(cell.construct, "fused"), runtime.CompiledFn(cell.three, "fused")
+    x, y, z = (ms.Tensor(np.full((2,), v, np.float32)) for v in (2.0, 3.0, 4.0))
+    for _ in range(3):
+        assert np.array_equal(three(x, y, z).asnumpy(), [10.0, 10.0])
+        assert np.array_equal(two(x, y).asnumpy(), [5.0, 5.0])
+    assert all(r is not None for r in list(two._runs.values()) + list(three._runs.values()))
