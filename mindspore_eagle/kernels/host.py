@@ -61,25 +61,7 @@ class HostKernels:
         Raises:
             HostKernelError: an array is not C-contiguous, or the kernel returned a non-zero code.
         """
-        n = len(arrays)
-        ptrs = (ctypes.c_void_p * n)()
-        ndims = (ctypes.c_int * n)()
-        shapes = (ctypes.POINTER(ctypes.c_int64) * n)()
-        dtypes = (ctypes.c_char_p * n)()
-        keep = []
-        for i, a in enumerate(arrays):
-            if not a.flags.c_contiguous:
-                raise HostKernelError(f"{name}: argument {i} is not C-contiguous")
-            ptrs[i] = a.ctypes.data
-            ndims[i] = a.ndim
-            shape = (ctypes.c_int64 * max(1, a.ndim))(*a.shape)
-            keep.append(shape)
-            shapes[i] = shape
-            dtypes[i] = self._dtype_name(a.dtype)
-        rc = self._fns[name](n, ptrs, ndims, shapes, dtypes, None, None)
-        if rc:
-            raise HostKernelError(f"{name} refused its arguments (code {rc}): shapes "
-                                  f"{[tuple(a.shape) for a in arrays]}")
+        PreparedCall(self, name, list(arrays))({})
 
     def prepared(self, name: str, arrays: list) -> PreparedCall:
         """A :class:`PreparedCall` of kernel ``name`` whose arguments that never change (the entries of ``arrays``
@@ -176,4 +158,4 @@ class PreparedCall:
             rc = self.fn(self.n, self.ptrs, self.ndims, self.shapes, self.dtypes, None, None)
         if rc:
             raise HostKernelError(f"{self.name} refused its arguments (code {rc}): shapes "
-                                  f"{[tuple(a.shape) for a in self.arrays if a is not None][:12]}")
+                                  f"{[tuple(a.shape) for a in self.arrays][:20]}")

@@ -227,11 +227,12 @@ class LlamaModel(nn.Cell):
         rms(x) ``hn`` [k, H] times the norm weight when the trunk ran as one DecoderStack call (the host calls of
         ``models/llama_host.py`` compute exactly this; on the cpu backend a layer-by-layer trunk takes the same
         norm kernel, so both trunks give the same logits bit for bit), else :class:`RMSNorm`."""
-        if hn is None and not self.kernel_norm:
-            return self.norm(x if rows is None else ops.gather(x, rows, 0))
-        if hn is None:                         # the layer-by-layer trunk on the cpu backend: its norm kernel
-            return self.backend.norm(x if rows is None else ops.gather(x, rows, 0), self.eps) * self.norm.weight
-        return (hn if rows is None else ops.gather(hn, rows, 0)) * self.norm.weight
+        if hn is not None:
+            return (hn if rows is None else ops.gather(hn, rows, 0)) * self.norm.weight
+        y = x if rows is None else ops.gather(x, rows, 0)
+        if self.kernel_norm:                   # the layer-by-layer trunk on the cpu backend: the same norm kernel
+            return self.backend.norm(y, self.eps) * self.norm.weight
+        return self.norm(y)
 
     def _f32(self, t):
         """``t`` in float32 (no cast op when the compute dtype is float32)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from mindspore_eagle.kernels.host import HostKernels
+from mindspore_eagle.kernels.kv import PortableKVOps
 
 METHODS = ("construct", "hidden", "logits_hidden")
 """The :class:`LlamaModel` methods :meth:`HostTeacher.run` computes."""
@@ -46,6 +47,7 @@ class HostTeacher:
         self.kernels = HostKernels()
         self.eps = np.array([model.eps], np.float32)
         self.spec = model.stack_spec.asnumpy()
+        self.head_base = model.backend.head_base.asnumpy().astype(np.int32)     # first cache row of each KV head
         self._version = None
         self.refresh()
 
@@ -105,7 +107,6 @@ class HostTeacher:
         written (``KVCompactor`` on the host: the same MoveRows kernel).
         Raises:
             HostKernelError: a slot outside the caches (nothing written then)."""
-        base = self.model.backend.head_base.asnumpy().astype(np.int64)
-        rows = lambda s: np.ascontiguousarray(                                       # noqa: E731
-            (np.asarray(s, np.int64)[:, None] + base[None, :]).reshape(-1), np.int32)
-        self.kernels.call("MoveRows", rows(src), rows(dst), *self.caches, np.empty(1, np.float32))
+        src_rows, dst_rows = (np.ascontiguousarray(PortableKVOps.write_rows(np.asarray(s, np.int32), self.head_base))
+                              for s in (src, dst))
+        self.kernels.call("MoveRows", src_rows, dst_rows, *self.caches, np.empty(1, np.float32))
