@@ -297,4 +297,65 @@ class RunningCosts:
         t.draft_ctx_ms, t.draft_step_ms = draft["ctx"], draft["step"]
 
 
-__all__ = ["CostTable", "RunningCosts", "cap_verify_costs", "compiled_budgets", "prior_table", "prior_verify_ratio"]
+class RowCosts:
+    """Wall ms of one batched teacher forward of R query rows, ``a + b R``, learned online (continuous batching:
+    what a tree row costs, for :func:`~mindspore_eagle.core.policy.allot_rows`).
+
+    A least-squares fit of the observed (rows, ms) pairs, each weighted ``decay`` ** (steps since it was seen)
+    (a memory of about 1 / (1 - decay) steps), plus two pseudo-observations of weight ``prior_weight`` that never
+    decay: at the first observation's R0 and at R0 + 16 rows, the second :func:`prior_verify_ratio` (16) times as
+    dear (a forward 16 rows wider costs ~1.6x on the 2-core CPU: the ratios above). Batches of different sizes
+    (every plain step has R = the live sequences) and trees of different sizes pin the slope down; until they do,
+    the prior holds it. Intercept and slope are kept >= 0 (a wider forward never costs less).
+
+    Args:
+        decay: weight kept per later observation, in (0, 1]. prior_weight: weight of each pseudo-observation, > 0.
+    Raises:
+        ValueError: a parameter out of range (names it).
+    """
+
+    def __init__(self, decay: float = 0.98, prior_weight: float = 3.0):
+        if not 0 < decay <= 1 or prior_weight <= 0:
+            raise ValueError(f"RowCosts: decay must be in (0, 1] and prior_weight > 0, got {decay}, {prior_weight}")
+        self.decay, self.prior_weight = float(decay), float(prior_weight)
+        self.sums = np.zeros(5)          # decayed sums of w, w R, w R^2, w ms, w R ms
+        self.prior = np.zeros(5)
+        self.observed = 0
+
+    @staticmethod
+    def _terms(rows: float, ms: float, w: float) -> np.ndarray:
+        return w * np.array([1.0, rows, rows * rows, ms, rows * ms])
+
+    def observe(self, rows: int, ms: float) -> None:
+        """One forward of ``rows`` rows (>= 1) that took ``ms`` ms; a non-finite or non-positive time is ignored."""
+        if not (np.isfinite(ms) and ms > 0) or rows < 1:
+            return
+        if self.observed == 0:
+            r16 = rows + 16
+            ratio = prior_verify_ratio(r16) / prior_verify_ratio(rows)
+            self.prior = self._terms(rows, ms, self.prior_weight) + self._terms(r16, ms * ratio, self.prior_weight)
+        self.sums = self.sums * self.decay + self._terms(rows, ms, 1.0)
+        self.observed += 1
+
+    def fit(self) -> tuple[float, float]:
+        """(a ms, b ms a row); (0, 0) before any observation."""
+        w, r, r2, y, ry = self.sums + self.prior
+        if w <= 0:
+            return 0.0, 0.0
+        det = w * r2 - r * r
+        b = (w * ry - r * y) / det if det > 1e-9 * max(w * r2, 1.0) else 0.0
+        b = max(0.0, b)
+        a = max(0.0, (y - b * r) / w)
+        return float(a), float(b)
+
+    def ms(self, rows) -> np.ndarray:
+        """Predicted ms of forwards of ``rows`` rows (int or int array)."""
+        a, b = self.fit()
+        return a + b * np.asarray(rows, np.float64)
+
+    def to_dict(self) -> dict:
+        a, b = self.fit()
+        return {"intercept_ms": a, "ms_per_row": b, "observed": self.observed}
+
+
+__all__ = ["CostTable", "RowCosts", "RunningCosts", "cap_verify_costs", "compiled_budgets", "prior_table", "prior_verify_ratio"]

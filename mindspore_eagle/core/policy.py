@@ -253,3 +253,47 @@ class AdaptivePolicy:
                 "plain_probes": self.plain_probes,
                 "child_rate": [self.child_rate(d) for d in range(1, CHILD_DEPTHS + 1)],
                 "calibration": self.model.to_dict()}
+
+def allot_rows(values: list, step_ms, max_rows: int, max_per_seq: int) -> np.ndarray:
+    """The batch analogue of :meth:`AdaptivePolicy.choose`: how many draft nodes of each sequence one batched
+    verification holds, for the most expected tokens per ms of the whole step.
+
+    Sequence i verifies its root plus its ``counts[i]`` best nodes (budget 1 + counts[i]; 0 = its pending token
+    alone, as a plain step). Expected tokens of the step = n + the sum of the kept nodes' values (``E[L] = 1 +
+    sum_v P(v accepted)`` per sequence: module docstring); its cost ``step_ms(n + sum(counts))``. The kept nodes are
+    a prefix of all sequences' values in descending order (ties: lower sequence, then lower position): the prefix
+    with the highest (expected tokens) / ms, the shortest on a tie. A node is worth its row only where its value
+    exceeds the row's marginal cost times the rate the step already earns: on a 2-core CPU one more row of a 16-row
+    forward costs ~2.4 ms against ~3.5 ms a token (docs/performance.md, "Continuous batching"), so only nodes likely
+    to be accepted are verified under load, while one sequence alone takes most of its tree.
+
+    Args:
+        values: n float arrays; values[i] = calibrated P(accepted) of sequence i's drafted nodes (root excluded),
+            each node's value at most its parent's (``core.calibration.node_values``), any order; empty = nothing
+            drafted.
+        step_ms: callable(int array of row counts) -> predicted ms of a forward of that many rows (e.g.
+            ``core.costs.RowCosts.ms``).
+        max_rows: the most rows the forward may hold (>= n). max_per_seq: the most rows of one sequence (>= 1).
+    Returns:
+        counts int64 [n].
+    Raises:
+        ValueError: max_rows < n or max_per_seq < 1.
+    """
+    n = len(values)
+    if max_rows < n or max_per_seq < 1:
+        raise ValueError(f"allot_rows: need max_rows >= {n} sequences and max_per_seq >= 1, got {max_rows}, "
+                         f"{max_per_seq}")
+    counts = np.zeros(n, np.int64)
+    per = [np.sort(np.asarray(v, np.float64))[::-1][: max_per_seq - 1] for v in values]
+    vals = np.concatenate([p for p in per] + [np.zeros(0)])
+    if vals.size == 0 or max_rows == n:
+        return counts
+    seq = np.concatenate([np.full(len(p), i, np.int64) for i, p in enumerate(per)])
+    pos = np.concatenate([np.arange(len(p)) for p in per])
+    order = np.lexsort((pos, seq, -vals))[: max_rows - n]
+    gain = n + np.concatenate([[0.0], np.cumsum(vals[order])])
+    rate = gain / np.maximum(np.asarray(step_ms(n + np.arange(order.size + 1)), np.float64), 1e-9)
+    best = int(np.argmax(rate))                      # first maximum: the fewest rows on a tie
+    np.add.at(counts, seq[order[:best]], 1)
+    return counts
+

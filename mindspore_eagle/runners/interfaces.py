@@ -49,8 +49,11 @@ class TeacherRunnerLike(Protocol):
         """float32 [m, w] additive attention bias of the tree after the prefix."""
 
     def verify_batch(self, sids, trees, rows: int, width_step: int = 512) -> tuple[np.ndarray, np.ndarray]:
-        """One forward over n trees of one budget m (rows = N x m); returns (logits float32 [n m, V], aux float32
-        [n m, 3H]). Follow with :meth:`commit` for each sequence."""
+        """One forward over n trees of budgets m_i (sum(m_i) <= rows) in sequence order; returns (logits float32
+        [sum m_i, V], aux float32 [sum m_i, 3H]). Follow with :meth:`commit` for each sequence."""
+
+    def on_host(self, rows: int) -> bool:
+        """True when a call of ``rows`` query rows needs no compiled graph (any row count costs no compile)."""
 
     def commit(self, sid: int, path, width: int) -> None:
         """Keep the accepted tree nodes ``path`` int [L] (root first) after the prefix; drop the rest."""

@@ -205,7 +205,7 @@ class TeacherRunner:
         for sid in sids:
             self.bm.reserve(sid, 1)
         lengths = [self.bm.length(sid) for sid in sids]
-        table, mask, cols = self._batch_layout(sids, [p + 1 for p in lengths], 1, rows, width_step)
+        table, mask, cols = self._batch_layout(sids, [p + 1 for p in lengths], np.arange(n), rows, width_step)
         for i, (c, p) in enumerate(zip(cols, lengths)):
             mask[i, c:c + p + 1] = 0.0
         slots = self.bm.pad_slots(rows)
@@ -225,62 +225,70 @@ class TeacherRunner:
     def verify_batch(self, sids, trees, rows: int, width_step: int = 512) -> tuple[np.ndarray, np.ndarray]:
         """Verify one draft tree per sequence in a single forward (speculative continuous batching).
 
-        Row block i (rows i * M .. i * M + M - 1) carries tree i at positions n_i + depth and sees only its own
-        committed prefix and its own tree ancestors (``tree_attention_bias``): through its own block table in the
-        grouped layout (table [rows / M, w/B]), or through its segment of one concatenated table and a
-        block-diagonal mask (:meth:`_batch_layout`). Rows past len(sids) * M are padding (pad block, see column
-        0). Shapes are fixed per (rows, width).
+        The trees may have different budgets m_i (a sequence with nothing worth verifying brings its root alone,
+        m_i = 1): sequence i's rows are ``o_i .. o_i + m_i - 1`` with o_i = m_0 + ... + m_{i-1}, its tree at
+        positions n_i + depth, each row seeing only its own committed prefix and its own tree ancestors
+        (``tree_attention_bias``): through its sequence's block table, repeated for every row of the sequence in
+        the grouped layout (table [rows, w/B]), or through its segment of one concatenated table and a
+        block-diagonal mask (:meth:`_batch_layout`). Rows past sum(m_i) are padding (pad block, see column 0).
+        Shapes are fixed per (rows, width).
 
         Args:
-            sids: n live sequence ids; trees: n TreeTensors of one budget M (n * M <= rows, rows a multiple of M).
+            sids: n live sequence ids; trees: n TreeTensors (budget m_i each, sum(m_i) <= rows).
         Returns:
-            (logits float32 [n * M, V], aux float32 [n * M, 3H]); follow with :meth:`commit` (or rollback) for
-            every sequence.
+            (logits float32 [sum(m_i), V], aux float32 [sum(m_i), 3H]) in row order; follow with :meth:`commit`
+            (or rollback) for every sequence.
         Raises:
-            ValueError: empty batch, mixed budgets, more tree rows than ``rows`` or rows not a multiple of M.
+            ValueError: an empty batch, n trees != n sequences, or more tree rows than ``rows``.
             CacheExhaustedError: a sequence's branch does not fit (before any write).
         """
         n = len(sids)
-        M = trees[0].budget if trees else 0
-        if (n == 0 or len(trees) != n or len({t.budget for t in trees}) != 1 or n * M > rows or rows % M):
-            raise ValueError(f"verify_batch: need 1..{rows} tree rows (a multiple of M) from n trees of one budget, "
-                             f"got {n} sequences, {len(trees)} trees, budgets {sorted({t.budget for t in trees})}")
-        for sid in sids:
-            self.bm.reserve(sid, M)
+        budgets = [t.budget for t in trees]
+        if n == 0 or len(trees) != n or sum(budgets) > rows:
+            raise ValueError(f"verify_batch: need 1..{rows} tree rows from one tree per sequence, got {n} "
+                             f"sequences, {len(trees)} trees, {sum(budgets)} tree rows")
+        for sid, m in zip(sids, budgets):
+            self.bm.reserve(sid, m)
         lengths = [self.bm.length(sid) for sid in sids]
-        table, mask, cols = self._batch_layout(sids, [p + M for p in lengths], M, rows, width_step)
+        row_seq = np.repeat(np.arange(n), budgets)
+        table, mask, cols = self._batch_layout(sids, [p + m for p, m in zip(lengths, budgets)], row_seq, rows,
+                                               width_step)
         tokens = np.zeros(rows, np.int64)
         positions = np.zeros(rows, np.int64)
         slots = self.bm.pad_slots(rows)
-        for i, (sid, tt, c, p) in enumerate(zip(sids, trees, cols, lengths)):
-            r = slice(i * M, (i + 1) * M)
-            w = mask.shape[1] - c if self._grouped else -(-(p + M) // self.B) * self.B
+        o = 0
+        for sid, tt, c, p, m in zip(sids, trees, cols, lengths, budgets):
+            r = slice(o, o + m)
+            w = mask.shape[1] - c if self._grouped else -(-(p + m) // self.B) * self.B
             mask[r, c:c + w] = tree_attention_bias(tt, p, w)
             tokens[r], positions[r] = tt.tokens, p + tt.depth
-            slots[r] = self.bm.branch(sid, M)
+            slots[r] = self.bm.branch(sid, m)
+            o += m
         out, aux = self._run(self._fwd, table, tokens, positions, slots, mask, np.arange(rows))  # one graph for any n
-        return out[:n * M], aux[:n * M]
+        return out[:o], aux[:o]
 
     @property
     def _grouped(self) -> bool:
         return getattr(self.model.backend, "grouped", False)
 
-    def _batch_layout(self, sids, need, per_seq: int, rows: int, width_step: int):
-        """Block table(s) and an all-hidden mask for a batched call of ``per_seq`` query rows per sequence.
+    def _batch_layout(self, sids, need, row_seq, rows: int, width_step: int):
+        """Block table(s) and an all-hidden mask for a batched call whose used rows belong to ``row_seq``.
 
         Args:
-            sids: n sequences; need: positions each must see (its length + new rows); rows: static row count.
+            sids: n sequences; need: positions each must see (its length + new rows); row_seq: int [r] the
+                sequence index of each used row (r <= rows); rows: static row count.
         Returns:
-            (table int32 [rows / per_seq, w/B] grouped or [w/B] concatenated, mask float32 [rows, w] of NEG_BIAS
-            with column 0 visible for pad rows, cols: the first mask column of each sequence's slots (0 grouped).
+            (table int32 [rows, w/B] grouped (row j reads sequence row_seq[j]'s blocks, padding rows the pad
+            block) or [w/B] concatenated, mask float32 [rows, w] of NEG_BIAS with column 0 visible for pad rows,
+            cols: the first mask column of each sequence's slots (0 grouped).
         """
-        n = len(sids)
+        used = len(row_seq)
         if self._grouped:
             w = self.width(max(need))
-            table = np.full((rows // per_seq, w // self.B), self.bm.pad_block, np.int32)
-            for i, sid in enumerate(sids):
-                table[i] = self.bm.block_table(sid)[: w // self.B]
-            cols = [0] * n
+            per_seq = np.stack([self.bm.block_table(sid)[: w // self.B] for sid in sids])
+            table = np.full((rows, w // self.B), self.bm.pad_block, np.int32)
+            table[:used] = per_seq[row_seq]
+            cols = [0] * len(sids)
         else:
             tables, cols, off = [], [], 0
             for sid, m in zip(sids, need):
@@ -294,7 +302,7 @@ class TeacherRunner:
             table = np.full(w // self.B, self.bm.pad_block, np.int32)
             table[: off // self.B] = np.concatenate(tables)
         mask = np.full((rows, w), NEG_BIAS, np.float32)
-        mask[n * per_seq:, 0] = 0.0
+        mask[used:, 0] = 0.0
         return table, mask, cols
 
     def verify(self, sid: int, tt: TreeTensors, mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -7,15 +7,20 @@ L_k = accepted length of the step (accepted drafts + bonus).
 One round (docs/architecture.md, "The decode round"):
 
     plan       N = 1: the speculation policy (core/policy.py) answers "draft?", "one more level?", "budget m?"
-               N > 1: a RateGate picks a tree of budget m_b for every sequence (``runners.shapes.batch_budget``:
-               max(2, min(M, speculative.batch_tree_rows // b))), or a plain step for all
+               N > 1 with a drafter: a RateGate picks the step's kind by measured tokens per ms: the drafter's
+               trees (merged with copies), or copies of earlier text alone (a plain step without suffix)
     draft      drafter context pass on the pairs the drafter has not seen, then the EAGLE-2 tree; with suffix
                candidates (core/suffix.py) the continuations of the longest earlier match in the sequence's own
                text and in the process's earlier outputs are merged into it (core.tree.merge_trees), or verified
                alone when the drafter does not run or there is none
-    tensorize  core.tree.tensorize at the step's budget [+ validate_tree in eager mode / when asked]
-    forward    a plain step: one teacher decode (N = 1) or one batched decode of b rows;
-               a tree step: one teacher verification of m rows (N = 1) or of b x m_b rows (``BatchLayout``)
+    allot      N > 1: every candidate node valued by calibrated acceptance (core.calibration.node_values), and
+               the step's rows given to the nodes worth their cost (core.policy.allot_rows under the learned
+               a + b x rows ms of a forward, core.costs.RowCosts): sequence i verifies its root and its best
+               m_i - 1 nodes (m_i = 1: its pending token alone), m_i <= M
+    tensorize  core.tree.tensorize at each sequence's budget [+ validate_tree in eager mode / when asked]
+    forward    a plain step: one teacher decode (N = 1) or one batched decode of n rows (the row bucket b when the
+               call runs as a graph); a tree step: one teacher verification of m rows (N = 1) or of sum(m_i) rows
+               (``BatchLayout``; a graph's b x m_b rows, ``runners.shapes.batch_budget``, when not on the host)
     accept     greedy longest path + bonus, or seeded sampling by coupling (core/accept.py): a draft is accepted
                when it equals the teacher's own sample at its position
     commit     teacher KV of the accepted path moved after the prefix; (feature, token) pairs queued for the drafter
@@ -58,9 +63,10 @@ from mindspore_eagle.core.accept import (
     token_logprobs,
     warp_probs,
 )
-from mindspore_eagle.core.calibration import AcceptanceModel, observe_tree, select
+from mindspore_eagle.core.calibration import AcceptanceModel, node_values, observe_tree, top_nodes
+from mindspore_eagle.core.costs import RowCosts
 from mindspore_eagle.core.gate import RateGate
-from mindspore_eagle.core.policy import Choice
+from mindspore_eagle.core.policy import Choice, allot_rows
 from mindspore_eagle.core.suffix import SuffixIndex, propose
 from mindspore_eagle.core.trace import StepTrace, Timer
 from mindspore_eagle.core.tree import SOURCE_BOTH, SOURCE_SUFFIX, DraftTree, merge_trees, tensorize, validate_tree
@@ -154,7 +160,8 @@ class DecodeRound:
             smallest of the buckets 1, 2, 4, ..., N that holds them; N = 1 uses the single-sequence calls and
             ``policy``.
         policy: N = 1 with a drafter: core.policy.AdaptivePolicy or FixedPolicy (kept by the caller across turns).
-        gate: N > 1 with a drafter: the step-kind chooser (default ``RateGate(("tree", "plain"))``).
+        gate: N > 1 with a drafter: the step-kind chooser (default ``RateGate(gate_kinds)``: ("tree", "copy")
+            with ``suffix``, else ("tree", "plain")).
         validate: check every tensorized tree against its invariants before verifying it (eager mode).
         trace: core.trace.TraceWriter receiving each StepTrace, or None.
         suffix: the process's core.suffix.SuffixIndex of earlier outputs: draft trees also hold suffix candidates
@@ -184,10 +191,17 @@ class DecodeRound:
         self.rows, self.policy, self.validate, self.trace, self.features = rows, policy, validate, trace, features
         self.width_step = width_step
         self.single = rows == 1 and not features
-        self.gate = gate or (RateGate(("tree", "plain")) if drafts and not self.single else None)
+        self.gate_kinds = ("tree", "copy" if suffix is not None else "plain")
+        """The batched step kinds the gate picks between: a drafter tree (merged with copies), or copies of earlier
+        text alone (with ``suffix``) or a plain step (without)."""
+        self.gate = gate or (RateGate(self.gate_kinds) if drafter is not None and not self.single else None)
         self.extra_slots = self.M if drafts else 0   # KV slots a sequence needs beyond its tokens
-        # batched rounds rank merged trees by calibrated value (a single sequence's policy keeps its own model)
-        self.model = AcceptanceModel() if suffix is not None and not self.single else None
+        # batched rounds value draft nodes by calibrated acceptance and allot rows by their learned cost (a single
+        # sequence's policy keeps its own model and cost table)
+        batched = drafts and not self.single
+        self.model = AcceptanceModel() if batched else None
+        self.row_costs = RowCosts() if batched else None
+        self._rows_run = 0                             # rows of the step's forward (for row_costs)
 
     # ------------------------------------------------------------------ sequences
     def start(self, s, prompt_ids, aux: np.ndarray) -> None:
@@ -272,7 +286,10 @@ class DecodeRound:
             results = self._verify(live, plans, timer) if tree_step else self._decode(live, timer)
             out = [self._take(s, plan, res) for s, plan, res in zip(live, plans, results)]
         if self.gate is not None:
-            self.gate.observe("tree" if tree_step else "plain", sum(len(t) for t in out), timer.total_ms)
+            kind = "tree" if any(p.drafted for p in plans) else self.gate_kinds[1]
+            self.gate.observe(kind, sum(len(t) for t in out), timer.total_ms)
+        if self.row_costs is not None and graph_stats() == made:
+            self.row_costs.observe(self._rows_run, timer.ms.get("verify" if tree_step else "decode", 0.0))
         for s, plan, res in zip(live, plans, results):
             if res is not None:
                 self._record(s, plan, res, timer)
@@ -336,24 +353,45 @@ class DecodeRound:
         if self.single:
             plans[0] = self._plan_one(live[0], timer)
             return plans
-        if self.gate.choose() != "tree":
+        kind = self.gate.choose() if self.gate is not None else "copy"
+        if kind == "plain":
             return plans
-        dr = self.drafter
-        m, depth = self.batch_budget(len(live))
+        dr = self.drafter if kind == "tree" else None
+        depth = self.batch_budget(len(live))[1]
         with timer.phase("draft"):
             trees = [None] * len(live)
             if dr is not None:
                 pending = [_take_pending(s.state) for s in live]
-                trees = dr.draft_batch([s.state.dsid for s in live], pending, [s.next for s in live], m, depth,
+                trees = dr.draft_batch([s.state.dsid for s in live], pending, [s.next for s in live], self.M, depth,
                                        rows_for(len(live), self.rows))
             if self.suffix is not None:
                 for i, s in enumerate(live):
-                    sfx = self._suffix_tree(s, depth, m)
-                    t = sfx if trees[i] is None else merge_trees(trees[i], sfx)
-                    trees[i] = None if t is None else select(t, m, self.model)
+                    sfx = self._suffix_tree(s)
+                    trees[i] = sfx if trees[i] is None else merge_trees(trees[i], sfx)
+            budgets = self._allot(trees)
         grown = max(0, depth - 1) if dr is not None else 0
-        return [StepPlan(t, Choice(m, 0.0, 0.0) if t is not None else None, grown, dr is not None)
-                for t in trees]
+        return [StepPlan(top_nodes(t, int(m), v) if m > 1 else None, Choice(int(m), 0.0, 0.0) if m > 1 else None,
+                         grown, dr is not None) for (t, v), m in zip(trees, budgets)]
+
+    def _allot(self, trees: list) -> list:
+        """Replace each tree of ``trees`` (in place) by (tree, its nodes' calibrated values) and return each
+        sequence's budget (1 = its pending token alone), by :func:`core.policy.allot_rows` under this round's
+        learned row costs, within the step's row limit (:meth:`tree_rows`) and M a sequence."""
+        values = []
+        for i, t in enumerate(trees):
+            v = node_values(t, self.model) if t is not None else np.ones(1)
+            trees[i] = (t, v)
+            values.append(v[1:])
+        counts = allot_rows(values, self.row_costs.ms, self.tree_rows(len(trees)), self.M)
+        return (counts + 1).tolist()
+
+    def tree_rows(self, n: int) -> int:
+        """The most rows a batched tree step of ``n`` sequences verifies: n x M when the teacher runs it on the
+        host (any row count, no graph), else the warmed-up graph's b x m_b (:meth:`batch_budget`; b = the row
+        bucket), whatever each sequence's share of it."""
+        if self.teacher.on_host(n * self.M):
+            return n * self.M
+        return rows_for(n, self.rows) * self.batch_budget(n)[0]
 
     def _plan_one(self, s, timer: Timer) -> StepPlan:
         """N = 1: the policy decides whether to draft, how deep the drafter's tree grows and the budget m."""
@@ -389,7 +427,9 @@ class DecodeRound:
         (path [0], one token; ``aux`` None on teacher-only batched rounds), None for one whose logits were not
         finite."""
         tg = self.teacher
-        rows = 1 if self.single else rows_for(len(live), self.rows)
+        n = len(live)
+        rows = 1 if self.single else n if tg.on_host(n) else rows_for(n, self.rows)
+        self._rows_run = rows
         with timer.phase("decode"):
             if self.single:
                 logits, aux = tg.decode(live[0].sid, live[0].next)
@@ -429,9 +469,9 @@ class DecodeRound:
         with timer.phase("tensorize"):
             if self.single:
                 layout = BatchLayout(budgets, budgets[0])
-            else:                                     # one budget M for every row block: one graph per width
-                m = self.batch_budget(len(live))[0]
-                layout = BatchLayout.uniform(len(live), m, rows_for(len(live), self.rows) * m)
+            else:                                     # on the host exactly the rows used, else the graph's rows
+                used = int(sum(budgets))
+                layout = BatchLayout(budgets, used if self.teacher.on_host(used) else self.tree_rows(len(live)))
             tts = []
             for i, (s, t) in enumerate(zip(live, trees)):
                 m = int(layout.budgets[i])
@@ -445,6 +485,7 @@ class DecodeRound:
             with timer.phase("verify"):
                 logits, aux = tg.verify(live[0].sid, tts[0], mask)
         else:
+            self._rows_run = layout.rows
             with timer.phase("verify"):
                 logits, aux = tg.verify_batch([s.sid for s in live], tts, rows=layout.rows,
                                               width_step=self.width_step)

@@ -25,10 +25,12 @@ Pool: admission reserves a request's worst case (ceil(need / B) blocks) against 
 meets an exhausted pool and nothing is ever preempted; a request waits while the pool is full. A request whose need
 exceeds S, or NB on its own, ends with an error (:meth:`BatchScheduler.fit_error` gives the words), never a crash.
 
-Rounds: the batched round (``engine.decode_round(speculative, rows=N)``) runs the smallest row bucket 1, 2, 4, ...,
-N that holds the step's sequences (a tree step: that many x ``speculative.batch_tree_rows`` // bucket); with trees, a
-:class:`SizeGates` (one ``RateGate`` per number of live sequences) picks a tree step or a plain step by measured
-tokens per ms at that batch size, so speculation steps aside where it does not pay. With ``single_round``, a step
+Rounds: the batched round (``engine.decode_round(speculative, rows=N)``) runs exactly its rows when the teacher
+takes the call on the host, else the smallest row bucket 1, 2, 4, ..., N that holds the step's sequences (a tree
+step: that many x ``speculative.batch_tree_rows`` // bucket); each sequence's tree budget is allotted by value and
+measured row cost (``core.policy.allot_rows``). With a drafter, a :class:`SizeGates` (one ``RateGate`` per number
+of live sequences) picks drafter trees or copies alone (a plain step without suffix candidates) by measured tokens
+per ms at that batch size, so the drafter steps aside where it does not pay. With ``single_round``, a step
 with one sequence alone runs the single-sequence round instead (decode k = 1 / verify k = m graphs and the
 engine's speculation policy), as ``Engine.generate`` serves it. Greedy decoding of a sequence in a batch uses the
 same weights and per-row math as alone; only the attention width (masked columns) and the row count of the
@@ -192,8 +194,8 @@ class BatchScheduler:
         if decode_round is None:
             decode_round = engine.decode_round(speculative, rows=max_batch)
             if decode_round.gate is not None:
-                kind = type(decode_round.gate)
-                decode_round.gate = SizeGates(lambda: kind(("tree", "plain")))
+                kind, kinds = type(decode_round.gate), decode_round.gate_kinds
+                decode_round.gate = SizeGates(lambda: kind(kinds))
         self.round = decode_round
         self.round_one = engine.decode_round(speculative, rows=1) if single_round and max_batch > 1 else None
         self.extra_slots = max(r.extra_slots for r in (self.round, self.round_one) if r is not None)

@@ -403,3 +403,44 @@ def test_plain_probe_keeps_a_decode_observed():
     for bad in (1, -3):
         with pytest.raises(ValueError, match="plain_every"):
             AdaptivePolicy(cheap, BUDGETS, plain_every=bad)
+
+
+def _rate(values, counts, step_ms):
+    taken = sum(np.sort(v)[::-1][:c].sum() for v, c in zip(values, counts))
+    return (len(values) + taken) / step_ms(len(values) + sum(counts))
+
+
+def test_allot_rows_equals_the_best_subset_by_brute_force():
+    """Every subset of nodes (each sequence's kept nodes its best ones, under the caps) against allot_rows: its
+    rate (expected tokens / ms) is the best of all, under linear costs from free to dear rows."""
+    import itertools
+
+    from mindspore_eagle.core.policy import allot_rows
+
+    rng = np.random.default_rng(3)
+    for trial in range(60):
+        n = int(rng.integers(1, 4))
+        values = [np.sort(rng.random(int(rng.integers(0, 5))))[::-1] for _ in range(n)]
+        a, b = float(rng.uniform(5, 30)), float(rng.choice([0.0, 0.5, 2.0, 8.0, 40.0]))
+        max_per_seq, max_rows = int(rng.integers(1, 6)), n + int(rng.integers(0, 10))
+        step_ms = lambda r, a=a, b=b: a + b * np.asarray(r, np.float64)  # noqa: E731
+        got = allot_rows(values, step_ms, max_rows, max_per_seq)
+        assert got.shape == (n,) and (got >= 0).all() and got.sum() <= max_rows - n
+        assert all(c <= min(len(v), max_per_seq - 1) for c, v in zip(got, values))
+        best = max(_rate(values, c, step_ms) for c in itertools.product(
+            *[range(min(len(v), max_per_seq - 1) + 1) for v in values]) if sum(c) <= max_rows - n)
+        assert _rate(values, got, step_ms) == pytest.approx(best, rel=1e-12), trial
+
+
+def test_allot_rows_free_rows_take_everything_dear_rows_nothing():
+    from mindspore_eagle.core.policy import allot_rows
+
+    values = [np.array([0.9, 0.5, 0.1]), np.array([]), np.array([0.3])]
+    assert allot_rows(values, lambda r: 10.0 + 0 * np.asarray(r), 99, 16).tolist() == [3, 0, 1]
+    assert allot_rows(values, lambda r: 10.0 * np.asarray(r), 99, 16).tolist() == [0, 0, 0]
+    # a row costs 2 ms on a 3-row step of 10 ms (3.3 ms a token): only nodes worth more than ~0.6 token pay
+    assert allot_rows(values, lambda r: 4.0 + 2.0 * np.asarray(r), 99, 16).tolist() == [1, 0, 0]
+    assert allot_rows(values, lambda r: 10.0 + 0 * np.asarray(r), 4, 16).tolist() == [1, 0, 0]   # row cap
+    assert allot_rows(values, lambda r: 10.0 + 0 * np.asarray(r), 99, 2).tolist() == [1, 0, 1]   # per-sequence cap
+    with pytest.raises(ValueError, match="max_rows >= 3"):
+        allot_rows(values, lambda r: r, 2, 4)

@@ -85,7 +85,8 @@ def test_weight_shape_mismatch_names_tensor(ms_runtime, tiny):
 def test_batched_calls_match_one_sequence_calls(ms_runtime, tiny, grouped):
     """decode_batch / verify_batch give every sequence the logits its own decode / verify gives (to float32
     rounding), in the grouped layout (a block table per sequence) and the concatenated one (one table, block-diagonal
-    mask), with pad rows / pad groups and sequences of 3, 11 and 29 tokens (block size 8)."""
+    mask), with pad rows / pad groups and sequences of 3, 11 and 29 tokens (block size 8); verify_batch with trees of
+    different budgets (4, 1, 3)."""
     from tiny_engines import tiny_tree
 
     from mindspore_eagle.core.tree import tensorize
@@ -112,13 +113,17 @@ def test_batched_calls_match_one_sequence_calls(ms_runtime, tiny, grouped):
             assert np.abs(got[i] - want).max() < 1e-4
             assert np.abs(aux[i] - want_aux[0]).max() < 1e-4
         nxt = [int(np.argmax(g)) for g in got]
-    M = 4
-    trees = [tensorize(tiny_tree(rng, t, M, 3, cfg.vocab_size), M, 3) for t in nxt]
-    got, _ = bat.verify_batch(s2, trees, rows=4 * M)
-    for i, (a, b) in enumerate(zip(s1, s2)):
-        want, _ = one.verify(a, trees[i])
-        assert np.abs(got[i * M:(i + 1) * M] - want).max() < 1e-4
+    budgets = [4, 1, 3]                         # ragged: a sequence may verify its root alone
+    trees = [tensorize(tiny_tree(rng, t, m, 3, cfg.vocab_size), m, 3) for t, m in zip(nxt, budgets)]
+    got, aux = bat.verify_batch(s2, trees, rows=16)
+    assert got.shape == (8, cfg.vocab_size) and aux.shape[0] == 8
+    o = 0
+    for i, (a, b, m) in enumerate(zip(s1, s2, budgets)):
+        want, want_aux = one.verify(a, trees[i])
+        assert np.abs(got[o:o + m] - want).max() < 1e-4
+        assert np.abs(aux[o:o + m] - want_aux).max() < 1e-4
+        o += m
         one.rollback(a), bat.rollback(b)
     assert [one.length(a) for a in s1] == [bat.length(b) for b in s2] == [n + 3 for n in (3, 11, 29)]
-    with pytest.raises(ValueError, match="multiple of M"):
-        bat.verify_batch(s2, trees, rows=4 * M + 1)
+    with pytest.raises(ValueError, match="got 3 sequences, 3 trees, 8 tree rows"):
+        bat.verify_batch(s2, trees, rows=7)

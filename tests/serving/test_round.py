@@ -38,8 +38,9 @@ def logits_for(token: int, pos: int, rule=truth) -> np.ndarray:
 class FakeTeacher:
     """TeacherRunnerLike in numpy: a sequence is its committed token list; a tree verified is kept until commit."""
 
-    def __init__(self, S: int = 512, rule=truth):
-        self.S, self.seqs, self.trees, self.n, self.rule = S, {}, {}, 0, rule
+    def __init__(self, S: int = 512, rule=truth, host: bool = False):
+        self.S, self.seqs, self.trees, self.n, self.rule, self.host = S, {}, {}, 0, rule, host
+        self.rows_seen = []              # (rows, budgets) of each verify_batch
 
     def new_seq(self):
         self.n += 1
@@ -75,9 +76,12 @@ class FakeTeacher:
         logits = np.stack([logits_for(int(t), n + int(d), self.rule) for t, d in zip(tt.tokens, tt.depth)])
         return logits, np.arange(tt.budget, dtype=np.float32)[:, None].repeat(3, 1)
 
+    def on_host(self, rows):
+        return self.host
+
     def verify_batch(self, sids, trees, rows, width_step=512):
-        M = trees[0].budget
-        assert len(sids) * M <= rows and all(t.budget == M for t in trees)
+        assert sum(t.budget for t in trees) <= rows
+        self.rows_seen.append((rows, [t.budget for t in trees]))
         outs = [self.verify(s, t) for s, t in zip(sids, trees)]
         return np.concatenate([o[0] for o in outs]), np.concatenate([o[1] for o in outs])
 
@@ -336,6 +340,44 @@ def test_batched_suffix_candidates_are_lossless():
             assert s.emitter.ids == reference(p, 70, cyclic)
             assert_cache_true_rule(tg, s, p, cyclic)
         assert sum(st.accepted_suffix for s in seqs for st in s.steps) > 20    # copies accepted in batches too
+
+
+class LinearRows:
+    """RowCosts stand-in: a forward of R rows costs a + b R ms (the numpy teacher's own times are noise)."""
+
+    def __init__(self, a: float, b: float):
+        self.a, self.b = a, b
+
+    def ms(self, rows):
+        return self.a + self.b * np.asarray(rows, np.float64)
+
+    def observe(self, rows, ms):
+        pass
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_batched_rows_follow_value_and_cost(host):
+    """N = 3, suffix candidates alone (no gate: every step allots rows, core.policy.allot_rows): with free rows
+    each sequence verifies its candidates, sequences of different budgets in one forward of exactly the rows used
+    (on the host) or of the graph's b x m_b rows; with dear rows nothing is verified (plain steps); lossless
+    either way."""
+    gen = GenerationConfig(max_new_tokens=70)
+    prompts = [[3, 9, 4], [7], [11, 12, 13, 14, 15, 16]]
+    for costs, trees in ((LinearRows(10.0, 0.0), True), (LinearRows(1.0, 50.0), False)):
+        tg = FakeTeacher(rule=cyclic, host=host)
+        rnd = _suffix_round(tg, None, 3)
+        rnd.gate, rnd.row_costs = None, costs
+        seqs = run(rnd, tg, prompts, gen)
+        for s, p in zip(seqs, prompts):
+            assert s.emitter.ids == reference(p, 70, cyclic)
+            assert_cache_true_rule(tg, s, p, cyclic)
+        if not trees:
+            assert tg.rows_seen == [] and all(st.budget == 1 for s in seqs for st in s.steps)
+            continue
+        assert any(len(set(b)) > 1 for _, b in tg.rows_seen)            # ragged: budgets differ within a step
+        assert max(max(b) for _, b in tg.rows_seen) > rnd.batch_budget(3)[0]    # one sequence past b x m_b / b
+        for rows, b in tg.rows_seen:
+            assert rows == (sum(b) if host else rnd.tree_rows(len(b))) and sum(b) <= rnd.tree_rows(len(b))
 
 
 def test_earlier_outputs_are_shared_but_never_a_turns_own():

@@ -114,8 +114,11 @@ def test_multi_turn_and_messages_records_in_a_batch(ms_runtime, tiny_dir):
     got, _, _ = run_batched(eng, gen, recs, max_batch=8)
     same_answers(got, ref)
     assert isinstance(got["a"]["text"], list) and len(got["a"]["text"]) == 3
-    # each step runs the smallest row bucket that holds its sequences, not max_batch rows
-    assert rows and all(r == next(b for b in (1, 2, 4, 8) if b >= n) for n, r in rows), rows
+    # each step runs its sequences' rows exactly on the host, else the smallest row bucket that holds them (one
+    # graph per bucket), never max_batch rows
+    bucket = lambda n: n if eng.teacher.on_host(n) else next(b for b in (1, 2, 4, 8) if b >= n)  # noqa: E731
+    assert rows and all(r == bucket(n) for n, r in rows), rows
+    assert any(r != next(b for b in (1, 2, 4, 8) if b >= n) for n, r in rows) == (eng.teacher.host is not None)
     assert {r for _, r in rows} >= {4}
 
 
@@ -328,7 +331,10 @@ def test_speculative_batch_equals_one_at_a_time_greedy(ms_runtime, tiny, tiny_di
             tokens += kids
             parents += [node] * len(kids)
             node = base + kids.index(int(t))
-        return DraftTree(tokens, parents)
+        depth = np.zeros(len(tokens))
+        for i in range(1, len(tokens)):
+            depth[i] = depth[parents[i]] + 1
+        return DraftTree(tokens, parents, np.log(0.7) * depth)     # scores: cumulative log-probs, as drafted
     sched.round.start = spy_start
     assert eng.drafter.grouped                      # draft_batch batches: the oracle replaces its tree expansion
     eng.drafter._build_trees = lambda sids, roots, firsts, M, D, groups: [
