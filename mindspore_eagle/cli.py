@@ -25,7 +25,7 @@ import json
 import os
 import sys
 
-from mindspore_eagle.config import Config, ConfigError, load_config
+from mindspore_eagle.config import LOG_LEVELS, Config, ConfigError, load_config
 from mindspore_eagle.errors import MsEagleError
 from mindspore_eagle.models.model_config import CheckpointError
 from mindspore_eagle.serving.batch_job import BatchError
@@ -291,15 +291,31 @@ def cmd_batch(args) -> int:
 
 
 # -------------------------------------------------------------------------------------------------- serve --
+SERVE_FLAGS = (("host", "host"), ("port", "port"), ("api_key", "api_key"), ("serve_max_batch", "max_batch"),
+               ("cors_origin", "cors_origins"), ("access_log", "access_log"), ("log_level", "log_level"),
+               ("request_timeout", "request_timeout_s"))
+"""``serve`` flags (argparse dest) and the ``serve.`` key each one overrides when given."""
+
+
+def serve_config_from_args(args) -> Config:
+    """The validated Config of ``serve``'s ``--config`` / ``--set`` with its flags (:data:`SERVE_FLAGS`) applied.
+
+    Raises:
+        ConfigError: as :func:`config_from_args`; a flag value out of range is named by its key
+            (``serve.request_timeout_s = -1.0 is out of range: ...``).
+    """
+    cfg = config_from_args(args)
+    for flag, key in SERVE_FLAGS:
+        if getattr(args, flag, None) is not None:
+            setattr(cfg.serve, key, getattr(args, flag))
+    return cfg.validate()
+
+
 def cmd_serve(args) -> int:
     """``serve``: the OpenAI-compatible HTTP server (mindspore_eagle.serving.api_server) until SIGTERM."""
     from mindspore_eagle.serving.api_server import serve, serve_config
 
-    cfg = config_from_args(args)
-    for flag, key in (("host", "host"), ("port", "port"), ("api_key", "api_key"), ("serve_max_batch", "max_batch")):
-        if getattr(args, flag) is not None:
-            setattr(cfg.serve, key, getattr(args, flag))
-    return serve(serve_config(cfg.validate()), warmup=args.warmup)
+    return serve(serve_config(serve_config_from_args(args)), warmup=args.warmup)
 
 
 # ------------------------------------------------------------------------------------------------ inspect --
@@ -485,16 +501,26 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_batch)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
-                       description="Serve POST /v1/chat/completions and /v1/completions (streamed or not), GET "
-                       "/v1/models, /health and /metrics, with continuous batching of concurrent requests. "
+                       description="Serve POST /v1/chat/completions and /v1/completions (streamed or not), POST "
+                       "/tokenize and /detokenize, GET /v1/models, /health and /metrics, with continuous batching "
+                       "of concurrent requests. "
                        "Compiles every shape at start (GET /health answers 503 until then); SIGTERM drains and "
                        "exits 0. Defaults and more keys: the config's serve section.")
     s.add_argument("--host", help="address to bind (serve.host, default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, help="TCP port (serve.port, default 8000; 0 = any free port)")
     s.add_argument("--max-batch", type=int, dest="serve_max_batch", metavar="N",
                    help="sequences per teacher forward (serve.max_batch, default 16)")
-    s.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 routes "
-                   "(serve.api_key; also read from MSEAGLE_API_KEY)")
+    s.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize "
+                   "and /detokenize (serve.api_key; also read from MSEAGLE_API_KEY)")
+    s.add_argument("--cors-origin", action="append", metavar="ORIGIN",
+                   help="let browser pages of ORIGIN (e.g. https://example.com; '*' = any) call the server: CORS "
+                        "headers (serve.cors_origins; repeatable; default none: no CORS headers)")
+    s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=None,
+                   help="uvicorn's access log, one line per request on stdout (serve.access_log, default off)")
+    s.add_argument("--log-level", choices=LOG_LEVELS, help="uvicorn's log level (serve.log_level, default warning)")
+    s.add_argument("--request-timeout", type=float, metavar="SECONDS",
+                   help="cancel a chat or completion request running longer and answer 504 "
+                        "(serve.request_timeout_s, default 0: no limit)")
     _add_warmup_arg(s, "full", "Default full: no request ever waits for a compile.")
     _add_config_args(s)
     s.set_defaults(func=cmd_serve)
@@ -563,4 +589,4 @@ def main(argv=None) -> int:
 
 
 __all__ = ["main", "guarded", "build_parser", "cmd_serve", "config_from_args", "known_errors", "Streamer",
-           "describe_teacher"]
+           "describe_teacher", "serve_config_from_args", "SERVE_FLAGS"]

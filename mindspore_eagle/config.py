@@ -137,10 +137,11 @@ class SpeculativeConfig:
     process keeps for suffix candidates (oldest outputs dropped first; the index takes ~1.7 KB a token, measured
     with tracemalloc on 65,536 tokens: 111 MB). hybrid needs a drafter: with
     ``model.drafter: none`` it decodes teacher-only, as eagle3 does; suffix drafts copies with or without one.
-    batch_tree_rows: rows a batched tree verification holds in all (continuous batching): a step of n sequences,
-    run in row bucket b >= n, verifies ``runners.shapes.batch_budget(b, M, batch_tree_rows)`` = max(2, min(M,
-    batch_tree_rows // b)) tokens of each sequence, so a batch's verification stays near the row count where a
-    forward is still cheap (a CPU forward is compute-bound past ~16 rows: docs/performance.md)."""
+    batch_tree_rows: continuous batching: a step of n sequences (row bucket b >= n) grows the drafter's trees
+    m_b - 1 deep at most, m_b = ``runners.shapes.batch_budget(b, M, batch_tree_rows)`` = max(2, min(M,
+    batch_tree_rows // b)) (each level one drafter call); a batched verification that runs as a graph (not on the
+    host) holds b x m_b rows in all. Which nodes are verified is measured, not configured
+    (``core.policy.allot_rows``: docs/performance.md, "Continuous batching")."""
     M: int = 16
     D_max: int = 5
     top_k: int = 4
@@ -252,7 +253,10 @@ class ServeSection:
     suffix``), each step gated by measured tokens per
     ms for the batch size. max_queue: requests waiting for a row before new ones get 429. max_body_bytes: largest
     request body (bytes; larger: 413). drain_timeout_s: on SIGTERM, seconds in-flight requests get to finish
-    before they are cancelled."""
+    before they are cancelled. cors_origins: origins a browser page may call the server from (CORS headers;
+    ``"*"`` = any; [] = no CORS headers). access_log: uvicorn's access log (one line per request, stdout).
+    log_level: uvicorn's log level (:data:`LOG_LEVELS`). request_timeout_s: a request running longer (from its
+    arrival, queueing included) is cancelled and answered 504 (0 = no limit)."""
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str = ""
@@ -262,6 +266,10 @@ class ServeSection:
     max_queue: int = 256
     max_body_bytes: int = 1 << 20
     drain_timeout_s: float = 30.0
+    cors_origins: list = field(default_factory=list)
+    access_log: bool = False
+    log_level: str = "warning"
+    request_timeout_s: float = 0.0
 
     def validate(self):
         if not isinstance(self.host, str) or not self.host.strip():
@@ -277,6 +285,23 @@ class ServeSection:
         _check_int("serve.max_queue", self.max_queue, 0, 1 << 20)
         _check_int("serve.max_body_bytes", self.max_body_bytes, 1024, 1 << 30)
         _check_float("serve.drain_timeout_s", self.drain_timeout_s, 0.0, 86400.0)
+        if not isinstance(self.cors_origins, list):
+            raise ConfigError(f"serve.cors_origins = {self.cors_origins!r} must be a list of origins, e.g. "
+                              "[\"https://example.com\"] ([] = no CORS headers)")
+        for i, o in enumerate(self.cors_origins):
+            if not isinstance(o, str) or not _ORIGIN.fullmatch(o):
+                raise ConfigError(f"serve.cors_origins[{i}] = {o!r} must be \"*\" or an origin "
+                                  "scheme://host[:port] without a path, e.g. https://example.com")
+        if not isinstance(self.access_log, bool):
+            raise ConfigError("serve.access_log must be true or false")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"serve.log_level = {self.log_level!r}: must be one of {', '.join(LOG_LEVELS)}")
+        _check_float("serve.request_timeout_s", self.request_timeout_s, 0.0, 86400.0)
+
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+"""``serve.log_level`` values: uvicorn's level names, most to least severe."""
+_ORIGIN = re.compile(r"\*|[A-Za-z][A-Za-z0-9+.-]*://[^/\s?#]+")
 
 
 @dataclass

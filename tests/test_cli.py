@@ -235,7 +235,8 @@ def test_error_is_one_line_in_a_real_process(tmp_path):
 
 def test_every_documented_row_is_tested():
     """Each row of docs/errors.md's command-line table is named by a check_row call in the tests (test_cli,
-    serving/test_batch_job), and each error code of its server table is asserted in serving/test_server.py."""
+    serving/test_batch_job), and each error code of its server table is asserted in serving/test_server.py or
+    serving/test_api_server.py."""
     text = ERRORS_MD.read_text(encoding="utf-8")
     cli_part, _, server_part = text.partition("## The server")
     rows = [c.strip() for line in cli_part.splitlines()
@@ -246,7 +247,8 @@ def test_every_documented_row_is_tested():
     assert rows and not missing, missing
     codes = [c for line in server_part.splitlines() if line.startswith("| ") and not line.startswith("| Status")
              for c in re.findall(r"`([a-z_]+)`", line.split(" | ")[1])]
-    server_tests = (Path(__file__).parent / "serving" / "test_server.py").read_text(encoding="utf-8")
+    server_tests = "".join((Path(__file__).parent / "serving" / name).read_text(encoding="utf-8")
+                           for name in ("test_server.py", "test_api_server.py"))
     untested = [c for c in codes if f'"{c}"' not in server_tests]
     assert len(codes) >= 12 and not untested, untested
 

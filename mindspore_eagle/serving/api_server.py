@@ -1,13 +1,16 @@
 """The OpenAI-compatible HTTP server: FastAPI routes on uvicorn in front of the engine thread (async_engine.py).
 
     mindspore-eagle serve --config configs/default.yaml [--host 127.0.0.1] [--port 8000] [--max-batch 16]
-                          [--api-key KEY]
+                          [--api-key KEY] [--cors-origin ORIGIN ...] [--access-log] [--log-level warning]
+                          [--request-timeout SECONDS]
 
 Endpoints (OpenAI's shapes, openai_protocol.py):
 
     POST /v1/chat/completions   chat turn; ``stream: true`` answers server-sent events ending ``data: [DONE]``
     POST /v1/completions        raw prompt (no chat template), streamed or not
     GET  /v1/models             the served model
+    POST /tokenize              {"prompt"} or {"messages"} -> {"count", "max_model_len", "tokens"} (vLLM's shapes)
+    POST /detokenize            {"tokens"} -> {"prompt"}
     GET  /health                503 {"status": "warming up"} until every graph is compiled, then 200 (HEAD: the
                                 same status without a body)
     GET  /metrics               Prometheus text format (metrics.py)
@@ -16,12 +19,17 @@ Start: the socket is bound first (``/health`` answers 503), then the engine thre
 full warm-up (every shape a request can reach, from the graph cache when it is there), so no request ever waits
 for a compile; chat and completion requests get a 503 JSON error until then.
 
+A request without ``max_tokens`` generates until its end of turn or the end of the context (:meth:`Server.fit`).
+With ``serve.request_timeout_s`` > 0 a chat or completion request running longer is cancelled: 504 (streamed: an
+error event, then ``[DONE]``). ``serve.cors_origins`` adds CORS headers for those origins (none: no CORS headers);
+``serve.access_log`` and ``serve.log_level`` set uvicorn's logging.
+
 Every error is JSON in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``, never a traceback:
 400 malformed JSON, a missing, unknown or wrong-typed field, an unsupported parameter, a prompt over the context
 limit (the command line's words); 404 an unknown model or path; 401 a missing or wrong API key (``/v1`` routes,
 when ``serve.api_key`` is set); 413 a body over ``serve.max_body_bytes``; 429 ``serve.max_queue`` requests
 already waiting; 500 an engine step failed (its traceback goes to the server's log only; the server keeps
-serving); 503 warming up or shutting down.
+serving); 503 warming up or shutting down; 504 over ``serve.request_timeout_s``.
 
 SIGTERM (or Ctrl-C): the listening socket closes, in-flight requests get ``serve.drain_timeout_s`` seconds to
 finish and are then cancelled, the engine thread stops, and the process exits 0.
@@ -45,11 +53,13 @@ import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.sse import EventSourceResponse, format_sse_event
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mindspore_eagle.errors import MsEagleError
 from mindspore_eagle.serving import openai_protocol as P
 from mindspore_eagle.serving.async_engine import AsyncEngine, NotReady, QueueFull
 from mindspore_eagle.serving.engine import GenerationError
@@ -58,6 +68,10 @@ from mindspore_eagle.serving.metrics import ServerMetrics
 log = logging.getLogger("mindspore_eagle.server")
 DONE = format_sse_event(data_str="[DONE]")
 BEARER = HTTPBearer(auto_error=False)
+
+
+class RequestTimeout(Exception):
+    """A request ran past its ``serve.request_timeout_s`` deadline (it has been cancelled)."""
 
 
 def model_name(cfg) -> str:
@@ -133,20 +147,50 @@ class Server:
             raise P.APIError(404, f"The model '{name}' does not exist; this server serves '{self.name}' "
                              "(GET /v1/models)", "model", "model_not_found")
 
+    def context_len(self) -> int:
+        """The most tokens (prompt + max_tokens) one request can hold: min(cache.max_seq_len, the KV pool's
+        slots) less the slots a tree verification takes beyond a sequence's tokens (``extra_slots``:
+        speculative.M while drafting, else 0). ``/tokenize``'s ``max_model_len``. Engine ready only."""
+        sched = self.engine.sched
+        return min(sched.S, sched.NB * sched.B) - sched.extra_slots
+
     def fit(self, prompt_tokens: int, gen, explicit: bool, prompt_param: str):
-        """``gen`` with a max_new_tokens the context has room for: a request's own max_tokens must fit (else
-        400 in the command line's words); an omitted one is cut to the room left."""
+        """``gen`` with a max_new_tokens the context has room for.
+
+        A request's own max_tokens (``explicit``) must fit; an omitted one becomes the whole room left,
+        :meth:`context_len` - ``prompt_tokens`` (generation runs to the end of turn or the end of the context, as
+        vLLM's default), which ``BatchScheduler.fit_error`` always accepts: prompt + room + extra_slots =
+        min(S, NB * B) is at most S tokens and at most NB blocks.
+        Raises:
+            APIError: 400 ``context_length_exceeded`` in the command line's words (``param`` max_tokens when the
+                request set it, else ``prompt_param``): the explicit max_tokens does not fit, or the prompt leaves
+                no room for one token.
+        """
         import dataclasses
 
         sched = self.engine.sched
-        error = sched.fit_error(prompt_tokens, gen.max_new_tokens)
-        if error and not explicit:
-            room = min(sched.S, sched.NB * sched.B) - prompt_tokens - sched.extra_slots
-            if room >= 1 and not sched.fit_error(prompt_tokens, room):
-                return dataclasses.replace(gen, max_new_tokens=room)
-        if error:
-            raise P.APIError(400, error, "max_tokens" if explicit else prompt_param, "context_length_exceeded")
-        return gen
+        if explicit:
+            error = sched.fit_error(prompt_tokens, gen.max_new_tokens)
+            if error:
+                raise P.APIError(400, error, "max_tokens", "context_length_exceeded")
+            return gen
+        room = self.context_len() - prompt_tokens
+        error = sched.fit_error(prompt_tokens, max(room, 1))
+        if room < 1 or error:
+            raise P.APIError(400, error or f"prompt of {prompt_tokens} tokens leaves no room to generate",
+                             prompt_param, "context_length_exceeded")
+        return dataclasses.replace(gen, max_new_tokens=room)
+
+    def deadline(self) -> float | None:
+        """``time.monotonic()`` by which a request arriving now must be answered (``serve.request_timeout_s``);
+        None without a limit."""
+        t = self.cfg.serve.request_timeout_s
+        return time.monotonic() + t if t > 0 else None
+
+    def timeout_error(self) -> P.APIError:
+        """The 504 of a request cancelled at its deadline."""
+        return P.APIError(504, f"the request ran longer than serve.request_timeout_s="
+                               f"{self.cfg.serve.request_timeout_s:g} s and was cancelled", None, "request_timeout")
 
     def submit(self, ids: list, gen):
         try:
@@ -157,17 +201,25 @@ class Server:
             self.check_ready()
             raise
 
-    async def wait_events(self, handle, request: Request):
-        """Yield the handle's events until it is done; a client that disconnects cancels it."""
+    async def wait_events(self, handle, request: Request, deadline: float | None = None):
+        """Yield the handle's events until it is done; a client that disconnects cancels it (the events end).
+
+        Raises:
+            RequestTimeout: ``deadline`` (``time.monotonic()``; None = none) passed first; the request has been
+                cancelled.
+        """
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             while True:
                 get = asyncio.ensure_future(handle.events.get())
-                done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                done, _ = await asyncio.wait({get, gone}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
                 if get not in done:
                     get.cancel()
                     self.engine.cancel(handle)
-                    return
+                    if gone in done:
+                        return
+                    raise RequestTimeout
                 event = get.result()
                 yield event
                 if event[0] == "done":
@@ -224,6 +276,21 @@ def _error(status: int, message: str, param=None, code=None, type=None) -> JSONR
     return JSONResponse(P.APIError(status, message, param, code, type).body(), status_code=status)
 
 
+def _authorizer(server: Server):
+    """The dependency that guards the ``/v1`` routes, ``/tokenize`` and ``/detokenize``: with an API key set,
+    a request needs ``Authorization: Bearer KEY`` (else 401 ``invalid_api_key``)."""
+
+    async def authorized(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]) -> None:
+        if not server.api_key:
+            return
+        if creds is None:
+            raise P.APIError(401, "missing API key: send the header 'Authorization: Bearer KEY'", None,
+                             "invalid_api_key")
+        if not secrets.compare_digest(creds.credentials.encode(), server.api_key.encode()):
+            raise P.APIError(401, "incorrect API key provided", None, "invalid_api_key")
+    return authorized
+
+
 def build_app(server: Server) -> FastAPI:
     """The FastAPI application of ``server`` (routes in the module docstring)."""
 
@@ -236,6 +303,9 @@ def build_app(server: Server) -> FastAPI:
             log.warning("the engine thread did not stop in time")
 
     app = FastAPI(title="mindspore-eagle", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    if server.cfg.serve.cors_origins:       # browsers may call from these origins (preflights answered)
+        app.add_middleware(CORSMiddleware, allow_origins=list(server.cfg.serve.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     m = server.metrics
 
     @app.exception_handler(P.APIError)
@@ -261,14 +331,7 @@ def build_app(server: Server) -> FastAPI:
         m.http_errors.labels("500").inc()
         return _error(500, f"internal server error ({type(e).__name__}); the server log has the details")
 
-    async def authorized(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]) -> None:
-        if not server.api_key:
-            return
-        if creds is None:
-            raise P.APIError(401, "missing API key: send the header 'Authorization: Bearer KEY'", None,
-                             "invalid_api_key")
-        if not secrets.compare_digest(creds.credentials.encode(), server.api_key.encode()):
-            raise P.APIError(401, "incorrect API key provided", None, "invalid_api_key")
+    authorized = _authorizer(server)
 
     @app.api_route("/health", methods=["GET", "HEAD"])   # HEAD: load balancers' probes (same status, no body)
     async def health():
@@ -295,7 +358,54 @@ def build_app(server: Server) -> FastAPI:
     async def completions(request: Request):
         return await _answer(server, request, COMPLETION)
 
+    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    async def tokenize(request: Request):
+        return await _tokenize(server, request)
+
+    @app.post("/detokenize", dependencies=[Depends(authorized)])
+    async def detokenize(request: Request):
+        return await _detokenize(server, request)
+
     return app
+
+
+async def _tokenize(server: Server, request: Request) -> dict:
+    """``POST /tokenize``: the prompt's ids as ``/v1/completions`` would run them, or the messages' ids under the
+    chat template as ``/v1/chat/completions`` would (``add_generation_prompt`` true); ``max_model_len`` =
+    :meth:`Server.context_len` (prompt + max_tokens at most).
+
+    Raises:
+        APIError: 400 a bad field (named), 404 an unknown model, 503 warming up or shutting down.
+    """
+    req = P.parse_tokenize(await _body(request, server.cfg.serve.max_body_bytes))
+    if req.model is not None:
+        server.check_model(req.model)
+    server.check_ready()
+    tok = server.engine.engine.tokenizer
+    if isinstance(req, P.TokenizeChatRequest):
+        try:
+            ids = await run_in_threadpool(tok.encode_chat, P.chat_messages(req), req.add_generation_prompt)
+        except MsEagleError as e:           # e.g. a tokenizer without a chat template
+            raise P.APIError(400, str(e), "messages", "invalid_value") from None
+    else:
+        ids = await run_in_threadpool(tok.encode, req.prompt, None if req.add_special_tokens else False)
+    return P.tokenize_response(ids, server.context_len())
+
+
+async def _detokenize(server: Server, request: Request) -> dict:
+    """``POST /detokenize``: ``{"prompt": text}`` of the token ids (special tokens kept as their strings).
+
+    Raises:
+        APIError: 400 a bad field or an id outside [0, vocab) (``param`` ``tokens[i]``), 404 an unknown model,
+            503 warming up or shutting down.
+    """
+    req = P.parse_request(P.DetokenizeRequest, await _body(request, server.cfg.serve.max_body_bytes))
+    if req.model is not None:
+        server.check_model(req.model)
+    server.check_ready()
+    tok = server.engine.engine.tokenizer
+    ids = P.check_token_ids(req.tokens, tok.vocab_size, "tokens")
+    return {"prompt": await run_in_threadpool(tok.decode, ids)}
 
 
 def _usage(res) -> dict:
@@ -312,13 +422,16 @@ def _failure(res) -> P.APIError:
     return P.APIError(400, res.error, code="invalid_value")
 
 
-async def _collect(server: Server, handle, request: Request):
+async def _collect(server: Server, handle, request: Request, deadline: float | None = None):
     """Wait for a non-streamed request: (TurnResult, text), or (None, "") when the client went away (it was
-    cancelled). Raises APIError when it failed."""
+    cancelled). Raises APIError when it failed, 504 when ``deadline`` passed first (it was cancelled)."""
     res = None
-    async for event in server.wait_events(handle, request):
-        if event[0] == "done":
-            res = event[1]
+    try:
+        async for event in server.wait_events(handle, request, deadline):
+            if event[0] == "done":
+                res = event[1]
+    except RequestTimeout:
+        raise server.timeout_error() from None
     if res is None:
         return None, ""
     if res.error or res.stop_reason == "cancelled":
@@ -334,7 +447,7 @@ class _Route:
     """What ``/v1/chat/completions`` and ``/v1/completions`` do differently; :func:`_answer` and :func:`_stream`
     are the one path both take (parse, check, tokenize, submit, wait or stream)."""
     schema = P.ChatCompletionRequest
-    prompt_field, id_prefix, default_max_tokens = "messages", "chatcmpl", None
+    prompt_field, id_prefix = "messages", "chatcmpl"
 
     async def prompt_ids(self, eng, req) -> list:
         try:
@@ -363,18 +476,13 @@ class _Route:
 
 class _CompletionRoute(_Route):
     schema = P.CompletionRequest
-    prompt_field, id_prefix, default_max_tokens = "prompt", "cmpl", P.COMPLETIONS_DEFAULT_MAX_TOKENS
+    prompt_field, id_prefix = "prompt", "cmpl"
 
     async def prompt_ids(self, eng, req) -> list:
         prompt = P.completion_prompt(req)
         if isinstance(prompt, str):
             return await run_in_threadpool(eng.tokenizer.encode, prompt)
-        vocab = eng.tokenizer.vocab_size
-        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise P.APIError(400, f"prompt[{bad}] = {prompt[bad]} is not a token id (0 <= id < {vocab})",
-                             f"prompt[{bad}]", "invalid_value")
-        return list(prompt)
+        return P.check_token_ids(prompt, eng.tokenizer.vocab_size, "prompt")
 
     def logprobs(self, eng):
         offset = 0                           # text_offset runs on across a request's chunks
@@ -403,53 +511,61 @@ CHAT, COMPLETION = _Route(), _CompletionRoute()
 
 
 async def _answer(server: Server, request: Request, route: _Route):
-    """One request of either route: parsed and checked, tokenized, submitted; the answer (or its stream)."""
+    """One request of either route: parsed and checked, tokenized, submitted; the answer (or its stream), cut at
+    ``serve.request_timeout_s`` from now."""
+    deadline = server.deadline()
     req = P.parse_request(route.schema, await _body(request, server.cfg.serve.max_body_bytes))
     server.check_model(req.model)
     server.check_ready()
     eng = server.engine.engine
     ids = await route.prompt_ids(eng, req)
-    gen, explicit = P.generation_config(req, server.cfg.generation, route.default_max_tokens)
+    gen, explicit = P.generation_config(req, server.cfg.generation)
     gen = dataclasses.replace(gen, logprobs=P.requested_logprobs(req))
     handle = server.submit(ids, server.fit(len(ids), gen, explicit, route.prompt_field))
     rid = P.new_id(route.id_prefix)
     if req.stream:
         use = bool(req.stream_options and req.stream_options.include_usage)
-        return EventSourceResponse(_stream(server, handle, request, rid, use, route))
-    res, text = await _collect(server, handle, request)
+        return EventSourceResponse(_stream(server, handle, request, rid, use, route, deadline))
+    res, text = await _collect(server, handle, request, deadline)
     if res is None:
         return Response(status_code=499)
     lp = route.logprobs(eng)(res.logprobs) if gen.logprobs is not None else None
     return route.response(rid, server.name, text, P.FINISH[res.stop_reason], _usage(res), lp)
 
 
-async def _stream(server: Server, handle, request: Request, rid: str, include_usage: bool, route: _Route):
+async def _stream(server: Server, handle, request: Request, rid: str, include_usage: bool, route: _Route,
+                  deadline: float | None = None):
     """Server-sent events of a streamed answer: the route's opening chunks (chat: the role), a chunk per text
     delta as text becomes final, the closing chunks (the rest of the text, the finish reason), the usage chunk
-    (``stream_options.include_usage``), ``[DONE]``; a failure is sent as an ``{"error": ...}`` event before
-    ``[DONE]``."""
+    (``stream_options.include_usage``), ``[DONE]``; a failure, or ``deadline`` passing (the request is cancelled,
+    504 ``request_timeout``), is sent as an ``{"error": ...}`` event before ``[DONE]``."""
     created, name = int(time.time()), server.name
     to_lp = route.logprobs(server.engine.engine) if handle.gen.logprobs is not None else None
 
     def lp(entries):                     # the chunk's tokens' log-probabilities (None when not asked)
         return to_lp(entries) if to_lp is not None else None
 
+    def failed(e: P.APIError) -> bytes:
+        server.metrics.http_errors.labels(str(e.status)).inc()
+        return _sse(e.body())
+
     for c in route.opening(rid, name, created):
         yield _sse(c)
-    async for event in server.wait_events(handle, request):
-        if event[0] == "delta":
-            yield _sse(route.chunk(rid, name, created, event[1], logprobs=lp(event[3])))
-            continue
-        res, final = event[1], event[2]
-        if res.error or res.stop_reason == "cancelled":
-            e = _failure(res)
-            server.metrics.http_errors.labels(str(e.status)).inc()
-            yield _sse(e.body())
-            break
-        for c in route.closing(rid, name, created, final, P.FINISH[res.stop_reason], lp(event[3])):
-            yield _sse(c)
-        if include_usage:
-            yield _sse(route.chunk(rid, name, created, None, use=_usage(res)))
+    try:
+        async for event in server.wait_events(handle, request, deadline):
+            if event[0] == "delta":
+                yield _sse(route.chunk(rid, name, created, event[1], logprobs=lp(event[3])))
+                continue
+            res, final = event[1], event[2]
+            if res.error or res.stop_reason == "cancelled":
+                yield failed(_failure(res))
+                break
+            for c in route.closing(rid, name, created, final, P.FINISH[res.stop_reason], lp(event[3])):
+                yield _sse(c)
+            if include_usage:
+                yield _sse(route.chunk(rid, name, created, None, use=_usage(res)))
+    except RequestTimeout:
+        yield failed(server.timeout_error())
     yield DONE
 
 
@@ -477,6 +593,19 @@ class _UvicornServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def uvicorn_config(app, cfg) -> uvicorn.Config:
+    """uvicorn's Config of ``app`` under ``cfg.serve``: host, port, ``log_level`` (uvicorn's loggers),
+    ``access_log`` (a line per request on stdout, shown at any level: the access logger is set to INFO at most),
+    ``drain_timeout_s`` as the graceful-shutdown limit. Configures uvicorn's loggers (process-wide)."""
+    config = uvicorn.Config(app, host=cfg.serve.host, port=cfg.serve.port, log_level=cfg.serve.log_level,
+                            timeout_graceful_shutdown=cfg.serve.drain_timeout_s, access_log=cfg.serve.access_log,
+                            lifespan="on")
+    access = logging.getLogger("uvicorn.access")
+    if cfg.serve.access_log and access.level > logging.INFO:
+        access.setLevel(logging.INFO)
+    return config
+
+
 def serve(cfg, log_line=None, build=None, warmup: str = "full") -> int:
     """Run the server of ``cfg`` (``serve_config`` applied) until SIGTERM / SIGINT; returns the exit code (0).
 
@@ -484,11 +613,7 @@ def serve(cfg, log_line=None, build=None, warmup: str = "full") -> int:
         the engine's start-up error (a known one, e.g. CheckpointError, is printed as one line by the CLI).
     """
     server = Server(cfg, build, log_line, warmup)
-    app = build_app(server)
-    config = uvicorn.Config(app, host=cfg.serve.host, port=cfg.serve.port, log_level="warning",
-                            timeout_graceful_shutdown=cfg.serve.drain_timeout_s, access_log=False,
-                            lifespan="on")
-    server.uvicorn = _UvicornServer(config, server)
+    server.uvicorn = _UvicornServer(uvicorn_config(build_app(server), cfg), server)
     if not log.handlers:                    # the server's own lines (errors with their traceback) on stderr
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -510,4 +635,4 @@ def serve(cfg, log_line=None, build=None, warmup: str = "full") -> int:
     return 0
 
 
-__all__ = ["Server", "build_app", "build_scheduler", "model_name", "serve", "serve_config"]
+__all__ = ["Server", "build_app", "build_scheduler", "model_name", "serve", "serve_config", "uvicorn_config"]

@@ -17,9 +17,13 @@ step of more than 32 rows, which takes MatMul); ``user`` is accepted and not use
 (``n`` > 1, ``logit_bias``, the penalties, ``response_format``, tools and
 functions, ``echo``, ``suffix``, ``best_of`` > 1) are refused with a 400 naming the field unless they hold their
 neutral value (``n: 1``, ``presence_penalty: 0``, ``response_format: {"type": "text"}``,
-...), which asks for nothing. Omitted parameters take the server configuration's ``generation`` section values
-(``max_tokens``: ``generation.max_new_tokens`` for chat, 16 for completions as in OpenAI's API, cut to what the
-context has room for when omitted).
+...), which asks for nothing. Omitted parameters take the server configuration's ``generation`` section values,
+except ``max_tokens``: omitted, a request generates until its end of turn or the end of the context (the room
+left after the prompt, as vLLM does; ``Server.fit``).
+
+``POST /tokenize`` and ``POST /detokenize`` take vLLM's shapes (:class:`TokenizeCompletionRequest`,
+:class:`TokenizeChatRequest`, :class:`DetokenizeRequest`) and answer ``{"count", "max_model_len", "tokens"}`` and
+``{"prompt"}``.
 
 Responses are plain dicts in OpenAI's shapes (``chat.completion``, ``chat.completion.chunk``,
 ``text_completion``); ``usage`` carries prompt_tokens, completion_tokens, total_tokens and ``mean_accept_len``
@@ -40,11 +44,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from mindspore_eagle.config import GenerationConfig, range_words
 
 MAX_STOP = 16
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-          500: "server_error", 503: "server_error"}
+          500: "server_error", 503: "server_error", 504: "server_error"}
 
 
 class APIError(Exception):
@@ -135,6 +138,30 @@ class CompletionRequest(_Common):
     best_of: Any = None
 
 
+class TokenizeCompletionRequest(_Strict):
+    """``POST /tokenize`` body, prompt form (vLLM's TokenizeCompletionRequest): ``prompt`` tokenized as
+    ``/v1/completions`` tokenizes a string prompt; ``add_special_tokens`` false leaves out the BOS token the model
+    prepends. ``model`` may be omitted (as in vLLM); given, it must be the served one."""
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(_Strict):
+    """``POST /tokenize`` body, chat form (vLLM's TokenizeChatRequest): ``messages`` under the chat template, as
+    ``/v1/chat/completions`` sends them; ``add_generation_prompt`` (default true) appends the assistant turn's
+    opening, as a chat completion does."""
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` body (vLLM's DetokenizeRequest): ``tokens``, ids in [0, vocab)."""
+    model: str | None = None
+    tokens: list[int]
+
+
 # field -> values that ask for nothing (anything else is a 400 naming the field)
 NEUTRAL = {"n": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
            "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
@@ -148,7 +175,8 @@ _WHY = {"n": "one choice per request (n = 1)", "logit_bias": "no logit bias",
 _UNION_HINT = {"stop": "a string or a list of strings", "content": "a string or a list of text parts",
                "prompt": "a string, a list of one string, or a list of token ids"}
 _FIELDS = set().union(*(m.model_fields for m in (ChatCompletionRequest, CompletionRequest, ChatMessage, TextPart,
-                                                  StreamOptions)))
+                                                  StreamOptions, TokenizeCompletionRequest, TokenizeChatRequest,
+                                                  DetokenizeRequest)))
 
 
 def _same(value, allowed) -> bool:
@@ -183,7 +211,8 @@ def parse_request(cls, body: bytes):
     """Parse and check a request body.
 
     Args:
-        cls: ChatCompletionRequest or CompletionRequest. body: the raw request body (UTF-8 JSON).
+        cls: a request model of this module (ChatCompletionRequest, CompletionRequest, ...). body: the raw
+            request body (UTF-8 JSON).
     Returns:
         the request model.
     Raises:
@@ -200,6 +229,30 @@ def parse_request(cls, body: bytes):
         raise APIError(400, "max_tokens and max_completion_tokens disagree; give one of them",
                        "max_completion_tokens", "invalid_value")
     return req
+
+
+def parse_tokenize(body: bytes):
+    """Parse a ``POST /tokenize`` body: :class:`TokenizeChatRequest` when it holds ``messages``, else
+    :class:`TokenizeCompletionRequest`.
+
+    Raises:
+        APIError: 400 as :func:`parse_request` (malformed JSON, a missing, unknown or wrong-typed field).
+    """
+    try:
+        chat = "messages" in json.loads(body)
+    except (ValueError, TypeError):         # not JSON, or not an object: parse_request names the problem
+        chat = False
+    return parse_request(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
+
+
+def check_token_ids(ids: list, vocab: int, field: str) -> list:
+    """``ids`` when each is a token id of a ``vocab``-token vocabulary, else a 400 :class:`APIError` naming the
+    first bad one (``param`` ``field[i]``)."""
+    bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(400, f"{field}[{bad}] = {ids[bad]} is not a token id (0 <= id < {vocab})", f"{field}[{bad}]",
+                       "invalid_value")
+    return list(ids)
 
 
 MAX_TOP_LOGPROBS = 20       # chat top_logprobs (OpenAI's limit; config.MAX_LOGPROBS)
@@ -346,15 +399,14 @@ def completion_prompt(req: CompletionRequest):
     return p
 
 
-def generation_config(req: _Common, defaults: GenerationConfig, default_max_tokens: int | None = None
-                      ) -> tuple[GenerationConfig, bool]:
+def generation_config(req: _Common, defaults: GenerationConfig) -> tuple[GenerationConfig, bool]:
     """The request's sampling parameters as a GenerationConfig (omitted ones from ``defaults``).
 
     Args:
         req: a parsed request. defaults: the server's ``generation`` section.
-        default_max_tokens: max_new_tokens when the request gives none (default ``defaults.max_new_tokens``).
     Returns:
-        (GenerationConfig, whether max_tokens was given by the request).
+        (GenerationConfig, whether max_tokens was given by the request). Without it, max_new_tokens is
+        ``defaults.max_new_tokens`` until ``Server.fit`` sets it to the room the context has left.
     Raises:
         APIError: 400 for an empty stop string or more than :data:`MAX_STOP` of them.
     """
@@ -372,7 +424,7 @@ def generation_config(req: _Common, defaults: GenerationConfig, default_max_toke
     else:
         seed = defaults.seed if temperature == 0 else secrets.randbits(63)
     gen = dataclasses.replace(
-        defaults, max_new_tokens=max_tokens or default_max_tokens or defaults.max_new_tokens,
+        defaults, max_new_tokens=max_tokens or defaults.max_new_tokens,
         temperature=temperature, top_p=defaults.top_p if req.top_p is None else float(req.top_p),
         top_k=defaults.top_k if req.top_k is None else max(0, req.top_k), seed=seed, stop=stop)
     return gen, max_tokens is not None
@@ -431,6 +483,11 @@ def completion_chunk(rid: str, model: str, created: int, text: str | None, finis
     return out
 
 
+def tokenize_response(tokens: list, max_model_len: int) -> dict:
+    """``POST /tokenize``'s answer (vLLM's TokenizeResponse): ``{"count", "max_model_len", "tokens"}``."""
+    return {"count": len(tokens), "max_model_len": max_model_len, "tokens": list(tokens)}
+
+
 def model_list(name: str, created: int) -> dict:
     """``GET /v1/models``: the one served model."""
     return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
@@ -440,4 +497,5 @@ def model_list(name: str, created: int) -> dict:
 __all__ = ["FINISH", "APIError", "ChatCompletionRequest", "CompletionRequest", "chat_chunk", "chat_messages",
            "chat_response", "check_unsupported", "completion_chunk", "completion_prompt", "completion_response",
            "error_body", "generation_config", "model_list", "new_id", "parse_request", "usage", "requested_logprobs",
-           "chat_logprobs", "completion_logprobs"]
+           "chat_logprobs", "completion_logprobs", "TokenizeCompletionRequest", "TokenizeChatRequest",
+           "DetokenizeRequest", "parse_tokenize", "check_token_ids", "tokenize_response"]

@@ -165,6 +165,9 @@ def small_server(tiny_dir):
 
 
 def chat(client, prompt, model=MODEL, **kw):
+    """A chat completion of one user message; ``max_tokens`` 24 (the reference's) unless given (the server's own
+    default is the rest of the context)."""
+    kw.setdefault("max_tokens", 24)
     return client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}], **kw)
 
 
@@ -474,8 +477,8 @@ def test_bad_chat_requests_get_openai_errors(server, body, status, param, code):
 def test_error_words_limits_and_routes(server):
     url = server.url
     r = httpx.post(url + "/v1/chat/completions", json={**GOOD, "messages": [{"role": "user", "content": "word " * 300}]})
-    assert re.fullmatch(r"prompt of \d+ tokens \+ generation.max_new_tokens=24 = \d+ exceeds cache.max_seq_len=256",
-                        r.json()["error"]["message"])                     # the command line's words
+    assert re.fullmatch(r"prompt of \d+ tokens \+ generation.max_new_tokens=1 = \d+ exceeds cache.max_seq_len=256",
+                        r.json()["error"]["message"])     # the command line's words (not even 1 token has room)
     big = json.dumps({**GOOD, "messages": [{"role": "user", "content": "a" * (1 << 20)}]})
     r = httpx.post(url + "/v1/chat/completions", content=big)
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
@@ -693,10 +696,11 @@ def test_embedded_default_server_equals_generate(tmp_path):
     name = "SmolLM2-135M-Instruct"
     try:
         p.ready(1800)
-        r = chat(p.client(), prompt, name)
+        r = chat(p.client(), prompt, name, max_tokens=32)
         assert r.choices[0].message.content == want
         with ThreadPoolExecutor(2) as pool:
-            both = list(pool.map(lambda q: chat_stream(p.client(), q, model=name)[0], [prompt, "Name three colours."]))
+            both = list(pool.map(lambda q: chat_stream(p.client(), q, model=name, max_tokens=32)[0],
+                                 [prompt, "Name three colours."]))
         assert both[0] == want
         m = p.metrics()
         assert metric(m, "mseagle_steps_total", kind="tree") > 0 and r.usage.mean_accept_len > 1.0
