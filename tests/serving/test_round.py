@@ -239,6 +239,45 @@ def test_speculative_batch_is_lossless_and_the_gate_sees_both_kinds():
     assert max(n for k, n in gate.seen if k == "tree") == 3 * 4     # a tree step: L_k = 4 for each of 3 rows
 
 
+def test_a_drafter_backlog_is_fed_apart_from_the_step_the_gate_measures():
+    """After plain steps the drafter has pairs of several steps queued: a tree step feeds all but the latest
+    step's first (``_catch_up``), outside the time the gate observes, so a rarely probed drafter is judged at its
+    every-step cost. Here the backlog pass sleeps 0.2 s: no tree step reported to the gate took that long, the
+    pairs the drafter saw equal the teacher's tokens, and the output is teacher-only greedy."""
+    import time
+
+    class SlowBacklog(FakeDrafter):
+        def extend(self, sid, aux, next_tokens):
+            if len(next_tokens) > 1 and self.count[sid] > 0:      # pairs of several steps: the catch-up
+                time.sleep(0.2)
+                self.slept += 1
+            return super().extend(sid, aux, next_tokens)
+
+    class Timed:
+        def __init__(self, kinds):
+            self.kinds, self.i, self.seen = kinds, 0, []
+
+        def choose(self):
+            self.i += 1
+            return self.kinds[(self.i - 1) % len(self.kinds)]
+
+        def observe(self, kind, tokens, ms):
+            self.seen.append((kind, ms))
+
+    gen = GenerationConfig(max_new_tokens=17)
+    spec = SpeculativeConfig(M=8, D_max=3, top_k=2, policy="fixed", batch_tree_rows=24)
+    tg, dr = FakeTeacher(), SlowBacklog(True)
+    dr.slept = 0
+    gate = Timed(["plain", "plain", "tree"])
+    rnd = DecodeRound(tg, dr, spec, rows=3, gate=gate)
+    seqs = run(rnd, tg, PROMPTS, gen)
+    for s, p in zip(seqs, PROMPTS):
+        assert s.emitter.ids == reference(p, 17)
+        assert_cache_true(tg, s, p)
+    trees = [ms for k, ms in gate.seen if k == "tree"]
+    assert trees and max(trees) < 150.0 and dr.slept >= 3
+
+
 def test_a_tree_step_stops_at_the_emitter():
     """max_new_tokens inside an accepted path: the emitted tokens are cut there, and nothing after is pushed."""
     gen = GenerationConfig(max_new_tokens=6)
