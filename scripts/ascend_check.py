@@ -31,8 +31,6 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 TOL = {"float32": 1e-3, "float16": 5e-2, "bfloat16": 5e-2}
 
 
@@ -159,6 +157,18 @@ def model_trace(cfg, loaded, attention: str, seed: int = 0) -> dict:
     return out
 
 
+def _reference_kernels():
+    """``ReferenceKernels`` of tests/ascend_reference.py (the numpy kernel models), loaded from this checkout."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "ascend_reference.py")
+    spec = importlib.util.spec_from_file_location("ascend_reference", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["ascend_reference"] = mod                     # as an import by name would (the recipe of importlib)
+    spec.loader.exec_module(mod)
+    return mod.ReferenceKernels
+
+
 def main(argv=None) -> int:
     from mindspore_eagle.cli import _add_config_args, config_from_args
 
@@ -194,11 +204,8 @@ def main(argv=None) -> int:
     if a.reference:
         from mindspore_eagle.kernels import attention
 
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-        from ascend_reference import ReferenceKernels
-
-        kernels = ReferenceKernels.factory(infer_check=True)   # + MindSpore's own inference of each call
-        attention.AscendKernels = kernels                     # model stage: FusedBackend's default kernels
+        kernels = _reference_kernels().factory(infer_check=True)   # + MindSpore's own inference of each call
+        attention.AscendKernels = kernels                         # model stage: FusedBackend's default kernels
         report["kernels_used"] = "numpy reference (dry run)"
     rows = kernel_cases(cfg.model.dtype, cfg.speculative.M, cfg.cache.prefill_chunk, kernels=kernels)
     report["kernels"] = rows

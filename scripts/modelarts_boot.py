@@ -30,9 +30,7 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from mindspore_eagle.cli import _add_config_args, config_from_args, guarded  # noqa: E402
+from mindspore_eagle.cli import _add_config_args, config_from_args, guarded
 
 
 def rank_env() -> tuple:

@@ -29,9 +29,7 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from mindspore_eagle.cli import guarded  # noqa: E402
+from mindspore_eagle.cli import guarded
 
 RESULT_TXT = "text_generation_result.txt"
 

@@ -277,6 +277,32 @@ def test_generate_multi_turn_streams_and_summarises(capsys, tiny, tmp_path):
     assert base_out == out  # greedy speculative decoding is lossless: same streamed text as teacher-only
 
 
+def test_generate_prints_logprobs_when_generation_logprobs_is_set(capsys, tiny):
+    """generation.logprobs = 2: after the answer, a heading and one line per generated token (EOS left out): its
+    log-probability, its text and its 2 most likely alternatives, the server's chat logprobs of the same turn."""
+    from mindspore_eagle.serving.openai_protocol import chat_logprobs
+    from mindspore_eagle.serving.pipeline import build_engine
+
+    sets = ["--set", f"model.teacher={tiny}", "--baseline", *TINY_FAST, "--set", "generation.logprobs=2"]
+    prompt = "What is the capital of France?"
+    rc, out, err = run_main(capsys, ["generate", *sets, "--prompt", prompt])
+    assert rc == 0, err
+    cfg = cli.config_from_args(cli.build_parser().parse_args(["generate", *sets, "--prompt", prompt]))
+    eng = build_engine(cfg)
+    g = eng.generate(prompt, cfg.generation, speculative=False)
+    entries = chat_logprobs(g.logprobs, eng.tokenizer, eng.eos)["content"]
+    lines = cli.logprob_lines(g.logprobs, eng.tokenizer, eng.eos)
+    assert out == g.text + "\n" + "\n".join(lines) + "\n"
+    assert lines[0].startswith("logprobs: ") and len(lines) == 1 + len(entries) >= 2
+    for line, e in zip(lines[1:], entries):
+        assert line == (f"{e['logprob']:10.4f}  {json.dumps(e['token'], ensure_ascii=False)}  | " +
+                        ", ".join(f"{json.dumps(a['token'], ensure_ascii=False)} {a['logprob']:.4f}"
+                                  for a in e["top_logprobs"]))
+        assert len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["logprob"] >= e["logprob"]
+    rc, plain, _ = run_main(capsys, ["generate", *sets[:-2], "--prompt", prompt])
+    assert rc == 0 and plain == g.text + "\n"                         # without the key: the answer alone
+
+
 def test_suffix_without_a_drafter_generate_and_batch_equal_teacher_only(capsys, tiny, tmp_path):
     """``speculative.method: suffix`` needs no drafter: ``generate`` and ``batch`` speculate with copies of earlier
     text (the tiny teacher repeats itself, so some are accepted) and print teacher-only greedy output."""
@@ -390,6 +416,18 @@ def test_inspect_teacher_dir(capsys, tiny):
     assert "teacher:" in out and "pangu decoder, 4 layers, hidden 64" in out
     assert "compatible drafters: EAGLE-3 with hidden_size = target_hidden_size = 64, vocab_size = 400" in out
     assert "chat template yes" in out
+    assert ("model.drafter: embedded gives: no drafter (drafter hidden_size = 576 does not fit the teacher (needs "
+            "64)): copies of earlier text alone (speculative.method=suffix)") in out
+
+
+def test_generate_on_a_teacher_without_a_fitting_drafter_answers_with_a_notice(capsys, tiny):
+    """The default config (model.drafter: embedded) with another teacher: one notice line, then the answer."""
+    rc, out, err = run_main(capsys, ["generate", "--set", f"model.teacher={tiny}", "--set",
+                                     "generation.max_new_tokens=8", "--prompt", "hi"])
+    assert rc == 0, err
+    notes = [line for line in err.splitlines() if line.startswith("notice:")]
+    assert len(notes) == 1 and "no shipped drafter fits teacher" in notes[0] and "Traceback" not in err
+    assert out.strip()
 
 
 def test_inspect_drafter_and_fit(capsys, tmp_path, tiny, tiny_cfg):
@@ -407,11 +445,18 @@ def test_inspect_drafter_and_fit(capsys, tmp_path, tiny, tiny_cfg):
     assert rc == 2 and err.strip() == "error: drafter hidden_size = 32 does not fit the teacher (needs 64)"
 
 
+def pipeline_embedded() -> str:
+    from mindspore_eagle.serving.pipeline import EMBEDDED_DRAFTER
+
+    return EMBEDDED_DRAFTER
+
+
 @pytest.mark.slow
 def test_inspect_embedded_gguf(capsys):
     rc, out, err = run_main(capsys, ["inspect", "embedded"])
     assert rc == 0, err
     assert "GGUF (llama" in out and "30 layers, hidden 576" in out and "vocab 49152" in out
+    assert "model.drafter: embedded gives: " + pipeline_embedded() in out
 
 
 # -------------------------------------------------------------------------------------------- delegation --

@@ -73,7 +73,7 @@ def _generate(req: dict) -> dict:
 
 
 def _median_ms(fn, repeat: int) -> float:
-    """Median wall ms of ``repeat`` calls after one warm call (as scripts/bench_forward.py times ours; repeated
+    """Median wall ms of ``repeat`` calls after one warm call (as bench/micro/forward.py times ours; repeated
     here because this file must not import the package: module docstring)."""
     fn()
     times = []

@@ -298,15 +298,19 @@ class RunningCosts:
 
 
 class RowCosts:
-    """Wall ms of one batched teacher forward of R query rows, ``a + b R``, learned online (continuous batching:
-    what a tree row costs, for :func:`~mindspore_eagle.core.policy.allot_rows`).
+    """Wall ms of one batched teacher forward of R query rows, ``a + b R + c R^2`` (b, c >= 0), learned online
+    (continuous batching: what a tree row costs, for :func:`~mindspore_eagle.core.policy.allot_rows`).
 
-    A least-squares fit of the observed (rows, ms) pairs, each weighted ``decay`` ** (steps since it was seen)
-    (a memory of about 1 / (1 - decay) steps), plus two pseudo-observations of weight ``prior_weight`` that never
-    decay: at the first observation's R0 and at R0 + 16 rows, the second :func:`prior_verify_ratio` (16) times as
-    dear (a forward 16 rows wider costs ~1.6x on the 2-core CPU: the ratios above). Batches of different sizes
-    (every plain step has R = the live sequences) and trees of different sizes pin the slope down; until they do,
-    the prior holds it. Intercept and slope are kept >= 0 (a wider forward never costs less).
+    A CPU forward is flat while it is bound by reading the weights and grows faster than linearly once it is bound
+    by arithmetic (on the 2-core AVX2 VM: ~24 ms at 1-4 rows, ~55 at 16, ~90 at 32, ~170 at 64: docs/performance.md,
+    "Continuous batching"); a straight line fitted across both regimes underestimated a 25-row step by a third, so
+    the fit is quadratic. Least squares over the observed (rows, ms) pairs, each weighted ``decay`` ** (steps since
+    it was seen) (a memory of about 1 / (1 - decay) steps), plus three pseudo-observations of weight
+    ``prior_weight`` that never decay: at the first observation's R0, R0 + 16 and R0 + 32 rows, as dear as
+    :func:`prior_verify_ratio` says relative to R0. Batches of different sizes (every plain step has R = the live
+    sequences) and trees of different sizes pin the curve down; until they do, the prior holds it. A fit that
+    bends down (c < 0) or starts downhill (b < 0) falls back to a + c R^2, then to the straight line, then to a
+    flat cost.
 
     Args:
         decay: weight kept per later observation, in (0, 1]. prior_weight: weight of each pseudo-observation, > 0.
@@ -314,48 +318,59 @@ class RowCosts:
         ValueError: a parameter out of range (names it).
     """
 
-    def __init__(self, decay: float = 0.98, prior_weight: float = 3.0):
+    def __init__(self, decay: float = 0.98, prior_weight: float = 2.0):
         if not 0 < decay <= 1 or prior_weight <= 0:
             raise ValueError(f"RowCosts: decay must be in (0, 1] and prior_weight > 0, got {decay}, {prior_weight}")
         self.decay, self.prior_weight = float(decay), float(prior_weight)
-        self.sums = np.zeros(5)          # decayed sums of w, w R, w R^2, w ms, w R ms
-        self.prior = np.zeros(5)
+        self.xtx, self.xty = np.zeros((3, 3)), np.zeros(3)          # decayed normal equations in (1, R, R^2)
+        self.prior_xtx, self.prior_xty = np.zeros((3, 3)), np.zeros(3)
         self.observed = 0
 
     @staticmethod
-    def _terms(rows: float, ms: float, w: float) -> np.ndarray:
-        return w * np.array([1.0, rows, rows * rows, ms, rows * ms])
+    def _x(rows: float) -> np.ndarray:
+        return np.array([1.0, rows, rows * rows])
 
     def observe(self, rows: int, ms: float) -> None:
         """One forward of ``rows`` rows (>= 1) that took ``ms`` ms; a non-finite or non-positive time is ignored."""
         if not (np.isfinite(ms) and ms > 0) or rows < 1:
             return
         if self.observed == 0:
-            r16 = rows + 16
-            ratio = prior_verify_ratio(r16) / prior_verify_ratio(rows)
-            self.prior = self._terms(rows, ms, self.prior_weight) + self._terms(r16, ms * ratio, self.prior_weight)
-        self.sums = self.sums * self.decay + self._terms(rows, ms, 1.0)
+            for extra in (0, 16, 32):
+                x = self._x(rows + extra)
+                y = ms * prior_verify_ratio(rows + extra) / prior_verify_ratio(rows)
+                self.prior_xtx += self.prior_weight * np.outer(x, x)
+                self.prior_xty += self.prior_weight * x * y
+        x = self._x(rows)
+        self.xtx = self.xtx * self.decay + np.outer(x, x)
+        self.xty = self.xty * self.decay + x * ms
         self.observed += 1
 
-    def fit(self) -> tuple[float, float]:
-        """(a ms, b ms a row); (0, 0) before any observation."""
-        w, r, r2, y, ry = self.sums + self.prior
-        if w <= 0:
-            return 0.0, 0.0
-        det = w * r2 - r * r
-        b = (w * ry - r * y) / det if det > 1e-9 * max(w * r2, 1.0) else 0.0
-        b = max(0.0, b)
-        a = max(0.0, (y - b * r) / w)
-        return float(a), float(b)
+    def fit(self) -> tuple[float, float, float]:
+        """(a ms, b ms a row, c ms a row squared); zeros before any observation."""
+        if self.observed == 0:
+            return 0.0, 0.0, 0.0
+        A, y = self.xtx + self.prior_xtx, self.xty + self.prior_xty
+        for terms in ((0, 1, 2), (0, 2), (0, 1)):       # quadratic, a + c R^2, a straight line; else flat
+            t = np.array(terms)
+            try:
+                coef = np.linalg.solve(A[np.ix_(t, t)], y[t])
+            except np.linalg.LinAlgError:
+                continue
+            if (coef[1:] >= 0).all():
+                out = np.zeros(3)
+                out[t] = coef
+                return float(max(out[0], 0.0)), float(out[1]), float(out[2])
+        return float(y[0] / max(A[0, 0], 1e-12)), 0.0, 0.0
 
     def ms(self, rows) -> np.ndarray:
         """Predicted ms of forwards of ``rows`` rows (int or int array)."""
-        a, b = self.fit()
-        return a + b * np.asarray(rows, np.float64)
+        a, b, c = self.fit()
+        r = np.asarray(rows, np.float64)
+        return a + b * r + c * r * r
 
     def to_dict(self) -> dict:
-        a, b = self.fit()
-        return {"intercept_ms": a, "ms_per_row": b, "observed": self.observed}
+        a, b, c = self.fit()
+        return {"intercept_ms": a, "ms_per_row": b, "ms_per_row_squared": c, "observed": self.observed}
 
 
 __all__ = ["CostTable", "RowCosts", "RunningCosts", "cap_verify_costs", "compiled_budgets", "prior_table", "prior_verify_ratio"]

@@ -48,7 +48,7 @@ def _weight_left(k: int, dtype=ms.float32) -> bool:
     Half precision always takes ``x @ w.T``: the weight-left product is rounded to the half type after a
     different accumulation order, one half ulp (1e-3 relative in float16) away from the k = 1 decode's row, which
     flipped greedy near-ties between tree verification and teacher-only decoding on the embedded teacher
-    (scripts/dtype_agreement.py); ``x @ w.T`` gives a row the same value at k = 1 and k = M.
+    (bench/micro/dtype_agreement.py); ``x @ w.T`` gives a row the same value at k = 1 and k = M.
     """
     return dtype == ms.float32 and WEIGHT_LEFT_ROWS[0] <= k <= WEIGHT_LEFT_ROWS[1]
 

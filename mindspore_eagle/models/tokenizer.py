@@ -70,6 +70,27 @@ class Tokenizer:
         """Text of `ids` (any int sequence / numpy array); special tokens kept as their strings unless skipped."""
         return self._backend.decode([int(i) for i in ids], skip_special_tokens)
 
+    def set_chat_template(self, template: str) -> None:
+        """Replace the chat template by ``template``: a Jinja file path, or the template text itself when it holds
+        ``{%`` or ``{{`` (``model.chat_template``).
+
+        Raises:
+            CheckpointError: the path does not exist or cannot be read, or the template does not compile."""
+        from pathlib import Path
+
+        text = template
+        if "{%" not in template and "{{" not in template:
+            try:
+                text = Path(template).read_text(encoding="utf-8")
+            except OSError as e:
+                raise CheckpointError(f"model.chat_template = {template!r}: not a readable file ({e.strerror}) "
+                                      "and not template text (no '{%' or '{{')") from None
+        try:
+            compiled = _compile_template(text)
+        except Exception as e:           # jinja2.TemplateSyntaxError and kin: one line, naming the key
+            raise CheckpointError(f"model.chat_template does not compile: {type(e).__name__}: {e}") from None
+        self.chat_template, self._compiled = text, compiled
+
     def apply_chat_template(self, messages: list, add_generation_prompt: bool = True, **kwargs) -> str:
         """Render `messages` ([{"role": ..., "content": ...}]) with the model's chat template.
 
@@ -77,7 +98,8 @@ class Tokenizer:
             CheckpointError: the tokenizer has no chat template.
         """
         if not self.chat_template:
-            raise CheckpointError("this tokenizer has no chat template")
+            raise CheckpointError("this tokenizer has no chat template; set model.chat_template to a Jinja chat "
+                                  "template (a file or the text), or send a raw prompt (/v1/completions)")
         if self._compiled is None:
             self._compiled = _compile_template(self.chat_template)
         return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,

@@ -62,7 +62,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mindspore_eagle.errors import MsEagleError
 from mindspore_eagle.serving import openai_protocol as P
 from mindspore_eagle.serving.async_engine import AsyncEngine, NotReady, QueueFull
-from mindspore_eagle.serving.engine import GenerationError
 from mindspore_eagle.serving.metrics import ServerMetrics
 
 log = logging.getLogger("mindspore_eagle.server")
@@ -148,38 +147,17 @@ class Server:
                              "(GET /v1/models)", "model", "model_not_found")
 
     def context_len(self) -> int:
-        """The most tokens (prompt + max_tokens) one request can hold: min(cache.max_seq_len, the KV pool's
-        slots) less the slots a tree verification takes beyond a sequence's tokens (``extra_slots``:
-        speculative.M while drafting, else 0). ``/tokenize``'s ``max_model_len``. Engine ready only."""
-        sched = self.engine.sched
-        return min(sched.S, sched.NB * sched.B) - sched.extra_slots
+        """The most tokens (prompt + max_tokens) one request can hold (``openai_protocol.context_len`` of the
+        engine's scheduler). ``/tokenize``'s ``max_model_len``. Engine ready only."""
+        return P.context_len(self.engine.sched)
 
     def fit(self, prompt_tokens: int, gen, explicit: bool, prompt_param: str):
-        """``gen`` with a max_new_tokens the context has room for.
-
-        A request's own max_tokens (``explicit``) must fit; an omitted one becomes the whole room left,
-        :meth:`context_len` - ``prompt_tokens`` (generation runs to the end of turn or the end of the context, as
-        vLLM's default), which ``BatchScheduler.fit_error`` always accepts: prompt + room + extra_slots =
-        min(S, NB * B) is at most S tokens and at most NB blocks.
+        """``gen`` with a max_new_tokens the context has room for (``openai_protocol.fit``: an explicit max_tokens
+        must fit, an omitted one becomes the whole room left).
         Raises:
-            APIError: 400 ``context_length_exceeded`` in the command line's words (``param`` max_tokens when the
-                request set it, else ``prompt_param``): the explicit max_tokens does not fit, or the prompt leaves
-                no room for one token.
+            APIError: 400 ``context_length_exceeded``.
         """
-        import dataclasses
-
-        sched = self.engine.sched
-        if explicit:
-            error = sched.fit_error(prompt_tokens, gen.max_new_tokens)
-            if error:
-                raise P.APIError(400, error, "max_tokens", "context_length_exceeded")
-            return gen
-        room = self.context_len() - prompt_tokens
-        error = sched.fit_error(prompt_tokens, max(room, 1))
-        if room < 1 or error:
-            raise P.APIError(400, error or f"prompt of {prompt_tokens} tokens leaves no room to generate",
-                             prompt_param, "context_length_exceeded")
-        return dataclasses.replace(gen, max_new_tokens=room)
+        return P.fit(self.engine.sched, prompt_tokens, gen, explicit, prompt_param)
 
     def deadline(self) -> float | None:
         """``time.monotonic()`` by which a request arriving now must be answered (``serve.request_timeout_s``);
@@ -450,17 +428,11 @@ class _Route:
     prompt_field, id_prefix = "messages", "chatcmpl"
 
     async def prompt_ids(self, eng, req) -> list:
-        try:
-            return await run_in_threadpool(eng.encode_chat, P.chat_messages(req))
-        except GenerationError as e:        # e.g. every message empty
-            raise P.APIError(400, str(e), "messages", "invalid_value") from None
+        return await run_in_threadpool(P.prompt_ids, eng, req)
 
     def logprobs(self, eng):
         """``callable(entries) -> logprobs object`` for one request's chunks, in order."""
         return lambda entries: P.chat_logprobs(entries, eng.tokenizer, eng.eos)
-
-    def response(self, rid, name, text, finish, use, lp) -> dict:
-        return P.chat_response(rid, name, text, finish, use, lp)
 
     def chunk(self, rid, name, created, text, finish=None, use=None, logprobs=None) -> dict:
         return P.chat_chunk(rid, name, created, None if text is None else {"content": text}, finish, use, logprobs)
@@ -478,12 +450,6 @@ class _CompletionRoute(_Route):
     schema = P.CompletionRequest
     prompt_field, id_prefix = "prompt", "cmpl"
 
-    async def prompt_ids(self, eng, req) -> list:
-        prompt = P.completion_prompt(req)
-        if isinstance(prompt, str):
-            return await run_in_threadpool(eng.tokenizer.encode, prompt)
-        return P.check_token_ids(prompt, eng.tokenizer.vocab_size, "prompt")
-
     def logprobs(self, eng):
         offset = 0                           # text_offset runs on across a request's chunks
 
@@ -493,9 +459,6 @@ class _CompletionRoute(_Route):
             offset += sum(len(t) for t in out["tokens"])
             return out
         return lp
-
-    def response(self, rid, name, text, finish, use, lp) -> dict:
-        return P.completion_response(rid, name, text, finish, use, lp)
 
     def chunk(self, rid, name, created, text, finish=None, use=None, logprobs=None) -> dict:
         return P.completion_chunk(rid, name, created, text, finish, use, logprobs)
@@ -526,11 +489,10 @@ async def _answer(server: Server, request: Request, route: _Route):
     if req.stream:
         use = bool(req.stream_options and req.stream_options.include_usage)
         return EventSourceResponse(_stream(server, handle, request, rid, use, route, deadline))
-    res, text = await _collect(server, handle, request, deadline)
+    res, _ = await _collect(server, handle, request, deadline)
     if res is None:
         return Response(status_code=499)
-    lp = route.logprobs(eng)(res.logprobs) if gen.logprobs is not None else None
-    return route.response(rid, server.name, text, P.FINISH[res.stop_reason], _usage(res), lp)
+    return P.response_body(req, rid, server.name, res, eng.tokenizer, eng.eos)
 
 
 async def _stream(server: Server, handle, request: Request, rid: str, include_usage: bool, route: _Route,

@@ -11,7 +11,15 @@ Input (UTF-8 JSONL, blank lines ignored), one record per line, exactly one of ``
 A record may carry its own generation fields (:data:`GEN_FIELDS`: ``temperature``, ``top_p``, ``top_k``,
 ``max_new_tokens``, ``stop``, ``seed``), checked as the config's ``generation`` section is (a bad one is an error
 of that record only); a field it leaves out comes from the job's config, as vLLM applies one SamplingParams to
-every prompt.
+every prompt. It may also carry the server's chat request fields (:data:`REQUEST_FIELDS`: ``max_tokens`` /
+``max_completion_tokens`` = ``max_new_tokens``, ``logprobs`` / ``top_logprobs``, ``user``, the unsupported ones at
+their neutral value), and its ``messages`` are the server's (roles ``system``, ``developer``, ``user``,
+``assistant``; content a string or text parts), all parsed by ``openai_protocol`` with the server's checks and
+messages. With log-probabilities asked (the record's ``logprobs``, else ``generation.logprobs``) a result has
+``logprobs``: the server's chat ``logprobs.content`` entries (a list per turn for ``turns``).
+
+A file of OpenAI Batch API lines (``{"custom_id", "method", "url", "body"}``; detected by its first JSON object,
+or ``read_input(fmt="openai")``) is read and answered in OpenAI's batch formats instead: batch_openai.py.
 
 Output, one line per input record (``line`` = 1-based input line)::
 
@@ -20,6 +28,7 @@ Output, one line per input record (``line`` = 1-based input line)::
     multi-turn: text / prompt_tokens / new_tokens / stop_reason are lists (one entry per turn); tok_per_s and
     mean_accept_len cover all turns (tokens per wall second incl. prefill; L_k counts the bonus token).
     failed record: {"id": ..., "line": 4, "error": "..."} (invalid JSON line: "id": null), and the job goes on.
+    with log-probabilities: "logprobs": [{"token", "logprob", "bytes", "top_logprobs"}, ...] (per turn for turns).
 
 Crash safety: every finished record is appended as one whole line with a single ``write`` then ``fsync``; a JSON
 line never contains a newline, so a job killed at any moment leaves complete lines plus at most one partial last
@@ -44,66 +53,49 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mindspore_eagle.errors import MsEagleError
+from mindspore_eagle.serving.batch_record import InputRecord, load_line
 
 KINDS = ("prompt", "messages", "turns")
 GEN_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop", "seed")
 """Generation fields a record may set for itself (``config.GenerationConfig``'s names)."""
-ROLES = ("system", "user", "assistant")
+REQUEST_FIELDS = ("max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "user", "stream",
+                  "stream_options", "n", "presence_penalty", "frequency_penalty", "logit_bias", "response_format",
+                  "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
+"""The server's chat request fields (``openai_protocol.ChatCompletionRequest``) a native record may set beyond
+:data:`GEN_FIELDS` and ``messages``; parsed and checked by the server's parser."""
+FORMATS = ("auto", "native", "openai")
 
 
 class BatchError(MsEagleError, ValueError):
     """A batch job cannot start or finish (bad input file, duplicate ids, output conflict); one-line message."""
 
 
-@dataclass
-class InputRecord:
-    """One input line.
-
-    Attributes:
-        line: 1-based line number in the input file.
-        index: 0-based position among the non-blank lines (record i; sharding uses it).
-        id: the record's ``id`` as given (None when missing or the line is not JSON).
-        kind: "prompt" | "messages" | "turns", or "" when the record is invalid.
-        payload: str (prompt) | list of {"role", "content"} (messages) | list of str (turns) | None.
-        error: why the record cannot run ("" if it can); written as its result.
-        gen: the record's own generation fields ({name in GEN_FIELDS: value}, checked), {} when none.
-    """
-    line: int
-    index: int
-    id: object = None
-    kind: str = ""
-    payload: object = None
-    error: str = ""
-    gen: dict = field(default_factory=dict)
-
-    def generation(self, base):
-        """The GenerationConfig this record runs with: ``base`` (the job's) with the record's own fields."""
-        return dataclasses.replace(base, **self.gen) if self.gen else base
-
-    @property
-    def key(self) -> str:
-        """Resume / merge key: the id (JSON-encoded, so 1 and "1" differ), else the line number."""
-        return f"line:{self.line}" if self.id is None else "id:" + json.dumps(self.id, sort_keys=True)
-
-
 def result_key(result: dict) -> str:
-    """The :attr:`InputRecord.key` of an output line."""
-    rid = result.get("id")
-    return f"line:{result.get('line')}" if rid is None else "id:" + json.dumps(rid, sort_keys=True)
+    """The :attr:`InputRecord.key` of an output line (an OpenAI batch result: by ``custom_id``, else the line in
+    its ``id``)."""
+    if "line" not in result and "custom_id" in result:
+        from mindspore_eagle.serving.batch_openai import line_of
+
+        rid, line = result.get("custom_id"), line_of(result)
+    else:
+        rid, line = result.get("id"), result.get("line")
+    return f"line:{line}" if rid is None else "id:" + json.dumps(rid, sort_keys=True)
+
+
+def error_result(rec: InputRecord, message: str | None = None, code: str = "") -> dict:
+    """The output line of a record that failed (``message`` default: its ``error``), in its file's format."""
+    if rec.fmt == "openai":
+        from mindspore_eagle.serving.batch_openai import error_line
+
+        return error_line(rec, rec.error if message is None else message, code or rec.code)
+    return {"id": rec.id, "line": rec.line, "error": rec.error if message is None else message}
 
 
 def parse_record(line: int, index: int, text: str) -> InputRecord:
     """Parse and check one input line; problems go into ``InputRecord.error`` (never raised)."""
     rec = InputRecord(line, index)
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        # json's reason may already end in "at" ("Unterminated string starting at"): never "at at column"
-        reason = e.msg[:-3] if e.msg.endswith(" at") else e.msg
-        rec.error = f"line {line}: invalid JSON ({reason} at column {e.colno})"
-        return rec
-    if not isinstance(obj, dict):
-        rec.error = f"line {line}: a record must be a JSON object, got {type(obj).__name__}"
+    obj, rec.error, _ = load_line(line, text)
+    if obj is None:
         return rec
     rec.id = obj.get("id")
     where = f"line {line}" + ("" if rec.id is None else f" (id {json.dumps(rec.id)})")
@@ -118,7 +110,8 @@ def parse_record(line: int, index: int, text: str) -> InputRecord:
         rec.error = f'{where}: needs exactly one of "prompt", "messages", "turns" (got {kinds or "none"})'
         return rec
     rec.kind, rec.payload = kinds[0], obj[kinds[0]]
-    rec.error = _check_payload(rec.kind, rec.payload, where) or _check_gen(rec, obj, where)
+    rec.error = (_check_payload(rec.kind, rec.payload, where) or _check_gen(rec, obj, where)
+                 or _check_request(rec, obj, where))
     return rec
 
 
@@ -136,28 +129,62 @@ def _check_gen(rec: InputRecord, obj: dict, where: str) -> str:
     return ""
 
 
+def _check_request(rec: InputRecord, obj: dict, where: str) -> str:
+    """Parse the record's :data:`REQUEST_FIELDS` and ``messages`` with the server's parser (its checks and
+    messages): ``max_tokens`` (or ``max_completion_tokens``) becomes ``rec.gen["max_new_tokens"]``, a given
+    ``logprobs`` ``rec.gen["logprobs"]``, and messages the engine's ``{"role", "content"}`` (developer = system,
+    text parts joined). Returns the first problem's message, or ""."""
+    from mindspore_eagle.serving import openai_protocol as P
+
+    fields = {k: obj[k] for k in REQUEST_FIELDS if k in obj}
+    if not fields and rec.kind != "messages":
+        return ""
+    messages = [{"role": "user", "content": "."}]
+    if rec.kind == "messages":                  # other keys of a message are ignored, as other keys of a record
+        known = P.ChatMessage.model_fields
+        messages = rec.payload if not isinstance(rec.payload, list) else [
+            {k: v for k, v in m.items() if k in known} if isinstance(m, dict) else m for m in rec.payload]
+    try:
+        req = P.parse_request(P.ChatCompletionRequest, json.dumps({"model": "", "messages": messages, **fields})
+                              .encode("utf-8"))
+        if req.stream:
+            raise P.APIError(400, "stream = true is not supported in a batch job", "stream", "unsupported_parameter")
+        top = P.requested_logprobs(req)
+    except P.APIError as e:
+        return f"{where}: {e.message}"
+    if rec.kind == "messages":
+        rec.payload = P.chat_messages(req)
+    most = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
+    if most is not None:
+        if rec.gen.get("max_new_tokens", most) != most:
+            return f"{where}: max_tokens and max_new_tokens disagree; give one of them"
+        rec.gen["max_new_tokens"] = most
+    if "logprobs" in fields:
+        rec.gen["logprobs"] = top
+    return ""
+
+
 def _check_payload(kind: str, p, where: str) -> str:
     if kind == "prompt":
         return "" if isinstance(p, str) and p.strip() else f'{where}: "prompt" must be a non-empty string'
     if kind == "turns":
         ok = isinstance(p, list) and p and all(isinstance(t, str) and t.strip() for t in p)
         return "" if ok else f'{where}: "turns" must be a non-empty list of non-empty strings'
-    if not isinstance(p, list) or not p:
-        return f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects'
-    for i, m in enumerate(p):
-        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
-            return (f'{where}: messages[{i}] must be {{"role": one of {", ".join(ROLES)}, '
-                    f'"content": string}}')
-    return ""
+    return ""                                   # messages: the server's parser (_check_request)
 
 
-def read_input(path) -> list:
+def read_input(path, fmt: str = "auto") -> list:
     """All records of a JSONL input file, in order (invalid lines included, carrying their error).
 
+    Args:
+        fmt: "native" (:func:`parse_record`), "openai" (OpenAI Batch API lines, ``batch_openai.parse_record``) or
+            "auto": "openai" when the first line that is a JSON object has ``custom_id`` and ``body``.
     Raises:
         BatchError: the file is missing or unreadable, holds no record (empty or blank lines only), or two records
-            share an id (both line numbers named).
+            share an id (both line numbers named); an unknown ``fmt``.
     """
+    if fmt not in FORMATS:
+        raise BatchError(f"unknown batch input format {fmt!r}; one of {', '.join(FORMATS)}")
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
@@ -165,20 +192,39 @@ def read_input(path) -> list:
         raise BatchError(f"input file {str(path)!r} does not exist") from None
     except (OSError, UnicodeDecodeError) as e:
         raise BatchError(f"input file {str(path)!r} cannot be read: {e}") from None
+    from mindspore_eagle.serving import batch_openai
+
+    if fmt == "auto":
+        fmt = "openai" if batch_openai.is_openai_line(_first_object(lines)) else "native"
+    parse = batch_openai.parse_record if fmt == "openai" else parse_record
     records = []
     for n, text in enumerate(lines, 1):
         if text.strip():
-            records.append(parse_record(n, len(records), text))
+            records.append(parse(n, len(records), text))
     if not records:
         raise BatchError(f"input file {str(path)!r} is empty: expected one JSON record per line, e.g. "
                          '{"id": "q1", "prompt": "..."}')
     seen: dict = {}
+    name = "custom_id" if fmt == "openai" else "id"
     for r in records:
         if r.id is not None and r.key in seen:
-            raise BatchError(f"input file {str(path)!r}: duplicate id {json.dumps(r.id)} on lines "
-                             f"{seen[r.key]} and {r.line}; ids must be unique")
+            raise BatchError(f"input file {str(path)!r}: duplicate {name} {json.dumps(r.id)} on lines "
+                             f"{seen[r.key]} and {r.line}; {name}s must be unique")
         seen.setdefault(r.key, r.line)
     return records
+
+
+def _first_object(lines: list):
+    """The first line of ``lines`` that parses as a JSON object, parsed (None if none does)."""
+    for text in lines:
+        if text.strip():
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(obj, dict):
+                return obj
+    return None
 
 
 def shard(records: list, rank: int, size: int) -> list:
@@ -221,11 +267,17 @@ def read_results(path, truncate_partial: bool = False) -> list:
             obj = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             obj = None
-        if not isinstance(obj, dict) or "line" not in obj:
+        if not isinstance(obj, dict) or not ("line" in obj or _is_openai_result(obj)):
             raise BatchError(f"output file {str(path)!r} line {n} is not a result record; is it the output of "
                              "another program?")
         out.append(obj)
     return out
+
+
+def _is_openai_result(obj: dict) -> bool:
+    from mindspore_eagle.serving.batch_openai import is_result
+
+    return is_result(obj)
 
 
 class ResultWriter:
@@ -274,24 +326,40 @@ def run_record(engine, rec: InputRecord, gen, speculative: bool = True) -> dict:
         gens = engine.chat(rec.payload, gen, speculative, turn_id=str(rec.id))
     else:
         gens = [engine.generate(rec.payload, gen, speculative, turn_id=str(rec.id))]
-    turns = [{"text": g.text, "prompt_tokens": g.prompt_tokens, "new_tokens": len(g.token_ids),
-              "stop_reason": g.stop_reason} for g in gens]
+    turns = [turn_fields(g, engine, gen) for g in gens]
     secs = sum(g.turn.prefill_ms + g.turn.decode_ms for g in gens) / 1e3
     return record_result(rec, turns, secs, mean_accept_len([s for g in gens for s in g.steps]))
 
 
+def turn_fields(res, engine, gen) -> dict:
+    """One turn's result fields of a finished turn ``res`` (an engine ``Generation`` or a scheduler
+    ``TurnResult``): text, prompt_tokens, new_tokens, stop_reason and, when ``gen.logprobs`` is set, logprobs (the
+    server's chat ``logprobs.content``: ``openai_protocol.chat_logprobs``)."""
+    out = {"text": res.text, "prompt_tokens": res.prompt_tokens, "new_tokens": len(res.token_ids),
+           "stop_reason": res.stop_reason}
+    if getattr(gen, "logprobs", None) is not None:
+        from mindspore_eagle.serving.openai_protocol import chat_logprobs
+
+        out["logprobs"] = chat_logprobs(res.logprobs, engine.tokenizer, engine.eos)["content"]
+    return out
+
+
 def record_result(rec: InputRecord, turns: list, seconds: float, mean_lk: float) -> dict:
-    """The result dict of a finished record (module docstring): ``turns`` = one {"text", "prompt_tokens",
-    "new_tokens", "stop_reason"} per turn (a "turns" record lists each field per turn, the others give the one
-    turn's values); ``tok_per_s`` = all new tokens / ``seconds``; ``mean_lk`` = mean L_k over tree verifications
-    (1.0 without any)."""
-    fields = {k: [t[k] for t in turns] for k in ("text", "prompt_tokens", "new_tokens", "stop_reason")}
+    """The result dict of a finished record (module docstring): ``turns`` = one :func:`turn_fields` dict per turn
+    (a "turns" record lists each field per turn, the others give the one turn's values); ``tok_per_s`` = all new
+    tokens / ``seconds``; ``mean_lk`` = mean L_k over tree verifications (1.0 without any); ``logprobs`` last,
+    when the turns have them."""
+    names = ("text", "prompt_tokens", "new_tokens", "stop_reason") + (("logprobs",) if "logprobs" in turns[0] else ())
+    fields = {k: [t[k] for t in turns] for k in names}
     if rec.kind != "turns":
         fields = {k: v[0] for k, v in fields.items()}
     new = sum(t["new_tokens"] for t in turns)
-    return {"id": rec.id, "line": rec.line, "text": fields["text"], "prompt_tokens": fields["prompt_tokens"],
-            "new_tokens": fields["new_tokens"], "tok_per_s": round(new / seconds, 3) if seconds > 0 else 0.0,
-            "mean_accept_len": round(float(mean_lk), 4), "stop_reason": fields["stop_reason"]}
+    out = {"id": rec.id, "line": rec.line, "text": fields["text"], "prompt_tokens": fields["prompt_tokens"],
+           "new_tokens": fields["new_tokens"], "tok_per_s": round(new / seconds, 3) if seconds > 0 else 0.0,
+           "mean_accept_len": round(float(mean_lk), 4), "stop_reason": fields["stop_reason"]}
+    if "logprobs" in fields:
+        out["logprobs"] = fields["logprobs"]
+    return out
 
 
 @dataclass
@@ -324,8 +392,7 @@ def run_records(sched, records: list, on_result, token_ids: dict | None = None) 
         if res.error:
             on_result({"id": job.rec.id, "line": job.rec.line, "error": " ".join(res.error.split())})
             return
-        job.done.append({"text": res.text, "prompt_tokens": res.prompt_tokens, "new_tokens": len(res.token_ids),
-                         "stop_reason": res.stop_reason})
+        job.done.append(turn_fields(res, sched.engine, job.rec.generation(sched.gen)))
         job.accept_lens += res.accept_lens
         if token_ids is not None:
             token_ids.setdefault(job.rec.id, []).append(list(res.token_ids))
@@ -388,7 +455,8 @@ def prepare_output(records: list, output, resume: bool, overwrite: bool) -> set:
 
 
 def run_batch(engine, records: list, output, gen, speculative: bool = True, resume: bool = False,
-              overwrite: bool = False, progress: bool = True, max_batch: int = 1) -> BatchStats:
+              overwrite: bool = False, progress: bool = True, max_batch: int = 1,
+              model: str | None = None) -> BatchStats:
     """Run every record not yet in ``output`` and append its result (or error) line.
 
     Args:
@@ -404,6 +472,9 @@ def run_batch(engine, records: list, output, gen, speculative: bool = True, resu
             finishing order). With ``speculative`` and an engine with a drafter, every sequence drafts a tree
             of the fixed budget (speculative.M, D_max) and all trees are verified in one forward; else the
             batch decodes teacher-only. The CLI builds the engine from :func:`batched_config`.
+        model: OpenAI-format records (batch_openai.py, always run on the scheduler as the server runs them, in
+            finishing order): the served model name their body's ``model`` must be and their answers give (None:
+            any, each answer giving its body's).
     Returns:
         BatchStats.
     Raises:
@@ -422,20 +493,25 @@ def run_batch(engine, records: list, output, gen, speculative: bool = True, resu
         def emit(result):
             writer.write(result)
             stats.written += 1
-            stats.errors += "error" in result
+            stats.errors += result.get("error") is not None
             bar.update(1)
 
-        if max_batch > 1:
+        if max_batch > 1 or (todo and todo[0].fmt == "openai"):
+            if model is not None and todo and todo[0].fmt == "openai":
+                from mindspore_eagle.serving.batch_openai import check_model
+
+                for rec in todo:
+                    check_model(rec, model)
             runnable = [r for r in todo if not r.error]
             for rec in todo:
                 if rec.error:
-                    emit({"id": rec.id, "line": rec.line, "error": rec.error})
+                    emit(error_result(rec))
             if runnable:
                 _run_batched(engine() if not hasattr(engine, "generate") else engine, runnable, gen, max_batch,
-                             speculative, emit, bar)
+                             speculative, emit, bar, model)
             todo = []
         for rec in todo:
-            result = {"id": rec.id, "line": rec.line, "error": rec.error} if rec.error else None
+            result = error_result(rec) if rec.error else None
             if result is None:
                 if not hasattr(engine, "generate"):
                     engine = engine()
@@ -466,18 +542,25 @@ def batched_config(cfg):
     return dataclasses.replace(cfg, model=model, cache=dataclasses.replace(cfg.cache, num_blocks=blocks)).validate()
 
 
-def _run_batched(engine, records: list, gen, max_batch: int, speculative: bool, emit, bar) -> None:
-    """``run_batch`` with ``max_batch`` > 1: continuous batching (scheduler.py), tokens/s on the progress bar."""
+def _run_batched(engine, records: list, gen, max_batch: int, speculative: bool, emit, bar, model=None) -> None:
+    """``run_batch`` on the scheduler (``max_batch`` > 1, or OpenAI-format records, which run as the server runs
+    them: ``single_round``): continuous batching (scheduler.py), tokens/s on the progress bar."""
+    from mindspore_eagle.serving import batch_openai
     from mindspore_eagle.serving.scheduler import BatchScheduler
 
-    sched = BatchScheduler(engine, gen, max_batch, speculative=speculative and engine.speculates)
+    openai = records[0].fmt == "openai"
+    sched = BatchScheduler(engine, gen, max_batch, speculative=speculative and engine.speculates,
+                           single_round=openai)
     t0 = time.perf_counter()
 
     def on_result(result):
         emit(result)
         bar.set_postfix(tok_s=f"{sched.new_tokens / max(time.perf_counter() - t0, 1e-9):.1f}", refresh=False)
 
-    run_records(sched, records, on_result)
+    if openai:
+        batch_openai.run_records(sched, records, on_result, model)
+    else:
+        run_records(sched, records, on_result)
 
 
 def shard_progress(records: list, output, size: int) -> dict:
@@ -531,6 +614,7 @@ def wait_and_merge(records: list, output, size: int, timeout_s: float = 86400.0,
         time.sleep(poll_s)
 
 
-__all__ = ["BatchError", "BatchStats", "GEN_FIELDS", "InputRecord", "ResultWriter", "merge_shards", "parse_record",
-           "prepare_output", "read_input", "read_results", "result_key", "run_batch", "run_record", "shard",
-           "shard_path", "shard_progress", "wait_and_merge"]
+__all__ = ["BatchError", "BatchStats", "FORMATS", "GEN_FIELDS", "InputRecord", "REQUEST_FIELDS", "ResultWriter",
+           "error_result", "load_line", "merge_shards", "parse_record", "prepare_output", "read_input", "read_results",
+           "result_key", "run_batch", "run_record", "shard", "shard_path", "shard_progress", "turn_fields",
+           "wait_and_merge"]

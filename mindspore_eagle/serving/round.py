@@ -7,8 +7,8 @@ L_k = accepted length of the step (accepted drafts + bonus).
 One round (docs/architecture.md, "The decode round"):
 
     plan       N = 1: the speculation policy (core/policy.py) answers "draft?", "one more level?", "budget m?"
-               N > 1 with a drafter: a RateGate picks the step's kind by measured tokens per ms: the drafter's
-               trees (merged with copies), or copies of earlier text alone (a plain step without suffix)
+               N > 1: a RateGate picks the step's kind by measured tokens per ms: the drafter's trees (merged
+               with copies), copies of earlier text alone, or a plain step (speculation steps aside)
     draft      drafter context pass on the pairs the drafter has not seen, then the EAGLE-2 tree; with suffix
                candidates (core/suffix.py) the continuations of the longest earlier match in the sequence's own
                text and in the process's earlier outputs are merged into it (core.tree.merge_trees), or verified
@@ -160,8 +160,8 @@ class DecodeRound:
             smallest of the buckets 1, 2, 4, ..., N that holds them; N = 1 uses the single-sequence calls and
             ``policy``.
         policy: N = 1 with a drafter: core.policy.AdaptivePolicy or FixedPolicy (kept by the caller across turns).
-        gate: N > 1 with a drafter: the step-kind chooser (default ``RateGate(gate_kinds)``: ("tree", "copy")
-            with ``suffix``, else ("tree", "plain")).
+        gate: N > 1 with drafts: the step-kind chooser (default ``RateGate(gate_kinds)``: "tree" with a drafter,
+            "copy" with ``suffix``, then "plain"); None: every step a copy step.
         validate: check every tensorized tree against its invariants before verifying it (eager mode).
         trace: core.trace.TraceWriter receiving each StepTrace, or None.
         suffix: the process's core.suffix.SuffixIndex of earlier outputs: draft trees also hold suffix candidates
@@ -191,10 +191,11 @@ class DecodeRound:
         self.rows, self.policy, self.validate, self.trace, self.features = rows, policy, validate, trace, features
         self.width_step = width_step
         self.single = rows == 1 and not features
-        self.gate_kinds = ("tree", "copy" if suffix is not None else "plain")
-        """The batched step kinds the gate picks between: a drafter tree (merged with copies), or copies of earlier
-        text alone (with ``suffix``) or a plain step (without)."""
-        self.gate = gate or (RateGate(self.gate_kinds) if drafter is not None and not self.single else None)
+        self.gate_kinds = (("tree",) if drafter is not None else ()) + (("copy",) if suffix is not None else ()) + \
+            ("plain",)
+        """The batched step kinds the gate picks between: the drafter's trees (merged with copies), copies of
+        earlier text alone (with ``suffix``), a plain step (no speculation: what speculation must beat)."""
+        self.gate = gate or (RateGate(self.gate_kinds) if drafts and not self.single else None)
         self.extra_slots = self.M if drafts else 0   # KV slots a sequence needs beyond its tokens
         # batched rounds value draft nodes by calibrated acceptance and allot rows by their learned cost (a single
         # sequence's policy keeps its own model and cost table)
@@ -202,6 +203,7 @@ class DecodeRound:
         self.model = AcceptanceModel() if batched else None
         self.row_costs = RowCosts() if batched else None
         self._rows_run = 0                             # rows of the step's forward (for row_costs)
+        self._kind = "plain"                           # the gate's choice for the step
 
     # ------------------------------------------------------------------ sequences
     def start(self, s, prompt_ids, aux: np.ndarray) -> None:
@@ -287,8 +289,9 @@ class DecodeRound:
             out = [self._take(s, plan, res) for s, plan, res in zip(live, plans, results)]
         clean = graph_stats() == made         # a step that compiled or loaded a graph says nothing of what it costs
         if self.gate is not None and clean:
-            kind = "tree" if any(p.drafted for p in plans) else self.gate_kinds[1]
-            self.gate.observe(kind, sum(len(t) for t in out), timer.total_ms - timer.ms.get("draft_catchup", 0.0))
+            kind = "tree" if any(p.drafted for p in plans) else self._kind
+            backlog = timer.ms.get("draft_catchup", 0.0)
+            self.gate.observe(kind, sum(len(t) for t in out), timer.total_ms - backlog, backlog)
         if self.row_costs is not None and clean:
             self.row_costs.observe(self._rows_run, timer.ms.get("verify" if tree_step else "decode", 0.0))
         for s, plan, res in zip(live, plans, results):
@@ -354,6 +357,7 @@ class DecodeRound:
             plans[0] = self._plan_one(live[0], timer)
             return plans
         kind = self.gate.choose() if self.gate is not None else "copy"
+        self._kind = kind
         if kind == "plain":
             return plans
         dr = self.drafter if kind == "tree" else None

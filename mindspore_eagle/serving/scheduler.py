@@ -158,8 +158,8 @@ class SizeGates:
     def choose(self) -> str:
         return self._gate().choose()
 
-    def observe(self, kind: str, tokens: int, ms: float) -> None:
-        self._gate().observe(kind, tokens, ms)
+    def observe(self, kind: str, tokens: int, ms: float, extra_ms: float = 0.0) -> None:
+        self._gate().observe(kind, tokens, ms, extra_ms)
 
     def report(self) -> dict:
         """Per batch size: the gate's rates (tokens / ms) and step counts."""

@@ -19,7 +19,7 @@ Cell builds it from ``seg``). Nothing crosses a segment boundary:
 
 Loss normalisation (``n_samples``): a sample's loss is ``L_s = -sum_t pos_mask * sum_v p log q / max_len``
 whatever row it sits in; the batch loss is the mean over the step's samples, so one batched step equals the
-mean of per-sample steps (tests/train/test_train.py checks the gradients).
+mean of per-sample steps (tests/train/test_batching.py checks the gradients).
 
 Sample stream: element k of the training stream is sample ``permutation(seed, epoch)[i]`` with
 ``(epoch, i) = divmod(k, n_train)`` (:func:`stream_sample`); a step consumes the next samples of the stream

@@ -373,6 +373,26 @@ def test_rate_gate_probes_a_slow_kind_within_its_time_share():
     assert [fresh.choose() for _ in range(3)] == ["plain"] * 3
 
 
+def test_rate_gate_paces_probes_by_what_they_really_cost():
+    """A tree step of 200 ms that pays 800 ms more of backlog each time it follows plain steps (``extra_ms``): its
+    rate is judged on 200 ms (24 tokens: slower than plain's 16 per 100 ms), and probing it, backlog included,
+    stays within probe_share of the time."""
+    from mindspore_eagle.core.gate import RateGate
+
+    g = RateGate(("tree", "plain"), probe_every=4, warm=2, probe_share=0.05)
+    spent, last = {"tree": 0.0, "plain": 0.0}, None
+    for _ in range(3000):
+        k = g.choose()
+        extra = 800.0 if k == "tree" and last == "plain" else 0.0
+        ms = 200.0 if k == "tree" else 100.0
+        g.observe(k, 24 if k == "tree" else 16, ms, extra)
+        spent[k] += ms + extra
+        last = k
+    assert abs(g.rate["tree"] - 24 / 200) < 1e-9 and g.best() == "plain"
+    share = spent["tree"] / (spent["tree"] + spent["plain"])
+    assert 0.03 < share < 0.07, share
+
+
 def test_plain_probe_keeps_a_decode_observed():
     """AdaptivePolicy(plain_every=n): where every tree looks profitable, the n-th step after a plain one is plain
     (no drafting, budget 1, even with a suffix tree at hand); a plain step the policy chose itself restarts the

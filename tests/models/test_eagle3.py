@@ -1,10 +1,14 @@
-"""models/eagle3.py: drafter checkpoints (round trip, the EAGLE-3 reference layout and its d2t map, refused files)."""
+"""models/eagle3.py: drafter checkpoints (round trip, the EAGLE-3 reference layout and its d2t map, refused files),
+and float16 weights on the CPU backend (bit for bit the float32 drafter on the rounded matrices)."""
 import json
 
+import mindspore as ms
 import numpy as np
 import pytest
+from tiny_engines import round_matrices as _round_matrices
 from tiny_engines import tiny_drafter_dir
 
+from mindspore_eagle.kernels import cpu
 from mindspore_eagle.models.eagle3 import (
     DrafterConfig,
     load_drafter,
@@ -110,3 +114,40 @@ def test_bad_drafter_checkpoints(tmp_path, tiny):
                         vocab_size=tcfg.vocab_size, draft_vocab_size=8, target_hidden_size=32)
     with pytest.raises(DrafterCheckpointError, match="hidden_size = 32 does not fit the teacher"):
         check_drafter_fits(bad, tcfg)
+
+
+@pytest.mark.skipif(cpu.compiler() is None, reason="no C++ compiler here: the CPU kernels cannot build")
+def test_half_weight_drafter_equals_float32_on_the_rounded_matrices(ms_runtime, tiny, tmp_path):
+    """Eagle3Drafter(weight_dtype=float16): the context pass and an expansion step give, bit for bit, the top-K
+    log-probs, ids and hidden rows of the float32 drafter whose folded matrices are rounded to float16; a backend
+    without half weights refuses it with the key's name."""
+    from tiny_engines import tiny_drafter_dir
+
+    from mindspore_eagle.models.eagle3 import Eagle3Drafter, load_drafter
+
+    tcfg = tiny[0]
+    dcfg, t = load_drafter(str(tiny_drafter_dir(tmp_path, tcfg, seed=4)))
+    embed = ms.Parameter(ms.Tensor(np.random.default_rng(0).normal(size=(tcfg.vocab_size, tcfg.hidden_size))
+                                   .astype(np.float32)), name="e")
+    half = Eagle3Drafter(dcfg, embed, 3, 4, 8, 32, attention="cpu", weight_dtype=ms.float16)
+    ref = Eagle3Drafter(dcfg, embed, 3, 4, 8, 32, attention="cpu")
+    for net in (half, ref):
+        net.load_tensors(t)
+    _round_matrices(ref, {"fc", "wqkv", "wo", "w_gate_up", "w_down", "lm_head"})
+    assert half.lm_head.dtype == ms.float16 and half.fc.dtype == ms.float16
+    rng = np.random.default_rng(2)
+    aux = ms.Tensor(rng.normal(size=(4, 3 * tcfg.hidden_size)).astype(np.float32))
+    tokens, positions = ms.Tensor(np.array([5, 9, 2, 7], np.int32)), ms.Tensor(np.arange(4, dtype=np.int32))
+    table = ms.Tensor(np.arange(4, dtype=np.int32))
+    mask = np.where(np.arange(32)[None] <= np.arange(4)[:, None], 0.0, -1e9).astype(np.float32)
+    outs = [net.context(aux, tokens, positions, positions, table, ms.Tensor(mask), ms.Tensor(np.array([3], np.int32)))
+            for net in (half, ref)]
+    assert all(np.array_equal(x.asnumpy(), y.asnumpy()) for x, y in zip(*outs))
+    h = ms.Tensor(np.repeat(outs[0][2].asnumpy(), 3, 0))
+    step_mask = np.where(np.arange(32)[None] <= 4, 0.0, -1e9).astype(np.float32).repeat(3, 0)
+    slots = ms.Tensor(np.array([4, 5, 6], np.int32))
+    outs = [net(h, tokens[:3], ms.Tensor(np.full(3, 4, np.int32)), slots, table, ms.Tensor(step_mask))
+            for net in (half, ref)]
+    assert all(np.array_equal(x.asnumpy(), y.asnumpy()) for x, y in zip(*outs))
+    with pytest.raises(ValueError, match="model.weight_dtype .* needs the cpu backend"):
+        Eagle3Drafter(dcfg, embed, 3, 4, 8, 32, attention="portable", weight_dtype=ms.float16)

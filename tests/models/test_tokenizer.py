@@ -189,3 +189,30 @@ def test_tokenizer_and_checkpoint_loader_do_not_import_each_other():
     assert not any("checkpoints" in m for m in imported(root / "tokenizer.py"))
     assert "mindspore_eagle.models.tokenizer" in imported(root / "checkpoints.py")
     assert not any("checkpoints" in m or "tokenizer" in m for m in imported(root / "gguf_meta.py"))
+
+
+def test_chat_template_override(tmp_path):
+    """``model.chat_template``: a tokenizer without a template refuses chat with words naming the key; the
+    template given as text or as a file then renders exactly; a bad path or a template that does not compile is
+    one line naming the key."""
+    from mindspore_eagle.models.checkpoints import CheckpointError
+
+    tok = Tokenizer.from_hf_dir(write_tiny_pangu(tmp_path / "t"))
+    tok.chat_template, tok._compiled = None, None
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    with pytest.raises(CheckpointError, match="no chat template; set model.chat_template"):
+        tok.apply_chat_template(msgs)
+    text = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}" \
+           "<assistant>{% endif %}"
+    tok.set_chat_template(text)
+    assert tok.apply_chat_template(msgs) == "<system>Be brief.<user>hi<assistant>"
+    f = tmp_path / "t.jinja"
+    f.write_text(text.replace("<", "[").replace(">", "]"), encoding="utf-8")
+    tok.set_chat_template(str(f))
+    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == "[system]Be brief.[user]hi"
+    assert tok.encode_chat(msgs) == tok.encode("[system]Be brief.[user]hi[assistant]")
+    with pytest.raises(CheckpointError, match="not a readable file"):
+        tok.set_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(CheckpointError, match="does not compile"):
+        tok.set_chat_template("{% for m in messages %}")
+    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == "[system]Be brief.[user]hi"  # unchanged

@@ -109,7 +109,7 @@ def test_parse_records_and_errors(tmp_path):
     ('{"id": 1, "prompt": "  "}', '"prompt" must be a non-empty string'),
     ('{"id": 1, "prompt": "a", "turns": ["b"]}', "needs exactly one of"),
     ('{"id": 1, "turns": []}', '"turns" must be a non-empty list of non-empty strings'),
-    ('{"id": 1, "messages": [{"role": "robot", "content": "x"}]}', "messages[0] must be"),
+    ('{"id": 1, "messages": [{"role": "robot", "content": "x"}]}', "Invalid value for 'messages[0].role'"),
 ])
 def test_bad_records(line, words):
     assert words in batch.parse_record(1, 0, line).error

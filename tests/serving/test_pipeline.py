@@ -109,3 +109,32 @@ def test_cost_file_is_keyed_by_what_changes_a_call(tiny_dir, tmp_path, monkeypat
     others = {pipeline.cost_file(_cfg(tiny_dir, "random", [x]))
               for x in ("speculative.M=8", "speculative.top_k=3", "cache.max_seq_len=256", "model.dtype=float16")}
     assert len(others) == 4 and a not in others
+
+
+def test_embedded_drafter_that_does_not_fit_falls_back_to_copies(ms_runtime, tiny_dir, capsys):
+    """``model.drafter: embedded`` beside a teacher no shipped drafter fits (the tiny teacher: hidden 64, the
+    embedded drafter's 576): a one-line notice naming the mismatch, no error; the engine speculates with copies of
+    earlier text alone and answers exactly as teacher-only. ``method: suffix`` never reads a drafter at all."""
+    cfg = _cfg(tiny_dir, "embedded", ["speculative.method=hybrid"])
+    loaded = pipeline.load_models(cfg)
+    assert loaded.drafter_cfg is None and "hidden_size = 576 does not fit the teacher (needs 64)" in loaded.notice
+    assert pipeline.embedded_choice(str(tiny_dir), loaded.teacher_cfg) == (
+        None, "drafter hidden_size = 576 does not fit the teacher (needs 64)")
+    eng = pipeline.build_engine(cfg, loaded)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("notice: no shipped drafter fits teacher") and \
+        "speculative.method=suffix" in err[0]
+    assert eng.drafter is None and eng.suffix is not None and eng.speculates and eng.spec.method == "suffix"
+    for prompt in ("What is the capital of France?", "Count: one two three one two three one two"):
+        base = eng.generate(prompt, cfg.generation, speculative=False)
+        spec = eng.generate(prompt, cfg.generation, speculative=True)
+        assert len(base.token_ids) > 0 and spec.token_ids == base.token_ids
+    suffix = pipeline.load_models(_cfg(tiny_dir, "embedded", ["speculative.method=suffix"]))
+    assert suffix.drafter_cfg is None and suffix.notice == ""
+
+
+def test_chat_template_key_replaces_the_checkpoints(ms_runtime, tiny_dir, tmp_path):
+    f = tmp_path / "template.jinja"
+    f.write_text("{% for m in messages %}{{ m['content'] }}|{% endfor %}", encoding="utf-8")
+    eng = pipeline.build_engine(_cfg(tiny_dir, "none", [f"model.chat_template={f}"]))
+    assert eng.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi|"

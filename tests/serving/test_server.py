@@ -2,137 +2,25 @@
 ``openai`` client and raw HTTP (httpx): answers equal ``Engine.generate``'s greedy text, streamed text equals
 non-streamed text, concurrent clients get their own answers, per-request sampling parameters take effect, a client
 that disconnects frees its KV blocks, every bad request gets its status and an OpenAI-shaped JSON error, a failed
-engine step fails only its requests, and SIGTERM drains and exits 0. The tiny openPangu teacher throughout; one
-slow test on the embedded default (SmolLM2-135M + its drafter)."""
+engine step fails only its requests, and SIGTERM drains and exits 0. The tiny openPangu teacher throughout. Servers
+started and stopped within one test (the smoke test, the drain timeout, the embedded default): test_server_lifecycle.py;
+the helpers: tests/tiny_engines.py, the ``reference`` fixture: conftest.py."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from tiny_engines import GOOD, MODEL, ServerProcess, chat, chat_stream, metric, tiny_overrides, wait_for
+from tiny_engines import SERVER_PROMPTS as PROMPTS
 
 from mindspore_eagle.config import load_config
-
-ROOT = Path(__file__).resolve().parents[2]
-PROMPTS = ["What is the capital of France?", "Hi", "Write a short story about a robot who learns to paint.",
-           "def add(a, b):", "List three colours.", "2+2?", "Tell me about the sea.", "Name a fruit.",
-           "Why is the sky blue?", "Count to five.", "Say hello in French.", "What is water?", "Spell 'cat'.",
-           "Give me a word that rhymes with moon.", "Who wrote Hamlet?", "What day comes after Monday?"]
-MODEL = "tiny"
-
-
-def tiny_overrides(tiny_dir, drafter="none") -> list[str]:
-    """The tiny teacher's config: 256-slot sequences of 8-token blocks, 16-token prefill chunks, 24 new tokens."""
-    return [f"model.teacher={tiny_dir}", f"model.drafter={drafter}", "cache.block_size=8", "cache.max_seq_len=256",
-            "cache.prefill_chunk=16", "generation.max_new_tokens=24", "context.graph_cache=false",
-            "context.threads=1", f"serve.model_name={MODEL}"]
-
-
-class ServerProcess:
-    """``python -m mindspore_eagle serve --port 0 ...`` in a child process; ``url`` once it listens, ``ready()``
-    once /health answers 200 (``warming`` = the statuses seen before)."""
-
-    def __init__(self, sets: list[str], args=(), env=None):
-        cmd = [sys.executable, "-m", "mindspore_eagle", "serve", "--port", "0", *args]
-        for s in sets:
-            cmd += ["--set", s]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               **(env or {})}
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-        self.url = None
-        self.warming: list[int] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self):
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip("\n"))
-            if self.url is None and line.startswith("serving ") and " on http://" in line:
-                self.url = line.split(" on ", 1)[1].split()[0]
-
-    def log(self) -> str:
-        return "\n".join(self.lines[-40:])
-
-    def ready(self, timeout: float = 600.0) -> ServerProcess:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"server exited with {self.proc.returncode}:\n{self.log()}"
-            if self.url is not None:
-                try:
-                    status = httpx.get(self.url + "/health", timeout=5).status_code
-                except httpx.TransportError:
-                    status = None
-                if status == 200:
-                    return self
-                self.warming.append(status)
-            time.sleep(0.2)
-        raise AssertionError(f"server not ready after {timeout} s:\n{self.log()}")
-
-    def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0,
-                             timeout=kw.pop("timeout", 300), **kw)
-
-    def metrics(self) -> dict:
-        """{(sample name, frozenset(labels)): value} of GET /metrics (prometheus_client's parser)."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        return {(s.name, frozenset(s.labels.items())): s.value
-                for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def metric(m: dict, name: str, **labels) -> float:
-    return m.get((name, frozenset(labels.items())), 0.0)
-
-
-def wait_for(cond, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_dir):
-    """In-process teacher-only engine of the tiny config: the one-at-a-time greedy answers."""
-    from mindspore_eagle.serving.pipeline import build_engine
-
-    cfg = load_config(None, tiny_overrides(tiny_dir))
-    engine = build_engine(cfg)
-    cache = {}
-
-    def answer(prompt, max_tokens=24, raw=False):
-        key = (prompt, max_tokens, raw)
-        if key not in cache:
-            import dataclasses
-
-            gen = dataclasses.replace(cfg.generation, max_new_tokens=max_tokens)
-            ids = engine.tokenizer.encode(prompt) if raw else engine.encode_chat(prompt)
-            cache[key] = engine.generate_ids(ids, gen, speculative=False)
-        return cache[key]
-    answer.engine = engine
-    return answer
 
 
 @pytest.fixture(scope="module")
@@ -162,57 +50,6 @@ def small_server(tiny_dir):
         yield p.ready()
     finally:
         p.stop()
-
-
-def chat(client, prompt, model=MODEL, **kw):
-    """A chat completion of one user message; ``max_tokens`` 24 (the reference's) unless given (the server's own
-    default is the rest of the context)."""
-    kw.setdefault("max_tokens", 24)
-    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}], **kw)
-
-
-def chat_stream(client, prompt, **kw) -> tuple[str, str, dict | None]:
-    """(text, finish_reason, usage) of a streamed chat completion."""
-    text, finish, use = "", None, None
-    for ch in chat(client, prompt, stream=True, stream_options={"include_usage": True}, **kw):
-        if ch.choices:
-            text += ch.choices[0].delta.content or ""
-            finish = ch.choices[0].finish_reason or finish
-        if ch.usage is not None:
-            use = ch.usage
-    return text, finish, use
-
-
-def test_a_suffix_only_server_speculates_and_counts_acceptance_per_depth(tiny_dir):
-    """``speculative.method: suffix`` needs no drafter: the server's batch drafts suffix candidates and its metrics
-    count acceptance at every depth up to D_max (before, no drafter meant teacher-only and depth 0)."""
-    from mindspore_eagle.serving.api_server import Server, serve_config
-
-    cfg = serve_config(load_config(None, tiny_overrides(tiny_dir) + ["speculative.method=suffix",
-                                                                     "speculative.D_max=4"]))
-    assert cfg.batch.speculative and cfg.model.drafter == "none"
-    server = Server(cfg, build=lambda: None, log_line=lambda line: None)
-    assert server.metrics.max_depth == 4
-    plain = serve_config(load_config(None, tiny_overrides(tiny_dir) + ["speculative.method=eagle3"]))
-    assert not plain.batch.speculative and Server(plain, build=lambda: None).metrics.max_depth == 0
-    off = serve_config(load_config(None, tiny_overrides(tiny_dir) + ["speculative.method=suffix",
-                                                                   "serve.speculative=false"]))
-    assert not off.batch.speculative
-
-
-def test_smoke_one_server_process_start_chat_stream_sigterm(tiny_dir, reference):
-    """The fast smoke test (not slow): a suffix-only speculative tiny server starts, /health turns 200, one greedy
-    chat equals teacher-only decoding, one stream gives the same text, and SIGTERM ends it with exit status 0."""
-    p = ServerProcess(tiny_overrides(tiny_dir) + ["speculative.method=suffix"], ["--max-batch", "2"])
-    try:
-        p.ready(120)
-        c = p.client()
-        want = reference(PROMPTS[0])
-        assert chat(c, PROMPTS[0]).choices[0].message.content == want.text
-        assert chat_stream(c, PROMPTS[0])[0] == want.text
-    finally:
-        p.stop()
-    assert p.proc.returncode == 0, p.log()
 
 
 # ------------------------------------------------------------------------------------------------- answers --
@@ -431,9 +268,6 @@ def test_disconnect_without_streaming_cancels_and_frees_teacher_and_drafter_bloc
 
 
 # ------------------------------------------------------------------------------------------------- errors --
-GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("body, status, param, code", [
     (b'{"model": "tiny", "messages": [', 400, None, "invalid_json"),
@@ -615,100 +449,6 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(small_server):
     with pytest.raises(httpx.TransportError):
         httpx.get(small_server.url + "/health")
     assert any("SIGTERM" in line for line in small_server.lines)
-
-
-@pytest.mark.slow
-def test_drain_timeout_cancels_what_is_left_and_exits_0(tiny_dir):
-    """``serve.drain_timeout_s`` 1: a request that needs longer than that is cut at the timeout (the client's
-    stream ends without its last chunk), the engine cancels it and the process exits 0 well before the request
-    could have finished."""
-    p = ServerProcess(tiny_overrides(tiny_dir) + ["serve.drain_timeout_s=1", "cache.max_seq_len=2048",
-                                                  "cache.num_blocks=256", "generation.max_new_tokens=2000"],
-                      ["--max-batch", "1"])
-    p.ready(300)
-    events, errors = [], []
-
-    def stream():
-        body = {**GOOD, "max_tokens": 2000, "stream": True}
-        try:
-            with httpx.stream("POST", p.url + "/v1/chat/completions", json=body, timeout=120) as r:
-                events.extend(line[6:] for line in r.iter_lines() if line.startswith("data: "))
-        except httpx.TransportError as e:
-            errors.append(e)
-    th = threading.Thread(target=stream)
-    try:
-        th.start()
-        wait_for(lambda: len(events) >= 3, 60, "the stream to start")
-        t0 = time.monotonic()
-        p.proc.send_signal(signal.SIGTERM)
-        assert p.proc.wait(60) == 0, p.log()
-        waited = time.monotonic() - t0
-        th.join(30)
-    finally:
-        p.stop()
-    chunks = [json.loads(e) for e in events if e != "[DONE]"]
-    assert chunks and not any(c["choices"][0]["finish_reason"] for c in chunks if c.get("choices"))   # cut short
-    assert 1.0 <= waited < 30, waited                                    # the drain waited its second, no more
-    assert any("draining in-flight ones for up to 1 s" in line for line in p.lines), p.log()
-
-
-def test_modelarts_boot_serve_address_and_ranks(monkeypatch, capsys):
-    """``scripts/modelarts_boot.py --serve``: 0.0.0.0:8080 unless MSEAGLE_HOST / MSEAGLE_PORT / PORT or the flags say
-    otherwise; a bad port is one error line (exit 2); ranks other than 0 have nothing to serve (exit 0)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("modelarts_boot", ROOT / "scripts" / "modelarts_boot.py")
-    boot = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(boot)
-    for var in ("MSEAGLE_HOST", "MSEAGLE_PORT", "PORT", "RANK_ID", "RANK_SIZE", "MS_ROLE"):
-        monkeypatch.delenv(var, raising=False)
-    assert boot.serve_env(boot.parse_args(["--serve"])) == ("0.0.0.0", 8080)
-    monkeypatch.setenv("PORT", "9000")
-    assert boot.serve_env(boot.parse_args(["--serve"])) == ("0.0.0.0", 9000)
-    monkeypatch.setenv("MSEAGLE_PORT", "9100")
-    monkeypatch.setenv("MSEAGLE_HOST", "127.0.0.1")
-    assert boot.serve_env(boot.parse_args(["--serve"])) == ("127.0.0.1", 9100)
-    assert boot.serve_env(boot.parse_args(["--serve", "--port", "7000", "--host", "::1"])) == ("::1", 7000)
-    monkeypatch.setenv("MSEAGLE_PORT", "http")
-    assert boot.main(["--serve"]) == 2
-    assert capsys.readouterr().err.strip().endswith("error: MSEAGLE_PORT / PORT must be an integer port, got 'http'")
-    monkeypatch.setenv("RANK_ID", "1")
-    monkeypatch.setenv("RANK_SIZE", "2")
-    monkeypatch.setenv("MSEAGLE_PORT", "9100")
-    assert boot.main(["--serve"]) == 0 and "rank 0 only" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        boot.parse_args([])                          # a batch job needs --input and --output
-
-
-# ------------------------------------------------------------------------------------------ embedded default --
-@pytest.mark.slow
-def test_embedded_default_server_equals_generate(tmp_path):
-    """configs/default.yaml (SmolLM2-135M-Instruct + its drafter), 2 rows: a chat's greedy text equals the CLI's
-    ``generate`` (speculative, the same config), alone and beside a second client; trees were verified."""
-    sets = ["cache.max_seq_len=512", "generation.max_new_tokens=32"]
-    prompt = "What is the capital of France?"
-    gen = subprocess.run([sys.executable, "-m", "mindspore_eagle", "generate", "--config", "configs/default.yaml",
-                          "--prompt", prompt, *sum((["--set", s] for s in sets), [])], cwd=ROOT, capture_output=True,
-                         text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert gen.returncode == 0, gen.stderr[-2000:]
-    want = gen.stdout[:-1]                       # generate prints the answer and a newline
-    p = ServerProcess(sets, ["--config", "configs/default.yaml", "--max-batch", "2"])
-    name = "SmolLM2-135M-Instruct"
-    try:
-        p.ready(1800)
-        r = chat(p.client(), prompt, name, max_tokens=32)
-        assert r.choices[0].message.content == want
-        with ThreadPoolExecutor(2) as pool:
-            both = list(pool.map(lambda q: chat_stream(p.client(), q, model=name, max_tokens=32)[0],
-                                 [prompt, "Name three colours."]))
-        assert both[0] == want
-        m = p.metrics()
-        assert metric(m, "mseagle_steps_total", kind="tree") > 0 and r.usage.mean_accept_len > 1.0
-        ready = next(i for i, line in enumerate(p.lines) if line.startswith("ready in "))
-        assert not any("compiled graph" in line for line in p.lines[ready:])      # nothing after the warm-up
-        assert m[("mseagle_graphs_made_after_warmup", frozenset())] == 0
-    finally:
-        p.stop()
 
 
 def test_requests_while_warming_up_or_shutting_down_get_503():

@@ -1,22 +1,18 @@
 """Time of the CPU matmul kernel (``cpu.CpuKernels().linear``) on a teacher-sized MLP pair, by row count.
 
-    python scripts/bench_linear_rows.py [--rows 1,2,3,4,5,6,8,16] [--calls 30]
+    python -m mindspore_eagle.bench.micro.linear_rows [--rows 1,2,3,4,5,6,8,16] [--calls 30]
 
 Prints, per row count k, the kernel's own time (``cpu.kernel_stats``) of one gate/up (3072 x 576) plus one down
 (576 x 1536) call on random float32 data, and the FLOP rate. Use it to compare the kernel library before and
 after a change of its matmul tiles (the current tiles and the loop that chose them: docs/cpu_kernels.md, "Tiles"),
-alternating with an older worktree's copy (``python <worktree>/scripts/...``: the script imports the package
-beside it, whatever PYTHONPATH says). Not a test.
+alternating with an older worktree's copy (``cd <worktree> && python -m mindspore_eagle.bench.micro.linear_rows``:
+``-m`` imports the package of the current folder first, whatever PYTHONPATH says). Not a test.
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import numpy as np
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
 def main() -> None:

@@ -1,20 +1,15 @@
-#!/usr/bin/env python3
 """Cost of one teacher forward in float32 vs float16 on this machine (graph mode), interleaved A/B.
 
 Both teachers (embedded default unless --teacher) are built in one process; after a 256-token context, one
 forward over k query tokens (k = 1 is a decode; k = 8 / 16 a tree verification) is timed alternately on the
 float32 and the float16 teacher, ``--repeat`` rounds, so load from other processes hits both alike. Prints the
 median ms per forward and the float16 / float32 ratio. Not a test: figures only.
-    python scripts/bench_dtype_forward.py [--ks 1,8,16] [--repeat 15]
+    python -m mindspore_eagle.bench.micro.dtype_forward [--ks 1,8,16] [--repeat 15]
 """
 import argparse
-import os
-import sys
 import time
 
 import numpy as np
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
 def main():

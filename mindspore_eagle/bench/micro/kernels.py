@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """Time one CPU kernel alone over a teacher's layers, for one or more builds of the kernel library.
 
-    python scripts/bench_kernels.py attention [LIB.so ...] [--rows 16] [--heads 9] [--kv-heads 3] [--context 256]
-    python scripts/bench_kernels.py matmul [LIB.so ...] [--rows 1,8,16,32] [--layers 30] [--shapes NxK,...]
+    python -m mindspore_eagle.bench.micro.kernels attention [LIB.so ...] [--rows 16] [--heads 9] [--kv-heads 3] [--context 256]
+    python -m mindspore_eagle.bench.micro.kernels matmul [LIB.so ...] [--rows 1,8,16,32] [--layers 30] [--shapes NxK,...]
 
 attention: ``PagedAttention`` for k query rows (a tree's, causal among themselves) over a cached context, head size
 64, one call per layer with caches of its own (default: the 135M teacher's 9 heads / 3 KV heads; the 0.5B
@@ -18,12 +17,9 @@ for bit first. Prints the median and minimum ms per sweep of all layers. Not a t
 import argparse
 import ctypes
 import os
-import sys
 import time
 
 import numpy as np
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 HD = 64
 MATMUL_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Cost of the teacher's forward on this machine, beside a numpy-only forward of the same shapes (one run).
 
 Prints, for the embedded default teacher (or --teacher PATH):
@@ -11,18 +10,15 @@ Prints, for the embedded default teacher (or --teacher PATH):
   - llama.cpp on the same F32 weights in a process of its own with a clean environment (bench/peer.py), the same
     k rows after the same 256-token context, logits for all k rows, beside ours (where llama-cpp-python is
     installed: pip install -e ".[peer]").
-Not a test: figures only. Usage: python scripts/bench_forward.py [--teacher PATH] [--repeat 5] [--eager]
+Not a test: figures only. Usage: python -m mindspore_eagle.bench.micro.forward [--teacher PATH] [--repeat 5] [--eager]
 """
 import argparse
 import os
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from mindspore_eagle.kernels import runtime  # noqa: E402
+from mindspore_eagle.kernels import runtime
 
 
 def median_ms(fn, repeat):

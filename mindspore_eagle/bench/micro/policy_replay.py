@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Replay data for the speculation policy: the drafter's full candidate tree at EVERY position of teacher-only
 greedy replies, with each candidate's acceptance label, so any per-step policy can be simulated offline.
 
@@ -8,8 +7,8 @@ candidate's path equals the teacher's next tokens y[p+1 ..] (greedy acceptance n
 teacher's top-1 probability of y[p]. Prompts are ShareGPT first user turns from index --offset on (past the drafter's
 training data; no evaluation prompt).
 
-    python scripts/policy_replay.py --prompts 24 --out runs/replay.npz            # collect
-    python scripts/policy_replay.py --simulate runs/replay.npz [--costs costs.json]  # replay policies on it
+    python -m mindspore_eagle.bench.micro.policy_replay --prompts 24 --out runs/replay.npz            # collect
+    python -m mindspore_eagle.bench.micro.policy_replay --simulate runs/replay.npz [--costs costs.json]  # replay policies on it
 
 The simulation drives the real policy objects (mindspore_eagle.core.policy) step by step over the recorded positions:
 a step at position p with budget m accepts the recorded labels of the best m - 1 candidates drafted so far, then
@@ -19,12 +18,9 @@ worth" and "... The adaptive policy against fixed budgets".
 """
 import argparse
 import os
-import sys
 import time
 
 import numpy as np
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
 def rebuild(score, depth, K, M):
@@ -49,10 +45,8 @@ def rebuild(score, depth, K, M):
 def simulate(path, costs_path, M, D, K):
     import json
 
-    from mindspore_eagle.core.calibration import top_nodes
     from mindspore_eagle.core.costs import CostTable, compiled_budgets
     from mindspore_eagle.core.policy import AdaptivePolicy
-    from mindspore_eagle.runners.drafter import select_tree
 
     z = np.load(path)
     if costs_path:
@@ -62,75 +56,80 @@ def simulate(path, costs_path, M, D, K):
                           draft_step_ms=8.8, host_ms=2.0)
     turns = z["turn"]
     print(costs.describe())
-
-    def run(make, label):
-        pol = make()
-        tok = ms = 0.0
-        spec_steps = steps = 0
-        lens = []
-        for t in np.unique(turns):
-            rows = np.flatnonzero(turns == t)
-            n = rows.size
-            p = 0
-            while p < n:
-                r = rows[p]
-                sc, par, dp = rebuild(z["score"][r], z["depth"][r], K, M)
-                lab = z["label"][r][: sc.size]
-                left, max_m = n - p, 1024
-                cost = 0.0
-                choice_m, tree, L = 1, None, 1
-                if pol.want_draft(max_m):
-                    cost += costs.draft_ctx_ms
-                    d = 1
-                    while True:
-                        keep = dp <= d
-                        tree = select_tree(0, np.where(keep, sc, -1e30), np.arange(sc.size) + 1, par, M)
-                        tree = top_nodes(tree, M) if len(tree) > M else tree
-                        real = tree.scores > -1e29
-                        if d >= D:
-                            break
-                        front = np.sort(sc[dp == d])[::-1][:K]
-                        if not pol.want_expand(_strip(tree, real), front, d, max_m, left):
-                            break
-                        cost += costs.draft_step_ms
-                        d += 1
-                    tree = _strip(tree, real)
-                    ch = pol.choose(tree, max_m, left)
-                    pol.after_draft(ch)
-                    choice_m = ch.m
-                if choice_m == 1:
-                    cost += costs.decode_ms
-                    path_ = [0]
-                    L = 1
-                    verified = None
-                else:
-                    verified = top_nodes(tree, choice_m)
-                    ids = verified.tokens[1:] - 1
-                    acc = [0] + [i + 1 for i, c in enumerate(ids) if lab[c]]
-                    path_ = acc
-                    L = len(acc)
-                    cost += costs.step_ms(choice_m)
-                    lens.append(L)
-                    spec_steps += 1
-                L = min(L, n - p)
-                pol.observe(verified, path_, L, cost)
-                tok += L
-                ms += cost
-                steps += 1
-                p += L
-        rate = tok / ms
-        base = 1.0 / costs.decode_ms
-        print(f"{label:<28} speedup {rate / base:5.3f}x  L_k {np.mean(lens) if lens else 1:.2f}  "
-              f"spec share {spec_steps / steps:.2f}")
-        return pol
-
     for m, d in [(2, 1), (4, 1), (4, 2), (8, 2), (8, 3), (16, 2), (16, 3), (16, 5)]:
         if m <= M and d <= D:
-            run(lambda m=m, d=d: _FixedSim(m, d), f"fixed M={m} D={d}")
-    pol = run(lambda: AdaptivePolicy(costs, compiled_budgets(M)), f"adaptive M<={M} D<={D}")
+            _replay(lambda m=m, d=d: _FixedSim(m, d), f"fixed M={m} D={d}", z, turns, costs, M, D, K)
+    pol = _replay(lambda: AdaptivePolicy(costs, compiled_budgets(M)), f"adaptive M<={M} D<={D}", z, turns, costs,
+                  M, D, K)
     print(json.dumps(pol.report()["child_rate"]))
     for row in pol.report()["calibration"]["bins"]:
         print(row)
+
+
+def _replay(make, label, z, turns, costs, M, D, K):
+    """Run one policy (``make()``) over the recorded positions; print its modelled speedup."""
+    from mindspore_eagle.core.calibration import top_nodes
+    from mindspore_eagle.runners.drafter import select_tree
+
+    pol = make()
+    tok = ms = 0.0
+    spec_steps = steps = 0
+    lens = []
+    for t in np.unique(turns):
+        rows = np.flatnonzero(turns == t)
+        n = rows.size
+        p = 0
+        while p < n:
+            r = rows[p]
+            sc, par, dp = rebuild(z["score"][r], z["depth"][r], K, M)
+            lab = z["label"][r][: sc.size]
+            left, max_m = n - p, 1024
+            cost = 0.0
+            choice_m, tree, L = 1, None, 1
+            if pol.want_draft(max_m):
+                cost += costs.draft_ctx_ms
+                d = 1
+                while True:
+                    keep = dp <= d
+                    tree = select_tree(0, np.where(keep, sc, -1e30), np.arange(sc.size) + 1, par, M)
+                    tree = top_nodes(tree, M) if len(tree) > M else tree
+                    real = tree.scores > -1e29
+                    if d >= D:
+                        break
+                    front = np.sort(sc[dp == d])[::-1][:K]
+                    if not pol.want_expand(_strip(tree, real), front, d, max_m, left):
+                        break
+                    cost += costs.draft_step_ms
+                    d += 1
+                tree = _strip(tree, real)
+                ch = pol.choose(tree, max_m, left)
+                pol.after_draft(ch)
+                choice_m = ch.m
+            if choice_m == 1:
+                cost += costs.decode_ms
+                path_ = [0]
+                L = 1
+                verified = None
+            else:
+                verified = top_nodes(tree, choice_m)
+                ids = verified.tokens[1:] - 1
+                acc = [0] + [i + 1 for i, c in enumerate(ids) if lab[c]]
+                path_ = acc
+                L = len(acc)
+                cost += costs.step_ms(choice_m)
+                lens.append(L)
+                spec_steps += 1
+            L = min(L, n - p)
+            pol.observe(verified, path_, L, cost)
+            tok += L
+            ms += cost
+            steps += 1
+            p += L
+    rate = tok / ms
+    base = 1.0 / costs.decode_ms
+    print(f"{label:<28} speedup {rate / base:5.3f}x  L_k {np.mean(lens) if lens else 1:.2f}  "
+          f"spec share {spec_steps / steps:.2f}")
+    return pol
 
 
 def _strip(tree, real):

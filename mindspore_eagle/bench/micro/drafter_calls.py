@@ -1,6 +1,6 @@
 """Wall time of the drafter's calls, hot and right after a teacher decode (cold caches, as in the decode loop).
 
-    python scripts/bench_drafter_calls.py [--config configs/default.yaml] [--repeat 25]
+    python -m mindspore_eagle.bench.micro.drafter_calls [--config configs/default.yaml] [--repeat 25]
 
 Prints the median ms of: the context pass over n = 1, 2, 4 new pairs (``DrafterRunner.extend``, what a step adds
 after L_k accepted tokens), the tree expansion for D_max = 2, 3 (``build_tree``), and a teacher decode; each
@@ -8,20 +8,16 @@ drafter call once back to back (weights hot in the CPU caches) and once right af
 the engine calls it (the teacher's weights have just evicted the drafter's). The figures in docs/design.md,
 "Measurements behind the design: The drafter's context pass" and docs/cpu_kernels.md, "Host calls" came from this
 script run against the code before and after a change: run each worktree's own copy
-(``python <worktree>/scripts/bench_drafter_calls.py``), which imports the package beside it (PYTHONPATH does not
-override that). Nothing is written to disk; the timed context passes extend the scratch sequence (by 7 pairs a
+(``cd <worktree> && python -m mindspore_eagle.bench.micro.drafter_calls``: ``-m`` imports the package of the current
+folder first; PYTHONPATH does not override that). Nothing is written to disk; the timed context passes extend the scratch sequence (by 7 pairs a
 repeat), the tree expansions' writes are rolled back.
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
 import numpy as np
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
 def main() -> None:

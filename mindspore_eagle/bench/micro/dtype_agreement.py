@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """float16 vs float32 greedy on the same prompts, and speculative float16 vs teacher-only float16 (one run).
 
 For N prompts — ``--source eval``: the first user turn of the first N evaluation items (``evalsets.eval_turns``);
@@ -11,18 +10,15 @@ Prints and writes (``--out`` JSON): per prompt the first position where float16 
 whole continuation identical), the share of positions with the same token, whether speculative float16 equals
 teacher-only float16 token for token, and decode tok/s of each run (after one uncounted warm-up turn per engine).
 Not a test: figures only. Usage:
-    python scripts/dtype_agreement.py --config configs/presets/cpu_2core.yaml --source chat --prompts 24 --tokens 64 \
-        --out runs/dtype.json
+    python -m mindspore_eagle.bench.micro.dtype_agreement --config configs/presets/cpu_2core.yaml --source chat \
+        --prompts 24 --tokens 64 --out runs/dtype.json
 """
 import argparse
 import gc
 import json
 import os
-import sys
 
 import numpy as np
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
 def run(cfg_path, dtype, prompts, tokens, speculative_too, policy="fixed"):

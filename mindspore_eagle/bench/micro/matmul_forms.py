@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Matmul formulations of the teacher's whole weight stack on this machine (the measurement behind kernels/dense.linear).
 
 One jitted graph runs every matmul of the embedded default teacher's shapes (30 layers x fused q/k/v [960, 576],
@@ -10,18 +9,15 @@ weights, random values: speed does not depend on them) for k query rows, in thre
     (W @ x^T)^T    MatMul(transpose_b=True)(W, x).T      (weight on the left, x transposed by the kernel)
 
 Prints ms per call (minimum of --repeat after one warm call) and the implied weight bandwidth (GB/s).
-Not a test: figures only. Usage: python scripts/bench_matmul_forms.py [--ks 1,2,4,8,16,32,64,128,256] [--repeat 5]
+Not a test: figures only. Usage:
+    python -m mindspore_eagle.bench.micro.matmul_forms [--ks 1,2,4,8,16,32,64,128,256] [--repeat 5]
 """
 import argparse
-import os
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from mindspore_eagle.kernels import runtime  # noqa: E402
+from mindspore_eagle.kernels import runtime
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 HEAD_SHAPE = (49152, 576)
