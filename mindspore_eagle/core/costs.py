@@ -302,8 +302,8 @@ class RowCosts:
     (continuous batching: what a tree row costs, for :func:`~mindspore_eagle.core.policy.allot_rows`).
 
     A CPU forward is flat while it is bound by reading the weights and grows faster than linearly once it is bound
-    by arithmetic (on the 2-core AVX2 VM: ~24 ms at 1-4 rows, ~55 at 16, ~90 at 32, ~170 at 64: docs/performance.md,
-    "Continuous batching"); a straight line fitted across both regimes underestimated a 25-row step by a third, so
+    by arithmetic (on the 2-core AVX2 VM: ~22 ms at 1-2 rows, ~50 at 16, ~73 at 32, ~140 at 64, ~340 at 128:
+    docs/performance.md, "Continuous batching"); a straight line fitted across both regimes underestimated a 25-row step by a third, so
     the fit is quadratic. Least squares over the observed (rows, ms) pairs, each weighted ``decay`` ** (steps since
     it was seen) (a memory of about 1 / (1 - decay) steps), plus three pseudo-observations of weight
     ``prior_weight`` that never decay: at the first observation's R0, R0 + 16 and R0 + 32 rows, as dear as

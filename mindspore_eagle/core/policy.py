@@ -264,7 +264,7 @@ def allot_rows(values: list, step_ms, max_rows: int, max_per_seq: int) -> np.nda
     a prefix of all sequences' values in descending order (ties: lower sequence, then lower position): the prefix
     with the highest (expected tokens) / ms, the shortest on a tie. A node is worth its row only where its value
     exceeds the row's marginal cost times the rate the step already earns: on a 2-core CPU one more row of a 16-row
-    forward costs ~2.4 ms against ~3.5 ms a token (docs/performance.md, "Continuous batching"), so only nodes likely
+    forward costs ~2-3 ms against ~3 ms a token (docs/performance.md, "Continuous batching"), so only nodes likely
     to be accepted are verified under load, while one sequence alone takes most of its tree.
 
     Args:

@@ -13,6 +13,8 @@
 - ``dtype_forward``: one teacher forward in float32 against float16; docs/ascend.md.
 - ``dtype_agreement``: float16 against float32 greedy, speculative float16 against teacher-only float16;
   docs/ascend.md.
+- ``batch_rows``: one batched teacher forward (decode of n sequences, verification of n x m rows) by row count;
+  docs/performance.md, "Continuous batching".
 - ``policy_replay``: the drafter's candidate trees at every position of greedy replies, and policies replayed on
   them; docs/design.md.
 """
