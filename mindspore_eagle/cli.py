@@ -51,6 +51,8 @@ def _add_config_args(p: argparse.ArgumentParser, generation: bool = True) -> Non
                    help="YAML config; repeat to merge (e.g. configs/default.yaml configs/presets/chain.yaml)")
     g.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value, e.g. --set speculative.M=32 (repeatable)")
+    g.add_argument("--chat-template", metavar="FILE.jinja",
+                   help="a Jinja chat template replacing the checkpoint's (model.chat_template)")
     if generation:
         g.add_argument("--mode", choices=("fused", "eager"),
                        help="fused = compiled graphs (context.mode 0), eager = PyNative with per-step checks")
@@ -72,6 +74,8 @@ def config_from_args(args) -> Config:
         cfg.context.mode = 0 if args.mode == "fused" else 1
     if getattr(args, "max_new_tokens", None) is not None:
         cfg.generation.max_new_tokens = args.max_new_tokens
+    if getattr(args, "chat_template", None):
+        cfg.model.chat_template = args.chat_template
     if getattr(args, "baseline", False):      # teacher-only: no drafter, and no suffix drafting either
         cfg.model.drafter = "none"
         cfg.serve.speculative = cfg.batch.speculative = False

@@ -420,6 +420,18 @@ def test_inspect_teacher_dir(capsys, tiny):
             "64)): copies of earlier text alone (speculative.method=suffix)") in out
 
 
+def test_chat_template_flag_sets_the_key_and_a_bad_path_is_one_line(capsys, tmp_path):
+    from mindspore_eagle.cli import build_parser, config_from_args
+
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}", encoding="utf-8")
+    args = build_parser().parse_args(["generate", "--chat-template", str(f), "--prompt", "hi"])
+    assert config_from_args(args).model.chat_template == str(f)
+    msg = expect_error(capsys, ["generate", "--chat-template", str(tmp_path / "missing.jinja"), "--set",
+                                "model.drafter=none", "--prompt", "hi"], "chat template file missing")
+    assert str(tmp_path / "missing.jinja") in msg
+
+
 def test_generate_on_a_teacher_without_a_fitting_drafter_answers_with_a_notice(capsys, tiny):
     """The default config (model.drafter: embedded) with another teacher: one notice line, then the answer."""
     rc, out, err = run_main(capsys, ["generate", "--set", f"model.teacher={tiny}", "--set",
