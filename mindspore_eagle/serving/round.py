@@ -382,10 +382,10 @@ class DecodeRound:
     def _catch_up(self, live: list) -> None:
         """Feed the drafter every queued (feature, token) pair of ``live`` but the latest step's: the backlog of
         the steps that did not run it (copies alone, plain steps). Its time is kept apart (timer phase
-        ``draft_catchup``) and left out of what the gate measures, so a tree step is judged at the cost it has when
-        trees run every step (one step's pairs), not at the debt of the steps before; otherwise a drafter that
-        rarely runs looks dearer each time it is probed (pairs queued over hundreds of steps, one context pass)
-        and is probed ever more rarely."""
+        ``draft_catchup``): it is left out of the tree kind's rate, so a tree step is judged at the cost it has
+        when trees run every step (one step's pairs), not at the debt of the steps before (else a drafter that
+        rarely runs looks dearer each time it is probed and is probed ever more rarely), and it paces the probes
+        (``RateGate.observe``'s ``extra_ms``), so probing with its backlog stays within the gate's time share."""
         for s in live:
             st = s.state
             if len(st.pending) > 1:
