@@ -309,6 +309,8 @@ def cli_main(argv=None) -> int:
     fixed = {"turn_ids": [t.turn_id for t in turns], "settings": [s.to_dict() for s in settings],
              "max_new_tokens": gen.max_new_tokens, "teacher": cfg.model.teacher, "drafter": cfg.model.drafter,
              "cache": dataclasses.asdict(cfg.cache), "mode": cfg.exec_mode}
+    if args.peer_llamacpp:                # a resumed run keeps the peers its turns were timed against
+        fixed["peers"] = args.peer_variants or "default"
     name = _open_run(out, name, fixed, cfg)
     if name is None:
         return 2

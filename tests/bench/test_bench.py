@@ -433,3 +433,17 @@ def test_report_reads_llama_cpp_python_rows_of_older_runs(tmp_path):
     assert rows["llama-cpp-python prompt lookup 2"]["ea_over"] == pytest.approx(ours / 25.0)
     assert rows["llama-cpp-python greedy"]["same_turns"] is None
     assert "llama-cpp-python prompt lookup 2" in report_mod.markdown(rep)
+
+
+def test_a_resumed_run_keeps_its_fixed_parameters_peers_included(tmp_path, capsys):
+    """run.json pins what a run's turns were timed with; a restart with other peers (or settings) is refused with
+    the differing keys named, the same ones resume under the stored name."""
+    from mindspore_eagle.bench import _open_run
+    from mindspore_eagle.config import load_config
+
+    cfg = load_config(None, [])
+    fixed = {"turn_ids": ["a", "b"], "peers": "greedy,ngram-mod"}
+    assert _open_run(str(tmp_path), "first", fixed, cfg) == "first"
+    assert _open_run(str(tmp_path), "second", dict(fixed), cfg) == "first"
+    assert _open_run(str(tmp_path), "third", dict(fixed, peers="eagle3:2"), cfg) is None
+    assert "different parameters (peers)" in capsys.readouterr().err
