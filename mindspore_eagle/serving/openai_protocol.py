@@ -467,12 +467,13 @@ def fit(sched, prompt_tokens: int, gen: GenerationConfig, explicit: bool, prompt
     vLLM's default), which ``BatchScheduler.fit_error`` always accepts: prompt + room + extra_slots =
     min(S, NB * B) is at most S tokens and at most NB blocks. The server and ``batch`` OpenAI-format records.
     Raises:
-        APIError: 400 ``context_length_exceeded`` in the command line's words (``param`` max_tokens when the
-            request set it, else ``prompt_param``): the explicit max_tokens does not fit, or the prompt leaves
+        APIError: 400 ``context_length_exceeded`` in the command line's words, with ``max_tokens=<n>`` for the
+            request's own field (``param`` max_tokens when the request set it, else ``prompt_param``): the explicit max_tokens does not fit, or the prompt leaves
             no room for one token.
     """
-    if explicit:
-        error = sched.fit_error(prompt_tokens, gen.max_new_tokens)
+    if explicit:                 # the request's field named as the client sent it, not the config key
+        error = sched.fit_error(prompt_tokens, gen.max_new_tokens).replace("generation.max_new_tokens=",
+                                                                          "max_tokens=")
         if error:
             raise APIError(400, error, "max_tokens", "context_length_exceeded")
         return gen

@@ -122,7 +122,7 @@ def test_explicit_max_tokens_must_fit_and_a_full_prompt_has_no_room(start, refer
     r = post(server, "/v1/chat/completions", {**GOOD, "max_tokens": room + 1})
     err = r.json()["error"]
     assert (r.status_code, err["param"], err["code"]) == (400, "max_tokens", "context_length_exceeded")
-    assert err["message"] == (f"prompt of {len(ids)} tokens + generation.max_new_tokens={room + 1} = {CONTEXT + 1} "
+    assert err["message"] == (f"prompt of {len(ids)} tokens + max_tokens={room + 1} = {CONTEXT + 1} "
                               f"exceeds cache.max_seq_len={CONTEXT}")
     r = post(server, "/v1/chat/completions", {**GOOD, "max_tokens": room})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= room
