@@ -9,7 +9,7 @@ Prints, for the embedded default teacher (or --teacher PATH):
   - the drafter's cost per round;
   - llama.cpp on the same F32 weights in a process of its own with a clean environment (bench/peer.py), the same
     k rows after the same 256-token context, logits for all k rows, beside ours (where llama-cpp-python is
-    installed: pip install -e ".[peer]").
+    installed: pip install -e ".[peer-forward]").
 Not a test: figures only. Usage: python -m mindspore_eagle.bench.micro.forward [--teacher PATH] [--repeat 5] [--eager]
 """
 import argparse
