@@ -368,9 +368,5 @@ class RowCosts:
         r = np.asarray(rows, np.float64)
         return a + b * r + c * r * r
 
-    def to_dict(self) -> dict:
-        a, b, c = self.fit()
-        return {"intercept_ms": a, "ms_per_row": b, "ms_per_row_squared": c, "observed": self.observed}
-
 
 __all__ = ["CostTable", "RowCosts", "RunningCosts", "cap_verify_costs", "compiled_budgets", "prior_table", "prior_verify_ratio"]

@@ -208,20 +208,25 @@ def test_speculative_round_one_sequence_is_lossless(oracle):
     assert dr.count == {}                                          # finish() freed the drafter sequence
 
 
+class Scripted:
+    """A rate gate that replays ``kinds`` in turn and records what it is told: ``seen`` (kind, tokens) and
+    ``times`` (kind, ms, extra_ms) of every step."""
+
+    def __init__(self, kinds):
+        self.kinds, self.i, self.seen, self.times = kinds, 0, [], []
+
+    def choose(self):
+        self.i += 1
+        return self.kinds[(self.i - 1) % len(self.kinds)]
+
+    def observe(self, kind, tokens, ms, extra_ms=0.0):
+        self.seen.append((kind, tokens))
+        self.times.append((kind, ms, extra_ms))
+
+
 def test_speculative_batch_is_lossless_and_the_gate_sees_both_kinds():
     """N = 3: trees of one budget for every row (one verify_batch; M here, as batch_tree_rows allows 3 x M rows), or
     a plain batched step, as the gate says."""
-
-    class Scripted:
-        def __init__(self, kinds):
-            self.kinds, self.i, self.seen = kinds, 0, []
-
-        def choose(self):
-            self.i += 1
-            return self.kinds[(self.i - 1) % len(self.kinds)]
-
-        def observe(self, kind, tokens, ms, extra_ms=0.0):
-            self.seen.append((kind, tokens))
 
     gen = GenerationConfig(max_new_tokens=17)
     spec = SpeculativeConfig(M=8, D_max=3, top_k=2, policy="fixed", batch_tree_rows=24)   # 3 rows x M = 8 each
@@ -253,28 +258,17 @@ def test_a_drafter_backlog_is_fed_apart_from_the_step_the_gate_measures():
                 self.slept += 1
             return super().extend(sid, aux, next_tokens)
 
-    class Timed:
-        def __init__(self, kinds):
-            self.kinds, self.i, self.seen = kinds, 0, []
-
-        def choose(self):
-            self.i += 1
-            return self.kinds[(self.i - 1) % len(self.kinds)]
-
-        def observe(self, kind, tokens, ms, extra_ms=0.0):
-            self.seen.append((kind, ms, extra_ms))
-
     gen = GenerationConfig(max_new_tokens=17)
     spec = SpeculativeConfig(M=8, D_max=3, top_k=2, policy="fixed", batch_tree_rows=24)
     tg, dr = FakeTeacher(), SlowBacklog(True)
     dr.slept = 0
-    gate = Timed(["plain", "plain", "tree"])
+    gate = Scripted(["plain", "plain", "tree"])
     rnd = DecodeRound(tg, dr, spec, rows=3, gate=gate)
     seqs = run(rnd, tg, PROMPTS, gen)
     for s, p in zip(seqs, PROMPTS):
         assert s.emitter.ids == reference(p, 17)
         assert_cache_true(tg, s, p)
-    trees = [(ms, extra) for k, ms, extra in gate.seen if k == "tree"]
+    trees = [(ms, extra) for k, ms, extra in gate.times if k == "tree"]
     assert trees and max(ms for ms, _ in trees) < 150.0 and dr.slept >= 3
     assert sum(extra for _, extra in trees) >= 200.0 * dr.slept            # the backlog's time paces the probes
 

@@ -11,19 +11,10 @@ runs it; random prompt tokens: the cost does not depend on them). The figures be
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
-
-def _median_ms(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return float(np.median(times))
+from mindspore_eagle.bench.micro.forward import median_ms
 
 
 def main() -> None:
@@ -49,11 +40,11 @@ def main() -> None:
     print(f"teacher on the host: {tg.host is not None}; context {args.context} tokens a sequence; ms, median of "
           f"{args.repeat}")
     for n in (b for b in (1, 2, 4, 8, 16) if b <= N):
-        line = f"n={n:2d}  decode {n:3d} rows {_median_ms(lambda: _decode(tg, sids[:n]), args.repeat):6.1f}"
+        line = f"n={n:2d}  decode {n:3d} rows {median_ms(lambda: _decode(tg, sids[:n]), args.repeat):6.1f}"
         for m in (2, 3, 4, 8):
             tts = [tensorize(DraftTree(np.arange(5, 5 + m), np.maximum(np.arange(m) - 1, 0)), m, m)
                    for _ in range(n)]
-            line += f" | verify {n * m:3d} rows {_median_ms(lambda: _verify(tg, sids[:n], tts), args.repeat):6.1f}"
+            line += f" | verify {n * m:3d} rows {median_ms(lambda: _verify(tg, sids[:n], tts), args.repeat):6.1f}"
         print(line, flush=True)
 
 
