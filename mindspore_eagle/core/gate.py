@@ -33,8 +33,8 @@ class RateGate:
                  probe_share: float = 0.05):
         if len(set(kinds)) < 2 or len(set(kinds)) != len(kinds) or not 0 < alpha <= 1 or probe_every < 2 or \
                 warm < 1 or not 0 < probe_share <= 1:
-            raise ValueError(f"RateGate: need 2 or more distinct kinds, alpha in (0, 1], probe_every >= 2, warm >= 1, probe_share in "
-                             f"(0, 1]; got {kinds}, {alpha}, {probe_every}, {warm}, {probe_share}")
+            raise ValueError(f"RateGate: need 2 or more distinct kinds, alpha in (0, 1], probe_every >= 2, warm >= 1, "
+                             f"probe_share in (0, 1]; got {kinds}, {alpha}, {probe_every}, {warm}, {probe_share}")
         self.kinds, self.alpha, self.probe_every, self.warm = tuple(kinds), alpha, probe_every, warm
         self.probe_share = float(probe_share)
         self.rate = {k: None for k in self.kinds}
@@ -72,7 +72,7 @@ class RateGate:
 
     def observe(self, kind: str, tokens: int, ms: float, extra_ms: float = 0.0) -> None:
         """Record a step of ``kind`` that emitted ``tokens`` tokens in ``ms`` milliseconds, plus ``extra_ms`` it
-        cost only because the other kind ran before (a drafter's backlog: ``serving.round``): the rate is judged
+        cost only because other kinds ran before (a drafter's backlog: ``serving.round``): the rate is judged
         on ``ms`` (the kind's cost when it runs every step), the probing pace on ``ms + extra_ms`` (what a probe
         really costs)."""
         r = tokens / max(ms, 1e-6)

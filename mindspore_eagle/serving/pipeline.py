@@ -106,7 +106,7 @@ class Loaded:
     notice: str = ""
 
 
-def embedded_fallback(teacher: str, teacher_cfg, why: str) -> str:
+def embedded_fallback(teacher: str, why: str) -> str:
     """The one-line notice of ``model.drafter: embedded`` beside a teacher no shipped drafter fits (``why``: the
     mismatch): speculation falls back to copies of earlier text alone (``speculative.method: suffix``), never an
     error."""
@@ -134,7 +134,7 @@ def load_models(cfg: Config) -> Loaded:
                                              f"checkpoint, 'random' or 'none'")
             fits, why = embedded_choice(cfg.model.teacher, tcfg)
             if fits is None:
-                return Loaded(tcfg, tensors, tok, None, None, embedded_fallback(cfg.model.teacher, tcfg, why))
+                return Loaded(tcfg, tensors, tok, None, None, embedded_fallback(cfg.model.teacher, why))
         dcfg, dt = load_drafter(path)
         if not dcfg.aux_layers:
             dcfg.aux_layers = tuple(tcfg.aux_layers)
